@@ -1,0 +1,123 @@
+"""The algorithm interface: what every file in algos/ implements.
+
+An algorithm declares what it needs (reference, old log-probs, entropy) so the trainer
+computes nothing unused, may change the batch before advantages (``process_batch``),
+computes advantages, and turns per-token log-probs of a micro-batch into its share of the
+step loss (see grpo.core.aggregate for why shares add up exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+
+from grpo import core
+from grpo.batch import RolloutBatch
+from grpo.config import Config
+
+
+@dataclass
+class NoOptions:
+    """This algorithm has no options of its own."""
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # this micro-batch's share of the step loss
+    stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (sum, count)
+
+
+def masked_stat(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of x over the mask, detached, for rank-reduced means."""
+    m = mask.detach().float()
+    return (x.detach().float() * m).sum(), m.sum()
+
+
+class StepContext:
+    """What hooks may use: the config, the step number and a way to generate more groups."""
+
+    def __init__(self, cfg: Config, step: int, generate_more: Optional[Callable[[], RolloutBatch]] = None):
+        self.cfg, self.step, self.generate_more = cfg, step, generate_more
+        self.metrics: dict[str, float] = {}
+
+
+class Algorithm:
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    tag: ClassVar[str] = "paper"  # paper | code | unverified (ALGORITHMS.md)
+    summary: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    defaults: ClassVar[dict[str, Any]] = {}  # overrides of AlgoConfig's shared defaults
+    knobs: ClassVar[tuple[str, ...]] = ()  # main knobs shown by --list-algos
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.a = cfg.algo
+        self.opt = cfg.algo.options
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        """Algorithm-specific config checks (raise grpo.config.ConfigError)."""
+
+    # ----------------------------------------------------------------- needs
+    @property
+    def needs_reference(self) -> bool:
+        return self.a.beta > 0
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """With mu = 1 and on-policy data, l_old = sg[l]: no extra forward pass."""
+        return self.a.num_iterations > 1
+
+    @property
+    def needs_entropy(self) -> bool:
+        return False
+
+    # ----------------------------------------------------------------- hooks
+    def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        """Reward shaping / group filtering / refill, before advantages. Default: unchanged."""
+        return batch
+
+    def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
+        return core.group_advantages(batch.rewards, batch.group_size, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
+
+    def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- state (checkpointed)
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    # ----------------------------------------------------------------- shared pieces
+    def old_logp(self, logp: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
+        return mb.old_logp if mb.old_logp is not None else logp.detach()
+
+    def token_advantages(self, mb: RolloutBatch) -> torch.Tensor:
+        adv = mb.advantages
+        return adv.unsqueeze(-1) if adv.dim() == 1 else adv
+
+    def ppo_token_loss(self, logp: torch.Tensor, mb: RolloutBatch, ratio: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+        """-(clipped surrogate - beta KL) per token, with the standard statistics."""
+        old = self.old_logp(logp, mb)
+        ratio = core.token_ratio(logp, old) if ratio is None else ratio
+        surr = core.clipped_surrogate(ratio, self.token_advantages(mb), self.a.clip_eps_low, self.a.clip_eps_high, self.a.dual_clip)
+        per_token = -surr.value
+        stats = {
+            "clip_frac_low": masked_stat(surr.clipped_low.float(), mb.mask),
+            "clip_frac_high": masked_stat(surr.clipped_high.float(), mb.mask),
+            "ratio_mean": masked_stat(ratio, mb.mask),
+        }
+        per_token, kl_stats = self.add_kl(per_token, logp, mb)
+        stats.update(kl_stats)
+        return per_token, stats
+
+    def add_kl(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        if self.a.beta <= 0:
+            return per_token, {}
+        kl = core.kl_estimate(logp, mb.ref_logp, self.a.kl_estimator)
+        return per_token + self.a.beta * kl, {"kl": masked_stat(kl, mb.mask)}

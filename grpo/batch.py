@@ -1,0 +1,94 @@
+"""The rollout batch that flows from generation to the loss, and its micro-batch views."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+from grpo.logprobs import Packed, pack
+
+
+@dataclass
+class RolloutBatch:
+    """One rank's rows, group-major (row i belongs to group i // group_size).
+
+    Per-token tensors are [rows, L_max] with L_max = max_completion_length; ``mask`` is 1
+    on completion tokens up to and including EOS.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    mask: torch.Tensor
+    truncated: torch.Tensor
+    group_size: int
+    prompt_index: list[int]  # dataset index of each row's prompt
+    items: list[dict[str, Any]]  # dataset columns of each row's prompt
+    prompt_text: list[str]
+    completion_text: list[str]
+    rewards: Optional[torch.Tensor] = None  # [rows]
+    reward_terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    advantages: Optional[torch.Tensor] = None  # [rows] or [rows, L_max]
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None  # old policy's, detached
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row algorithm tensors
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+    def packed(self, rows: Optional[list[int]] = None, pad_id: int = 0) -> Packed:
+        rows = list(range(len(self))) if rows is None else rows
+        return pack([self.prompt_ids[i] for i in rows], [self.completion_ids[i] for i in rows], pad_id, self.width)
+
+    def select(self, rows: list[int]) -> "RolloutBatch":
+        """A new batch holding ``rows`` (in that order); tensors are indexed, lists picked."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v[idx.to(v.device)]
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in rows]
+            elif isinstance(v, dict):
+                out[f.name] = {k: t[idx.to(t.device)] for k, t in v.items()}
+            else:
+                out[f.name] = v
+        return RolloutBatch(**out)
+
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        first = batches[0]
+        out = {}
+        for f in fields(first):
+            vals = [getattr(b, f.name) for b in batches]
+            if isinstance(vals[0], torch.Tensor):
+                out[f.name] = torch.cat(vals)
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif isinstance(vals[0], dict):
+                out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
+            else:
+                out[f.name] = vals[0]
+        return RolloutBatch(**out)
+
+    def columns(self) -> dict[str, list]:
+        """Dataset columns aligned with the rows (for reward functions)."""
+        keys = [k for k in self.items[0] if k != "prompt"] if self.items else []
+        return {k: [it.get(k) for it in self.items] for k in keys}
+
+
+def micro_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
+    """Row indices sorted by total length and cut into micro-batches, so each pads only to its own longest."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    return [order[s : s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]

@@ -1,0 +1,113 @@
+"""Atomic checkpoints: HF model + tokenizer, DeepSpeed engine state, and trainer state.
+
+Layout: ``OUT/checkpoints/step-N/`` holds an HF folder (config, safetensors, tokenizer) so
+it loads with ``from_pretrained``; ``ds/`` holds optimizer + scheduler; ``trainer/`` holds
+each rank's RNG, data position and algorithm state. Everything is written to a temporary
+folder first and renamed; ``latest`` is replaced atomically last, so a crash mid-save
+never leaves a half checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from grpo import dist
+
+LATEST = "latest"
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
+    root = checkpoints_dir(output_dir)
+    marker = root / LATEST
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, trainer_state: dict, keep: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    root = checkpoints_dir(output_dir)
+    final = root / f"step-{step}"
+    tmp = root / f".tmp-step-{step}"
+    if dist.is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag="ds")
+    # HF weights: consolidated on rank 0 (ZeRO-3 gathers the partitions).
+    if engine.zero_optimization_partition_weights():
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state_dict = engine.module.state_dict() if dist.is_main() else None
+    if dist.is_main():
+        engine.module.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+    (tmp / "trainer").mkdir(exist_ok=True)
+    torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer" / f"rank{dist.rank()}.pt")
+    dist.barrier()
+    if dist.is_main():
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / LATEST, final.name)
+        if keep > 0:
+            steps = sorted((int(p.name.split("-")[1]), p) for p in root.glob("step-*") if p.is_dir())
+            for _, p in steps[:-keep]:
+                shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(engine, path: Path) -> dict:
+    """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
+    load_path, _ = engine.load_checkpoint(str(path), tag="ds")
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed found no engine state in {path / 'ds'}")
+    f = path / "trainer" / f"rank{dist.rank()}.pt"
+    if not f.is_file():
+        raise RuntimeError(
+            f"{f} is missing: the checkpoint was written with a different number of ranks; "
+            f"resume with the same world size"
+        )
+    state = torch.load(f, weights_only=False)
+    set_rng_state(state.pop("rng"))
+    return state

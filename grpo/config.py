@@ -1,0 +1,454 @@
+"""Typed, validated configuration: one place for every knob.
+
+Precedence (lowest to highest): dataclass defaults < the chosen algorithm's
+defaults < YAML file < ``--algo NAME`` (picks the algorithm) < ``key=value``
+overrides on the command line. Any unknown key, wrong type or invalid value
+raises :class:`ConfigError` naming the key and the valid choices, before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message says how to fix it."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. ``builtin:tiny-char`` builds the tiny offline model in memory."""
+
+    name_or_path: str = "builtin:tiny-char"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None
+
+
+@dataclass
+class DigitsTaskConfig:
+    """The built-in procedurally generated task (see grpo/data.py: DigitsTask)."""
+
+    op: Literal["copy", "reverse", "add", "successor"] = "copy"
+    digits: int = 2
+    num_examples: int = 1000
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from: the built-in task, or a local JSONL/Parquet file / hub dataset."""
+
+    source: Literal["builtin", "jsonl", "parquet", "hub"] = "builtin"
+    path: Optional[str] = None
+    split: str = "train"
+    # Map of our column names (prompt, answer, ...) to the dataset's column names.
+    columns: dict[str, str] = field(default_factory=dict)
+    builtin: DigitsTaskConfig = field(default_factory=DigitsTaskConfig)
+    chat_template: bool = False  # apply the tokenizer's chat template to prompts
+    system_prompt: Optional[str] = None
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling: ``prompts_per_step`` prompts (over all ranks) x ``num_generations`` completions."""
+
+    num_generations: int = 8
+    prompts_per_step: int = 8
+    max_prompt_length: int = 256
+    max_completion_length: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class AlgoConfig:
+    """Shared algorithm knobs. Algorithm-specific keys (``algo.<key>``) are validated
+    against the chosen algorithm's ``Options`` dataclass and stored in ``options``."""
+
+    name: str = "grpo"
+    beta: float = 0.04
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: Optional[float] = None
+    aggregation: Literal[
+        "seq-mean-token-mean",
+        "token-mean",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum",
+        "seq-sum-token-mean",
+    ] = "seq-mean-token-mean"
+    adv_std: Literal["unbiased", "population", "none"] = "unbiased"
+    adv_eps: float = 1e-4
+    adv_scope: Literal["group", "batch"] = "group"
+    num_iterations: int = 1  # mu: optimizer passes per generation batch
+    options: Any = None  # the algorithm's own Options instance (filled by load_config)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and the DeepSpeed engine."""
+
+    max_steps: int = 100
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    grad_clip: float = 1.0  # 0 = off
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    seed: int = 0
+    output_dir: str = "runs/default"
+    save_every: int = 0  # 0 = only at the end
+    logprob_chunk_size: int = 1024  # completion tokens per LM-head chunk
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference model: in-process copy, or an HTTP server (``url``)."""
+
+    url: Optional[str] = None
+    model: Optional[str] = None  # defaults to the policy's model
+    token: Optional[str] = None  # bearer token; env GRPO_REF_TOKEN also works
+    connect_timeout: float = 5.0
+    read_timeout: float = 120.0
+    retry_window: float = 60.0  # seconds of retries before giving up
+    host: str = "127.0.0.1"  # server side: bind address
+    port: int = 59875
+    max_batch_tokens: int = 16384  # server side: tokens per forward pass
+    max_queue: int = 64  # server side: pending requests before 503
+    max_request_mb: float = 64.0  # server side: body size limit (413)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    samples_per_log: int = 2
+    report_to: list[str] = field(default_factory=list)  # tensorboard, wandb
+    progress_bar: bool = True
+    plot: bool = True
+    wandb_project: str = "grpo"
+
+
+@dataclass
+class RewardSpec:
+    """One reward function: a registered name or ``pkg.module:function``; its weight; its kwargs."""
+
+    fn: str = "digits_match"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{path}={value!r} is invalid: it must be {need}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks on values that types alone cannot express."""
+    r, t, a = cfg.rollout, cfg.train, cfg.algo
+    _positive("rollout.num_generations", r.num_generations)
+    _positive("rollout.prompts_per_step", r.prompts_per_step)
+    _positive("rollout.max_completion_length", r.max_completion_length)
+    _positive("rollout.max_prompt_length", r.max_prompt_length)
+    _positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p!r} is invalid: it must be in (0, 1]")
+    _positive("rollout.top_k", r.top_k, allow_zero=True)
+    _positive("train.max_steps", t.max_steps)
+    _positive("train.lr", t.lr, allow_zero=True)
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
+    _positive("train.save_every", t.save_every, allow_zero=True)
+    _positive("train.logprob_chunk_size", t.logprob_chunk_size)
+    _positive("algo.beta", a.beta, allow_zero=True)
+    _positive("algo.clip_eps_low", a.clip_eps_low, allow_zero=True)
+    _positive("algo.clip_eps_high", a.clip_eps_high, allow_zero=True)
+    if a.clip_eps_low >= 1:
+        raise ConfigError(f"algo.clip_eps_low={a.clip_eps_low!r} is invalid: it must be < 1")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} is invalid: it must be > 1 (or null)")
+    _positive("algo.adv_eps", a.adv_eps, allow_zero=True)
+    _positive("algo.num_iterations", a.num_iterations)
+    _positive("logging.log_every", cfg.logging.log_every)
+    _positive("logging.samples_per_log", cfg.logging.samples_per_log, allow_zero=True)
+    for i, target in enumerate(cfg.logging.report_to):
+        if target not in ("tensorboard", "wandb"):
+            raise ConfigError(
+                f"logging.report_to[{i}]={target!r} is invalid: choose from ['tensorboard', 'wandb']"
+            )
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty: name at least one reward function")
+    if cfg.data.source != "builtin" and not cfg.data.path:
+        raise ConfigError(f"data.path is required when data.source={cfg.data.source!r}")
+    _positive("data.builtin.digits", cfg.data.builtin.digits)
+    _positive("data.builtin.num_examples", cfg.data.builtin.num_examples)
+    if cfg.ref.url is not None and not cfg.ref.url.startswith(("http://", "https://")):
+        raise ConfigError(f"ref.url={cfg.ref.url!r} is invalid: it must start with http:// or https://")
+
+
+# --------------------------------------------------------------------------- typed loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + repr(list(get_args(tp)))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert it (str->float/int/bool)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = get_args(tp)
+        for c in choices:
+            if value == c and type(value) is type(c):
+                return c
+            if isinstance(value, str) and str(c) == value:
+                return c
+        raise ConfigError(f"{path}={value!r} is invalid: choose from {list(choices)}")
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping of keys ({_field_names(tp)}), got {value!r}")
+        return build_dataclass(tp, value, path)
+    if origin is list:
+        (item_tp,) = get_args(tp) or (Any,)
+        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+            if isinstance(value, str) and value.startswith("["):
+                value = yaml.safe_load(value)
+            else:
+                raise ConfigError(f"{path}={value!r} has the wrong type: expected a list")
+        return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        kt, vt = get_args(tp) or (Any, Any)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}={value!r} has the wrong type: expected a mapping")
+        return {_coerce(path, k, kt): _coerce(f"{path}.{k}", v, vt) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{path}={value!r} has the wrong type: expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path}={value!r} has the wrong type: expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}={value!r} has the wrong type: expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}={value!r} has the wrong type: expected a string")
+    raise ConfigError(f"{path}: unsupported type {tp!r}")
+
+
+def _field_names(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls) if f.name != "options")
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    where = f"{path}.{key}" if path else key
+    return ConfigError(f"unknown config key {where!r}.{hint} Valid keys: {sorted(valid)}")
+
+
+def build_dataclass(cls: type, values: dict, path: str = "") -> Any:
+    """Build ``cls`` from a (partial) mapping, validating every key and type."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise _unknown_key(path, str(key), names)
+        kwargs[key] = _coerce(f"{path}.{key}" if path else key, value, hints[key])
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("columns", "kwargs"):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["train.lr=1e-5", "rollout.num_generations=4"]`` -> nested dict (values parsed as YAML)."""
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        _set_dotted(tree, key, value)
+    return tree
+
+
+def _to_tree(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [_to_tree(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_tree(v) for k, v in obj.items()}
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    """The resolved config as plain data (algorithm options flattened into ``algo``)."""
+    tree = _to_tree(cfg)
+    options = tree["algo"].pop("options") or {}
+    tree["algo"].update(options)
+    return tree
+
+
+def load_config(
+    path: Optional[str | Path] = None,
+    algo: Optional[str] = None,
+    overrides: Optional[list[str]] = None,
+) -> Config:
+    """Resolve the configuration: defaults < algorithm defaults < YAML < --algo < overrides."""
+    from algos import get_algorithm  # the registry; imported lazily to avoid a cycle
+
+    file_tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            file_tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(file_tree, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+    cli_tree = parse_overrides(overrides or [])
+
+    user_tree = _deep_merge(file_tree, cli_tree)
+    if algo is not None:
+        # --algo beats the YAML's algo.name; only an explicit algo.name=... override beats --algo.
+        cli_name = cli_tree.get("algo", {}).get("name") if isinstance(cli_tree.get("algo"), dict) else None
+        user_tree = _deep_merge(user_tree, {"algo": {"name": cli_name or algo}})
+    for key in user_tree:
+        if key not in [f.name for f in dataclasses.fields(Config)]:
+            raise _unknown_key("", key, [f.name for f in dataclasses.fields(Config)])
+    algo_tree = user_tree.get("algo", {}) or {}
+    if not isinstance(algo_tree, dict):
+        raise ConfigError(f"algo must be a mapping, got {algo_tree!r}")
+    name = str(algo_tree.get("name", AlgoConfig.name))
+    algorithm = get_algorithm(name)  # raises ConfigError with the valid names
+
+    common = {f.name for f in dataclasses.fields(AlgoConfig)} - {"options"}
+    option_names = [f.name for f in dataclasses.fields(algorithm.Options)]
+    common_user = {k: v for k, v in algo_tree.items() if k in common}
+    option_user = {}
+    for k, v in algo_tree.items():
+        if k in common:
+            continue
+        if k not in option_names:
+            raise _unknown_key("algo", k, sorted(common) + option_names)
+        option_user[k] = v
+
+    tree = _deep_merge(user_tree, {"algo": _deep_merge(dict(algorithm.defaults), common_user)})
+    tree["algo"]["name"] = name
+    cfg = build_dataclass(Config, tree)
+    cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
+    validate(cfg)
+    algorithm.validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

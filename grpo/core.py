@@ -1,0 +1,213 @@
+"""Shared building blocks of the GRPO family (ALGORITHMS.md, "Shared building blocks").
+
+Every algorithm in ``algos/`` composes these; each exists exactly once. Tensors are
+[rows, T] for per-token quantities and [rows] for per-sequence ones; ``mask`` is 1 on
+completion tokens (up to and including EOS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from grpo import dist
+
+StdKind = Literal["unbiased", "population", "none"]
+
+
+# --------------------------------------------------------------------------- group statistics
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N] -> [N / G, G] (rows are ordered group-major)."""
+    if x.numel() % group_size:
+        raise ValueError(f"{x.numel()} rows is not a multiple of the group size {group_size}")
+    return x.view(-1, group_size)
+
+
+def _std(x: torch.Tensor, kind: StdKind, dim: int = -1) -> torch.Tensor:
+    if kind == "none":
+        return torch.ones_like(x.mean(dim=dim))
+    n = x.shape[dim]
+    if kind == "unbiased" and n < 2:
+        return torch.zeros_like(x.mean(dim=dim))
+    return x.std(dim=dim, unbiased=(kind == "unbiased"))
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    std: StdKind = "unbiased",
+    eps: float = 1e-4,
+    scope: Literal["group", "batch"] = "group",
+) -> torch.Tensor:
+    """A_i = (r_i - mean_g r) / (std r + eps); groups with all-equal rewards get A = 0.
+
+    ``scope="batch"`` keeps the per-group mean but takes the std over the whole batch
+    (all ranks), as PPO-Lite.
+    """
+    r = group_view(rewards.double(), group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if std == "none":
+        adv = centred
+    elif scope == "group":
+        adv = centred / (_std(r, std, dim=1).unsqueeze(1) + eps)
+    else:
+        adv = centred / (global_std(rewards.double(), std) + eps)
+    uniform = (r.max(dim=1).values - r.min(dim=1).values) == 0
+    adv = torch.where(uniform.unsqueeze(1), torch.zeros_like(adv), adv)
+    return adv.reshape(-1).to(rewards.dtype)
+
+
+def global_std(x: torch.Tensor, kind: StdKind = "unbiased", mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Std of ``x`` (masked entries only) over all ranks."""
+    return global_mean_std(x, kind, mask)[1]
+
+
+def global_mean_std(
+    x: torch.Tensor, kind: StdKind = "unbiased", mask: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std of ``x`` over every rank's (masked) entries, in float64."""
+    x = x.double()
+    m = torch.ones_like(x) if mask is None else mask.double()
+    s = dist.all_reduce_sum(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]))
+    total, total_sq, n = s[0], s[1], s[2]
+    mean = total / n.clamp(min=1)
+    var = (total_sq - n * mean * mean).clamp(min=0)
+    if kind == "none":
+        return mean, torch.ones_like(mean)
+    denom = n - 1 if kind == "unbiased" else n
+    return mean, (var / denom.clamp(min=1)).sqrt()
+
+
+def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N/G] bool: True where every reward in the group is equal (no learning signal)."""
+    r = group_view(rewards, group_size)
+    return (r.max(dim=1).values - r.min(dim=1).values) == 0
+
+
+# --------------------------------------------------------------------------- ratios
+
+
+def token_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """rho_{i,t} = exp(l - l_old)."""
+    return torch.exp(logp - old_logp)
+
+
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO: log s_i = (1/|o_i|) sum_t m (l - l_old) (the mean, not the sum)."""
+    return ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO: s_i = exp(mean_t Delta)."""
+    return torch.exp(sequence_log_ratio(logp, old_logp, mask))
+
+
+def trajectory_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TIC-GRPO: w_i = exp(clamp(sum_t m Delta, -20, 20))."""
+    return torch.exp(((logp - old_logp) * mask).sum(-1).clamp(-20.0, 20.0))
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+@dataclass
+class Surrogate:
+    """The clipped surrogate l and where clipping was active (for the clip fractions)."""
+
+    value: torch.Tensor
+    clipped_low: torch.Tensor  # ratio < lower bound and A < 0 (the bound is active)
+    clipped_high: torch.Tensor  # ratio > upper bound and A > 0
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float | torch.Tensor,
+    eps_high: float | torch.Tensor,
+    dual_clip: Optional[float] = None,
+) -> Surrogate:
+    """l = min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); with dual clip c, l = max(l, c A) for A < 0.
+
+    ``eps_low``/``eps_high`` may be tensors (per-token bounds, e.g. DCPO).
+    """
+    low, high = 1.0 - eps_low, 1.0 + eps_high
+    clipped = torch.minimum(torch.maximum(ratio, torch.as_tensor(low, dtype=ratio.dtype)), torch.as_tensor(high, dtype=ratio.dtype))
+    value = torch.minimum(ratio * adv, clipped * adv)
+    if dual_clip is not None:
+        value = torch.where(adv < 0, torch.maximum(value, dual_clip * adv), value)
+    return Surrogate(
+        value=value,
+        clipped_low=((ratio < low) & (adv < 0)).detach(),
+        clipped_high=((ratio > high) & (adv > 0)).detach(),
+    )
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k3") -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimators with d = l_ref - l: k1 = -d, k2 = d^2/2, k3 = e^d - d - 1."""
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}: choose from ['k1', 'k2', 'k3']")
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+AGGREGATIONS = (
+    "seq-mean-token-mean",
+    "token-mean",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-sum",
+    "seq-sum-token-mean",
+)
+
+
+@dataclass
+class StepNorms:
+    """Normalisers of one whole optimizer step (all micro-batches, all ranks)."""
+
+    num_seqs: float  # N
+    num_tokens: float  # sum_i |o_i|
+    max_len: int  # L_max (max_completion_length)
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, kind: str, norms: StepNorms) -> torch.Tensor:
+    """Reduce per-token losses [rows, T] to this micro-batch's share of the step loss.
+
+    Summing the result over every micro-batch and rank gives exactly the loss of the
+    whole step, so the gradient does not depend on how the batch is split.
+    """
+    masked = loss * mask
+    if kind == "seq-mean-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / norms.num_seqs
+    if kind == "token-mean":
+        return masked.sum() / max(norms.num_tokens, 1.0)
+    if kind == "seq-mean-token-sum-norm":
+        return masked.sum() / (norms.num_seqs * norms.max_len)
+    if kind == "seq-mean-token-sum":
+        return masked.sum() / norms.num_seqs
+    if kind == "seq-sum-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    raise ValueError(f"unknown aggregation {kind!r}: choose from {list(AGGREGATIONS)}")
+
+
+def sequence_mean(per_seq: torch.Tensor, norms: StepNorms) -> torch.Tensor:
+    """(1/N) sum_i x_i for sequence-level losses (GSPO, TIC-GRPO, GRPO-S)."""
+    return per_seq.sum() / norms.num_seqs
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)

@@ -1,0 +1,62 @@
+"""Small distributed helpers that also work in a single process without torch.distributed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as tdist
+
+
+def is_initialized() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def rank() -> int:
+    return tdist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return tdist.get_world_size() if is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; the input is left alone). Identity in one process."""
+    if not is_initialized() or world_size() == 1:
+        return x.clone()
+    y = x.detach().clone()
+    tdist.all_reduce(y, op=tdist.ReduceOp.SUM)
+    return y
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    if not is_initialized() or world_size() == 1:
+        return x.clone()
+    y = x.detach().clone()
+    tdist.all_reduce(y, op=tdist.ReduceOp.MAX)
+    return y
+
+
+def all_gather_object(obj: object) -> list:
+    if not is_initialized() or world_size() == 1:
+        return [obj]
+    out: list = [None] * world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    if not is_initialized() or world_size() == 1:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if is_initialized() and world_size() > 1:
+        tdist.barrier()

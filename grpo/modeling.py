@@ -1,0 +1,82 @@
+"""Loading the policy / reference model and tokenizer (local folder, hub name or the builtin tiny model)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo.config import ConfigError, ModelConfig
+from grpo.tiny import BUILTIN_NAME, build_tiny
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer, with a pad token guaranteed (EOS is reused when the tokenizer has none)."""
+    if name_or_path == BUILTIN_NAME:
+        return build_tiny()[1]
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"model.name_or_path={name_or_path!r}: cannot load a tokenizer ({e}). "
+            f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
+        ) from e
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ConfigError(f"tokenizer of {name_or_path!r} has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(cfg: ModelConfig, name_or_path: str | None = None) -> PreTrainedModel:
+    """A causal LM in the configured dtype (``name_or_path`` overrides cfg's, e.g. for the reference)."""
+    name = name_or_path or cfg.name_or_path
+    dtype = DTYPES[cfg.dtype]
+    if name == BUILTIN_NAME:
+        model = build_tiny()[0].to(dtype)
+    else:
+        kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        if cfg.attn_implementation:
+            kwargs["attn_implementation"] = cfg.attn_implementation
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"model.name_or_path={name!r}: cannot load the model ({e}). "
+                f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
+            ) from e
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token id that ends a completion (tokenizer EOS plus the generation config's)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif isinstance(extra, (list, tuple)):
+        ids.update(int(i) for i in extra)
+    if not ids:
+        raise ConfigError("the tokenizer and model define no EOS token; completions could never end")
+    return sorted(ids)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A stable hash of the vocabulary and special tokens (policy and reference must agree)."""
+    vocab = tokenizer.get_vocab()
+    payload = json.dumps(
+        {"vocab": sorted(vocab.items()), "special": sorted(map(str, tokenizer.all_special_tokens))},
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -1,0 +1,98 @@
+"""A tiny Llama-style model and a character-level tokenizer, built offline in seconds.
+
+Used by the tests and the demo (``model.name_or_path: builtin:tiny-char``) and written to
+a folder with ``python -m grpo.tiny OUT_DIR``. Same seed -> same weights, on every rank.
+"""
+
+from __future__ import annotations
+
+import string
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+BUILTIN_NAME = "builtin:tiny-char"
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARSET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n+-*/=<>:;,.?!()[]#_'\"$\\{}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def make_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
+    """One token per character; </s> is EOS, <pad> is padding."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in charset:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = pad_token_id
+    model.generation_config.eos_token_id = eos_token_id
+    return model
+
+
+def build_tiny(seed: int = 0, **model_kwargs) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    tok = make_char_tokenizer()
+    model = make_tiny_model(
+        len(tok), seed=seed, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, **model_kwargs,
+    )
+    return model, tok
+
+
+def write_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
+    """Write the tiny model and tokenizer as a normal HF folder."""
+    out = Path(out_dir)
+    model, tok = build_tiny(seed=seed, **model_kwargs)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m grpo.tiny OUT_DIR")
+    print(write_tiny(sys.argv[1]))

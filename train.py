@@ -1,0 +1,65 @@
+"""Train a policy with an algorithm of the GRPO family on a DeepSpeed engine.
+
+    deepspeed train.py --algo grpo --config configs/demo.yaml [key=value ...] [--resume]
+    python train.py --list-algos
+    python train.py --algo dapo --config configs/demo.yaml --print-config
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file (see configs/)")
+    p.add_argument("--algo", help="algorithm name (see --list-algos); beats the YAML's algo.name")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    p.add_argument("--list-algos", action="store_true", help="print the algorithm registry and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-5")
+    return p.parse_args(argv)
+
+
+def list_algos() -> str:
+    from algos import ALGORITHMS
+
+    lines = []
+    for name, cls in ALGORITHMS.items():
+        knobs = ", ".join(f"{k}={cls.defaults.get(k, '')}" if k in cls.defaults else k for k in cls.knobs)
+        lines.append(f"{name:<12} {cls.paper}  [{cls.tag}]\n{'':<12} {cls.summary}\n{'':<12} knobs: {knobs}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list_algos:
+        print(list_algos())
+        return 0
+    import yaml
+
+    from grpo.config import ConfigError, load_config, to_dict
+
+    try:
+        cfg = load_config(args.config, args.algo, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    from grpo.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, resume=args.resume)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    trainer.train()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
