@@ -1,11 +1,36 @@
-"""The algorithm registry: ``--algo NAME`` -> a class in this package (one file each)."""
+"""The algorithm registry: ``--algo NAME`` -> a class in this package (one file per algorithm).
+
+Every module here is imported and every :class:`Algorithm` subclass with a ``name`` is
+registered, so adding an algorithm is adding one file.
+"""
 
 from __future__ import annotations
 
-from algos.base import Algorithm
-from algos.grpo import GRPO
+import importlib
+import pkgutil
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO,)}
+from algos.base import Algorithm
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def _discover() -> None:
+    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if mod.name != "base":
+            importlib.import_module(f"{__name__}.{mod.name}")
+
+    def walk(cls: type) -> None:
+        for sub in cls.__subclasses__():
+            if sub.__dict__.get("name"):
+                if sub.name in ALGORITHMS and ALGORITHMS[sub.name] is not sub:
+                    raise RuntimeError(f"two algorithms are named {sub.name!r}")
+                ALGORITHMS[sub.name] = sub
+            walk(sub)
+
+    walk(Algorithm)
+
+
+_discover()
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
