@@ -294,6 +294,28 @@ def test_gspo_token_equals_gspo_when_advantages_are_per_sequence():
     assert_split_invariant(algo, batch_t, logp)
 
 
+def test_sequence_level_loss_adds_token_kl_when_beta_is_positive():
+    """gspo with beta > 0: the sequence surrogate plus beta * k3 KL averaged per sequence, then over sequences."""
+    batch = make_batch()
+    logp = gspo_logp(batch)
+    adv, loss, grad, algo, batch, out, _ = run_algo("gspo", batch, logp, beta=0.04)
+    assert algo.needs_reference and "kl" in out.stats
+    x = lp64(logp)
+    total = 0.0
+    for i, L in enumerate(LENGTHS):
+        mean_delta = sum(x[i, t] - float(batch.old_logp[i, t]) for t in range(L)) / L
+        kl = 0.0
+        for t in range(L):
+            d = float(batch.ref_logp[i, t]) - x[i, t]
+            kl = kl + torch.exp(d) - d - 1
+        total = total + clip_min(torch.exp(mean_delta), float(adv[i]), 1 - 3e-4, 1 + 4e-4) - 0.04 * kl / L
+    expected = -total / len(LENGTHS)
+    expected.backward()
+    close(loss, expected.detach())
+    close(grad, x.grad)
+    assert_split_invariant(algo, batch, logp)
+
+
 # --------------------------------------------------------------------------- tic-grpo
 
 
