@@ -73,7 +73,13 @@ def global_mean_std(
     x = x.double()
     m = torch.ones_like(x) if mask is None else mask.double()
     s = dist.all_reduce_sum(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]))
-    total, total_sq, n = s[0], s[1], s[2]
+    return _mean_std_from_sums(s[0], s[1], s[2], kind)
+
+
+def _mean_std_from_sums(
+    total: torch.Tensor, total_sq: torch.Tensor, n: torch.Tensor, kind: StdKind
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std from sum x, sum x^2 and the count (std 0 for a single unbiased sample)."""
     mean = total / n.clamp(min=1)
     var = (total_sq - n * mean * mean).clamp(min=0)
     if kind == "none":
@@ -241,19 +247,10 @@ def standardize(
     if scope == "batch":
         mean, sd = global_mean_std(xd, std, md)
     else:
-        g = xd.reshape(-1, group_size * xd.shape[-1])
-        m = md.reshape_as(g)
-        n = m.sum(-1, keepdim=True)
-        mean = (g * m).sum(-1, keepdim=True) / n.clamp(min=1)
-        var = (((g - mean) ** 2) * m).sum(-1, keepdim=True)
-        if std == "none":
-            sd = torch.ones_like(mean)
-        else:
-            sd = (var / (n - 1 if std == "unbiased" else n).clamp(min=1)).sqrt()
-            if std == "unbiased":
-                sd = torch.where(n < 2, torch.zeros_like(sd), sd)
-        mean = mean.expand_as(g).reshape_as(xd)
-        sd = sd.expand_as(g).reshape_as(xd)
+        g, m = xd.reshape(-1, group_size * xd.shape[-1]), md.reshape(-1, group_size * xd.shape[-1])
+        mean, sd = _mean_std_from_sums((g * m).sum(-1, keepdim=True), (g * g * m).sum(-1, keepdim=True),
+                                       m.sum(-1, keepdim=True), std)
+        mean, sd = mean.expand_as(g).reshape_as(xd), sd.expand_as(g).reshape_as(xd)
     return (((xd - mean) / (sd + eps)) * md).to(x.dtype)
 
 

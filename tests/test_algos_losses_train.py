@@ -73,8 +73,8 @@ def mean_reward(rows: list[dict]) -> float:
 
 # gtpo / grpo-s count a completion as a success when r >= algo.success_threshold (default 1: exact).
 # digits_match pays 0.5 for the right digit without EOS; exact answers are too rare for an untrained
-# model to give the shaped rewards an outcome signal within 40 steps (measured: grpo-s stays at ~0.01,
-# gtpo reaches ~0.2), so here the right digit counts as a success.
+# model to give the shaped rewards an outcome signal in a short run (measured over 40 steps: grpo-s
+# stays at ~0.01, gtpo reaches ~0.2), so here the right digit counts as a success.
 LEARN = {"drgrpo": [], "gspo": [], "gtpo": ["algo.success_threshold=0.5"], "grpo-s": ["algo.success_threshold=0.5"]}
 
 
@@ -83,6 +83,6 @@ LEARN = {"drgrpo": [], "gspo": [], "gtpo": ["algo.success_threshold=0.5"], "grpo
 def test_raises_the_reward_on_the_demo_task(algo: str, tmp_path: Path) -> None:
     """Copy one digit and stop ("4=" -> "4" EOS): the untrained model scores about 0.01."""
     rows = train(1, algo, tmp_path, "data.builtin.digits=1", "rollout.max_completion_length=2",
-                 "train.lr=5e-3", "train.max_steps=40", "train.micro_batch_size=512", *LEARN[algo])
+                 "train.lr=5e-3", "train.max_steps=30", "train.micro_batch_size=512", *LEARN[algo])
     first, last = mean_reward(rows[:5]), mean_reward(rows[-5:])
     assert last >= 0.2 and last >= 5 * first, f"{algo}: reward {first:.3f} -> {last:.3f}"
