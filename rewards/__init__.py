@@ -9,36 +9,48 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from grpo.config import ConfigError, RewardSpec
-from rewards.digits import digits_match
+from rewards.digits import digits_match, digits_step_match
 
 
 class RewardFn(Protocol):
     def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]: ...
 
 
+class StepRewardFn(Protocol):
+    """Process supervision (grpo-ps): one score per reasoning step of one completion."""
+
+    def __call__(self, prompt: str, steps: list[str], example: dict[str, Any]) -> list[float]: ...
+
+
 REGISTRY: dict[str, RewardFn] = {
     "digits_match": digits_match,
 }
 
+STEP_REGISTRY: dict[str, StepRewardFn] = {
+    "digits_step_match": digits_step_match,
+}
 
-def resolve(name: str) -> RewardFn:
-    """A registered name, or ``package.module:function``."""
-    if name in REGISTRY:
-        return REGISTRY[name]
+
+def resolve(name: str, registry: Optional[dict[str, Callable]] = None, key: str = "rewards fn") -> Callable:
+    """A registered name (in ``registry``, default the outcome rewards), or ``package.module:function``;
+    ``key`` names the config key in errors."""
+    registry = REGISTRY if registry is None else registry
+    if name in registry:
+        return registry[name]
     if ":" in name:
         module, _, attr = name.partition(":")
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"rewards fn={name!r} cannot be imported: {e}") from e
+            raise ConfigError(f"{key}={name!r} cannot be imported: {e}") from e
         if not callable(fn):
-            raise ConfigError(f"rewards fn={name!r} is not callable")
+            raise ConfigError(f"{key}={name!r} is not callable")
         return fn
     raise ConfigError(
-        f"rewards fn={name!r} is unknown: choose from {sorted(REGISTRY)} or give 'package.module:function'"
+        f"{key}={name!r} is unknown: choose from {sorted(registry)} or give 'package.module:function'"
     )
 
 
