@@ -36,6 +36,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
+    freeze_bottom_layers: int = 0  # freeze embeddings + the first N decoder layers (cheaper steps on a CPU)
 
 
 @dataclass
@@ -282,6 +283,7 @@ def validate(cfg: Config) -> None:
             )
     if not cfg.rewards:
         raise ConfigError("rewards is empty: name at least one reward function")
+    _positive("model.freeze_bottom_layers", cfg.model.freeze_bottom_layers, allow_zero=True)
     _validate_data(cfg.data)
     _validate_eval(cfg)
     _positive("reward_pool.num_workers", cfg.reward_pool.num_workers, allow_zero=True)

@@ -8,8 +8,10 @@ ranks, so the numbers do not depend on the number of ranks.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -40,6 +42,14 @@ def eval_source(cfg: Config, split: str = "eval") -> PromptSource:
     if cfg.eval.limit is not None and cfg.eval.limit < len(source):
         source = Subset(source, list(range(cfg.eval.limit)))
     return source
+
+
+def write_records(records: list[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+    return path
 
 
 class Evaluator:
@@ -115,6 +125,14 @@ class Evaluator:
             metrics["eval/" + name.removeprefix("reward/")] = count
         metrics["eval/time"] = time.perf_counter() - t0
         return EvalResult(metrics, records)
+
+    def __call__(self, model: torch.nn.Module, step: int, out_dir: Optional[Path] = None) -> dict[str, float]:
+        """Evaluate (collective); rank 0 writes every problem's record to ``out_dir/eval/step-N.jsonl``."""
+        result = self.run(model)
+        records = [r for part in dist.all_gather_object(result.records) for r in part]
+        if out_dir is not None and dist.is_main():
+            write_records(sorted(records, key=lambda r: r["index"]), Path(out_dir) / "eval" / f"step-{step}.jsonl")
+        return result.metrics
 
     def due(self, step: int) -> bool:
         """Evaluate after this step? Every ``eval.every`` steps and after the last one."""

@@ -334,12 +334,12 @@ class Trainer:
         history = []
         last_saved = None
         if self.evaluator is not None and self.step == 0:  # the starting point, logged as step 0
-            self.logger.log(0, self.evaluator.run(self.model).metrics, advance=False)
+            self.logger.log(0, self.evaluator(self.model, 0, self.out), advance=False)
         while self.step < cfg.train.max_steps:
             metrics = self.train_step()
             self.step += 1
             if self.evaluator is not None and self.evaluator.due(self.step):
-                metrics.update(self.evaluator.run(self.model).metrics)
+                metrics.update(self.evaluator(self.model, self.step, self.out))
             history.append({"step": self.step, **metrics})
             self.logger.log(self.step, metrics, self._samples_for_log())
             if cfg.train.save_every and self.step % cfg.train.save_every == 0:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, None, overrides)
         import torch
 
-        from grpo.evaluation import Evaluator, eval_source
+        from grpo.evaluation import Evaluator, eval_source, write_records
         from grpo.modeling import eos_token_ids, load_model, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
@@ -67,11 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluator.close()
     m = result.metrics
 
-    out = args.out or default_out(args.model, split)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        for r in result.records:
-            f.write(json.dumps(r, default=str) + "\n")
+    out = write_records(result.records, args.out or default_out(args.model, split))
     fmt = f"{m['eval/format_rate']:.3f}" if "eval/format_rate" in m else "n/a (no eval.format reward)"
     print(f"model: {args.model}   split: {split}   problems: {int(m['eval/num_problems'])}"
           f"   (dropped as too long: {int(m['eval/dropped_prompts'])})")

@@ -86,6 +86,9 @@ def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, 
     assert "reward/mean" not in rows[0] and "reward/mean" in rows[1]
     assert rows[1]["reward/math_correct/timeouts"] == 0.0 and rows[1]["reward/math_correct/errors"] == 0.0
 
+    saved = [json.loads(x) for x in (tmp_path / "run" / "eval" / "step-2.jsonl").read_text().splitlines()]
+    assert len(saved) == 6 and sum(r["correct"] for r in saved) / 6 == rows[-1]["eval/accuracy"]
+
     ckpt = tmp_path / "run" / "checkpoints" / "step-2"
     out = tmp_path / "ckpt.jsonl"
     assert load_eval_script().main(["--model", str(ckpt), "--config", str(config), "--out", str(out), "--json"]) == 0
@@ -94,3 +97,4 @@ def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, 
     assert summary["eval/num_problems"] == 6
     assert summary["eval/accuracy"] == rows[-1]["eval/accuracy"]
     assert summary["eval/length_mean"] == rows[-1]["eval/length_mean"]
+    assert [json.loads(x)["completion"] for x in out.read_text().splitlines()] == [r["completion"] for r in saved]
