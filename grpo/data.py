@@ -78,7 +78,11 @@ def _empty_file(path: Path, source: str) -> bool:
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows == 0
-    return not path.read_bytes().strip()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 class TableSource:

@@ -34,16 +34,26 @@ def _check_blocks(blocks: Sequence[str]) -> list[str]:
 
 def is_strict(text: str, blocks: Sequence[str] = DEFAULT_BLOCKS) -> bool:
     names = _check_blocks(blocks)
-    body = r"\s*".join(rf"<{b}>(?:(?!</?{b}>).)*?\S(?:(?!</?{b}>).)*?</{b}>" for b in names)
-    if not re.fullmatch(rf"\s*{body}\s*", text, flags=re.DOTALL):
+    # each tag exactly once first: cheap, and it leaves the pattern a single way to match
+    if not all(text.count(f"<{b}>") == 1 and text.count(f"</{b}>") == 1 for b in names):
         return False
-    return all(text.count(f"<{b}>") == 1 and text.count(f"</{b}>") == 1 for b in names)
+    body = r"\s*".join(rf"<{b}>(.*?)</{b}>" for b in names)
+    m = re.fullmatch(rf"\s*{body}\s*", text, flags=re.DOTALL)
+    return m is not None and all(g.strip() for g in m.groups())
 
 
 def is_soft(text: str, blocks: Sequence[str] = DEFAULT_BLOCKS) -> bool:
-    names = _check_blocks(blocks)
-    pattern = r".*?".join(rf"<{b}>.*?</{b}>" for b in names)
-    return re.search(pattern, text, flags=re.DOTALL) is not None
+    """Each block opened and then closed, in order (earliest matches first: linear time on any input)."""
+    pos = 0
+    for b in _check_blocks(blocks):
+        start = text.find(f"<{b}>", pos)
+        if start < 0:
+            return False
+        end = text.find(f"</{b}>", start + len(b) + 2)
+        if end < 0:
+            return False
+        pos = end + len(b) + 3
+    return True
 
 
 def format_strict(prompts: list[str], completions: list[str], blocks: Sequence[str] = DEFAULT_BLOCKS,

@@ -116,3 +116,9 @@ def test_countdown_needs_the_answer_tag_unless_told_otherwise():
     assert cd("<answer>3 * 5 + 7") == 0.0  # unclosed tag
     with pytest.raises(ValueError, match="extract="):
         cd("x", extract="boxed")
+
+
+def test_format_rewards_stay_fast_on_pathological_tag_soup():
+    soup = "<think>" * 20_000 + "</think>" * 20_000 + "<answer>" * 20_000
+    assert strict(soup) == 0.0 and soft(soup) == 0.0
+    assert soft(soup + "4</answer>") == 1.0  # in order, each opened then closed: soft accepts extra tags
