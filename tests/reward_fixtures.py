@@ -1,4 +1,4 @@
-"""Custom reward functions for the tests, named by import path (``reward_fixtures:NAME``) as a user would."""
+"""Custom reward functions for the tests, named by import path (``tests.reward_fixtures:NAME``) as a user would."""
 
 import os
 import time

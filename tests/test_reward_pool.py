@@ -36,7 +36,7 @@ def test_hanging_math_input_hits_the_timeout_and_the_run_goes_on(caplog):
 
 
 def test_exception_scores_zero_counted_and_first_traceback_logged_once(caplog):
-    r = combined([{"fn": "reward_fixtures:boom"}, {"fn": "reward_fixtures:length_bonus", "weight": 0.5,
+    r = combined([{"fn": "tests.reward_fixtures:boom"}, {"fn": "tests.reward_fixtures:length_bonus", "weight": 0.5,
                                                     "kwargs": {"scale": 2.0}}], workers=2)
     try:
         with caplog.at_level(logging.WARNING, logger="rewards"):
@@ -55,7 +55,7 @@ def test_exception_scores_zero_counted_and_first_traceback_logged_once(caplog):
 
 
 def test_slow_custom_function_times_out_only_its_rows():
-    r = combined([{"fn": "reward_fixtures:slow"}], workers=2, timeout=1.0)
+    r = combined([{"fn": "tests.reward_fixtures:slow"}], workers=2, timeout=1.0)
     try:
         t0 = time.monotonic()
         total, _ = r(["p"] * 4, ["a", "slow", "b", "c"], {})
@@ -67,7 +67,7 @@ def test_slow_custom_function_times_out_only_its_rows():
 
 
 def test_a_worker_that_dies_is_an_error_and_is_replaced():
-    r = combined([{"fn": "reward_fixtures:crash"}], workers=1)
+    r = combined([{"fn": "tests.reward_fixtures:crash"}], workers=1)
     try:
         total, _ = r(["p"] * 3, ["a", "crash", "b"], {})
         assert total == [1.0, 0.0, 1.0]
@@ -77,14 +77,14 @@ def test_a_worker_that_dies_is_an_error_and_is_replaced():
 
 
 def test_chunks_score_together_and_wrong_lengths_are_errors():
-    r = combined([{"fn": "reward_fixtures:wrong_length"}], workers=0, chunk=2)
+    r = combined([{"fn": "tests.reward_fixtures:wrong_length"}], workers=0, chunk=2)
     total, _ = r(["p"] * 3, ["a", "b", "c"], {})
     assert total == [0.0, 0.0, 1.0]  # the 2-row chunk got 1 value: an error; the last chunk has 1 row
     assert r.pop_metrics()["reward/wrong_length/errors"] == 2.0
 
 
 def test_inline_mode_counts_errors_too():
-    r = combined([{"fn": "reward_fixtures:boom"}], workers=0)
+    r = combined([{"fn": "tests.reward_fixtures:boom"}], workers=0)
     total, _ = r(["p"] * 2, ["boom", "fine"], {})
     assert total == [0.0, 1.0]
     assert r.pop_metrics()["reward/boom/errors"] == 1.0
@@ -96,4 +96,4 @@ def test_bad_reward_names_stop_with_a_message():
     with pytest.raises(ConfigError, match="cannot be imported"):
         resolve("no_such_module_xyz:f")
     with pytest.raises(ConfigError, match="not callable"):
-        resolve("reward_fixtures:not_callable")
+        resolve("tests.reward_fixtures:not_callable")
