@@ -8,6 +8,7 @@ One step, on every rank:
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
@@ -81,6 +82,7 @@ class Trainer:
 
         self.cfg = cfg
         deepspeed.init_distributed(dist_backend=None)
+        atexit.register(dist.release_shm_buffer)
         self.rank, self.world = dist.rank(), dist.world_size()
         _share_cpu_threads()
         if cfg.rollout.prompts_per_step % self.world:

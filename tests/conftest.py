@@ -29,8 +29,13 @@ def run_deepspeed(args: list[str], num_ranks: int = 2, script: str = "train.py",
                   check: bool = True) -> subprocess.CompletedProcess:
     """Launch ``script`` with the deepspeed launcher from the repo root; fail with its output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(deepspeed_cmd(num_ranks, script) + args, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    cmd = deepspeed_cmd(num_ranks, script) + args
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:  # a killed run cannot unlink its DeepSpeed shared-memory buffers: do it here
+        port = cmd[cmd.index("--master_port") + 1]
+        for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            f.unlink(missing_ok=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"deepspeed exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
