@@ -134,10 +134,12 @@ def _read_body(limit: int) -> bytes:
         raise error(400, f"Content-Length {n} is negative", "Content-Length")
     stream = env["wsgi.input"]
     if n > limit:
-        if n <= 2 * limit:  # read it, so the client sees the 413 rather than a reset connection
-            for _ in range(0, n, 1 << 20):
-                if not stream.read(min(1 << 20, n)):
-                    break
+        left = n if n <= 2 * limit else 0  # read it, so the client sees the 413 rather than a reset connection
+        while left > 0:
+            chunk = stream.read(min(1 << 20, left))
+            if not chunk:
+                break
+            left -= len(chunk)
         raise error(413, f"request body of {n} bytes exceeds the server's limit of {limit} bytes "
                          f"(ref.max_request_mb); send fewer rows per request or raise the limit", "body")
     try:
