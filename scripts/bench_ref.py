@@ -8,7 +8,7 @@ tokens) and a SmolLM2-135M-sized one (16 rows x (100 prompt + 128 completion) to
 SmolLM2 model is models/smollm2-135m-instruct/ when present, else a randomly initialised
 LlamaForCausalLM of SmolLM2-135M's shape with a synthetic 49152-token tokenizer (the output
 says which). Both sides run the same function on the same rows with the same number of CPU
-threads; runs alternate so machine load hits both alike. Medians are reported.
+threads (OMP/MKL_NUM_THREADS); the order alternates so machine load hits both alike. Medians.
 
     in-process   the forward pass in this process (what ref.url unset does)
     server       the client's round trip: encode, HTTP, queue, forward, encode, decode
@@ -18,6 +18,7 @@ threads; runs alternate so machine load hits both alike. Medians are reported.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -27,6 +28,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per batch (after one warm-up)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads on each side")
+    p.add_argument("--only", choices=["demo", "smollm2"], help="run one batch only")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    # Set before torch starts: this process and the server get the same OpenMP/MKL environment.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(ARGS.threads)
 
 import torch  # noqa: E402
 
@@ -73,25 +88,29 @@ def bench(name: str, model_path: str, packed: Packed, rows_per_pass: int, repeat
     """Median seconds: in-process forward, server round trip, server-side forward."""
     torch.set_num_threads(threads)
     model = load_model(ModelConfig(), model_path).eval()
+    model.requires_grad_(False)  # as the in-process reference and the server hold it
     tokenizer = load_tokenizer(model_path)
     server = ServerProcess(["--model", model_path, "--max-batch-tokens", str(packed.input_ids.numel())], port=free_port(),
-                           log_path=log_dir / f"server-{name}.log", env={"OMP_NUM_THREADS": str(threads)})
+                           log_path=log_dir / f"server-{name}.log")  # inherits OMP/MKL_NUM_THREADS
     with server:
         cfg = load_config(None, None, [f"ref.url={server.url}", f"train.micro_batch_size={rows_per_pass}"])
         client = HTTPReference(cfg, tokenizer, model.config.vocab_size)
         local, remote, remote_fwd = [], [], []
+        runs = {"local": lambda: sliced_logprobs(model, packed, 1.0, 1024, max_rows=rows_per_pass)[0],
+                "remote": lambda: client.logprobs(packed, 1.0)[0]}
         for i in range(repeats + 1):  # the first round warms both up and is not counted
-            t0 = time.perf_counter()
-            want = sliced_logprobs(model, packed, 1.0, 1024, max_rows=rows_per_pass)[0]
-            t1 = time.perf_counter()
-            got = client.logprobs(packed, 1.0)[0]
-            t2 = time.perf_counter()
+            out, secs = {}, {}
+            for key in (["local", "remote"] if i % 2 == 0 else ["remote", "local"]):  # alternate the order
+                t0 = time.perf_counter()
+                out[key] = runs[key]()
+                secs[key] = time.perf_counter() - t0
             m = client.pop_metrics()
-            if not torch.equal(got, want):
-                raise SystemExit(f"{name}: the server's log-probs differ from in-process by {(got - want).abs().max():.3g}")
+            if not torch.equal(out["remote"], out["local"]):
+                diff = (out["remote"] - out["local"]).abs().max()
+                raise SystemExit(f"{name}: the server's log-probs differ from in-process by {diff:.3g}")
             if i:
-                local.append(t1 - t0)
-                remote.append(t2 - t1)
+                local.append(secs["local"])
+                remote.append(secs["remote"])
                 remote_fwd.append(m["ref/server_compute"])
         sent, received = m["ref/bytes_sent"], m["ref/bytes_received"]
         client.close()
@@ -99,12 +118,7 @@ def bench(name: str, model_path: str, packed: Packed, rows_per_pass: int, repeat
             "remote_fwd": statistics.median(remote_fwd), "sent": sent, "received": received}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per batch (after one warm-up)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads on each side")
-    p.add_argument("--only", choices=["demo", "smollm2"], help="run one batch only")
-    args = p.parse_args()
+def main(args: argparse.Namespace) -> int:
 
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_ref_") as tmp:
@@ -138,4 +152,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))
