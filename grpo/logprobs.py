@@ -41,7 +41,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int, wi
 
 
 def _head_logits(head: torch.nn.Module, hidden: torch.Tensor, temperature: float, softcap: Optional[float]) -> torch.Tensor:
-    logits = head(hidden).float()
+    logits = head(hidden)
+    if logits.dtype in (torch.float16, torch.bfloat16):  # reduce in float32 at least
+        logits = logits.float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
     return logits / temperature
@@ -87,8 +89,8 @@ def head_logprobs(
             ents.append(out[1])
         else:
             lps.append(out)
-    lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
-    ent = (torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)) if with_entropy else None
+    lp = torch.cat(lps) if lps else hidden.new_zeros(0)
+    ent = (torch.cat(ents) if ents else hidden.new_zeros(0)) if with_entropy else None
     return lp, ent
 
 

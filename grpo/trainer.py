@@ -190,6 +190,11 @@ class Trainer:
                 ent[idx] = out_ent.float().cpu()
         return lp, ent
 
+    def step_norms(self, batch: RolloutBatch) -> core.StepNorms:
+        """Sequence and token counts of the whole step, over all ranks."""
+        counts = dist.all_reduce_sum(torch.tensor([float(len(batch)), float(batch.mask.sum())], dtype=torch.float64))
+        return core.StepNorms(float(counts[0]), float(counts[1]), self.cfg.rollout.max_completion_length)
+
     @staticmethod
     def _total_lengths(batch: RolloutBatch) -> list[int]:
         return [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
@@ -218,8 +223,7 @@ class Trainer:
         timings["reference"] = t2 - t1
 
         batch.advantages = algo.advantages(batch, ctx)
-        counts = dist.all_reduce_sum(torch.tensor([float(len(batch)), float(batch.mask.sum())], dtype=torch.float64))
-        norms = core.StepNorms(num_seqs=float(counts[0]), num_tokens=float(counts[1]), max_len=cfg.rollout.max_completion_length)
+        norms = self.step_norms(batch)
 
         t3 = time.perf_counter()
         stats: dict[str, list[torch.Tensor]] = {}
@@ -245,6 +249,13 @@ class Trainer:
 
     def _optimizer_pass(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict) -> torch.Tensor:
         """One optimizer step over all micro-batches; the gradient is that of the whole step's loss."""
+        loss_sum = self.accumulate_gradients(batch, norms, stats)
+        self._grad_norm = self._stage0_grad_norm()
+        self.engine.step()
+        return loss_sum
+
+    def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict) -> torch.Tensor:
+        """Backward over every micro-batch of this rank; returns this rank's share of the loss."""
         cfg = self.cfg
         chunks = micro_batches(self._total_lengths(batch), cfg.train.micro_batch_size)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -267,8 +278,6 @@ class Trainer:
                 acc = stats.setdefault(name, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
                 acc[0] += s.double().cpu()
                 acc[1] += c.double().cpu()
-        self._grad_norm = self._stage0_grad_norm()
-        self.engine.step()
         return loss_sum
 
     def _stage0_grad_norm(self) -> Optional[float]:

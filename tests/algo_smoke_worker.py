@@ -1,0 +1,52 @@
+"""Run under the deepspeed launcher: train each named algorithm for a few steps in turn.
+
+One launch serves every algorithm (starting the launcher costs more than the steps), and
+each algorithm gets a fresh Trainer and engine. Rank 0 writes OUT/NAME/status.json with
+"ok" or the error, which the parametrised test reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from grpo import dist  # noqa: E402
+from grpo.config import load_config  # noqa: E402
+from grpo.trainer import Trainer  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--algos", required=True, help="comma-separated names")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    root = Path(__file__).resolve().parent.parent
+    for name in args.algos.split(","):
+        out = Path(args.out) / name
+        preset = root / "configs" / f"{name}.yaml"
+        status: dict = {"algo": name}
+        try:
+            cfg = load_config(preset if preset.exists() else root / "configs" / "demo.yaml", algo=name, overrides=[
+                f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.save_every=0",
+                "logging.progress_bar=false", "logging.plot=false", *args.overrides,
+            ])
+            Trainer(cfg).train()
+            status["ok"] = True
+        except Exception as e:  # recorded for the test to report; the next algorithm still runs
+            status.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        if dist.is_main():
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "status.json").write_text(json.dumps(status))
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Shared test helpers: the tiny model, free ports, and the DeepSpeed launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_cmd(num_ranks: int, script: str = "train.py") -> list[str]:
+    exe = Path(sys.executable).with_name("deepspeed")
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return launcher + ["--num_gpus", str(num_ranks), "--master_port", str(free_port()), script]
+
+
+def run_deepspeed(args: list[str], num_ranks: int = 2, script: str = "train.py", timeout: int = 300,
+                  check: bool = True) -> subprocess.CompletedProcess:
+    """Launch ``script`` with the deepspeed launcher from the repo root; fail with its output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(deepspeed_cmd(num_ranks, script) + args, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"deepspeed exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The tiny model and tokenizer written as an HF folder."""
+    from grpo.tiny import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("tiny") / "model")

@@ -1,0 +1,77 @@
+"""Run under the deepspeed launcher: the full gradient of one step on a fixed global batch.
+
+Every rank builds the same 16-row batch, takes its own groups, and accumulates gradients
+through the real Trainer/DeepSpeed path; rank 0 writes the gathered gradient for each
+aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deepspeed.utils import safe_get_full_grad  # noqa: E402
+
+from grpo import core, dist  # noqa: E402
+from grpo.batch import RolloutBatch  # noqa: E402
+from grpo.config import load_config  # noqa: E402
+from grpo.trainer import Trainer  # noqa: E402
+
+GROUPS, G, WIDTH = 4, 4, 6
+
+
+def global_batch(vocab: int) -> RolloutBatch:
+    g = torch.Generator().manual_seed(1234)
+    rows = GROUPS * G
+    lengths = torch.randint(1, WIDTH + 1, (rows,), generator=g).tolist()
+    prompts = [torch.randint(4, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(GROUPS)]
+    comps = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+    rewards = torch.randint(0, 3, (rows,), generator=g).float()
+    rewards[4:8] = 1.0  # one all-equal group
+    return RolloutBatch(
+        prompt_ids=[prompts[i // G] for i in range(rows)], completion_ids=comps,
+        mask=(torch.arange(WIDTH).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float(),
+        truncated=torch.zeros(rows, dtype=torch.bool), group_size=G, prompt_index=[i // G for i in range(rows)],
+        items=[{}] * rows, prompt_text=[""] * rows, completion_text=[""] * rows, rewards=rewards,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--micro", type=int, required=True)
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--local_rank", type=int, default=0)
+    args = p.parse_args()
+    cfg = load_config(overrides=[
+        "algo.beta=0", "train.lr=0", f"train.micro_batch_size={args.micro}", f"train.zero_stage={args.zero}",
+        f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
+        "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
+    ])
+    trainer = Trainer(cfg)
+    full = global_batch(trainer.model.config.vocab_size)
+    per = GROUPS // dist.world_size()
+    rows = list(range(dist.rank() * per * G, (dist.rank() + 1) * per * G))
+    batch = full.select(rows)
+    batch.advantages = trainer.algo.advantages(batch, None)
+    results = {}
+    for aggregation in core.AGGREGATIONS:
+        cfg.algo.aggregation = aggregation
+        loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})
+        grads = [safe_get_full_grad(p) for p in trainer.model.parameters()]
+        total_loss = dist.all_reduce_sum(loss.reshape(1))
+        if dist.is_main():
+            results[aggregation] = {"loss": float(total_loss), "grad": torch.cat([g.reshape(-1).double() for g in grads])}
+        trainer.engine.step()  # lr = 0: clears the gradients, changes no weight
+    if dist.is_main():
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Configuration: precedence and every error path."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from grpo.config import ConfigError, load_config, parse_overrides, to_dict
+
+
+def write(tmp_path, tree) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(tree))
+    return str(p)
+
+
+def test_defaults_then_algorithm_defaults():
+    cfg = load_config()
+    assert cfg.algo.name == "grpo"
+    assert cfg.algo.beta == 0.04 and cfg.algo.clip_eps_low == 0.2
+    assert cfg.algo.aggregation == "seq-mean-token-mean"
+
+
+def test_precedence_yaml_then_algo_then_cli(tmp_path):
+    path = write(tmp_path, {"algo": {"name": "nonexistent-but-overridden", "beta": 0.1},
+                            "train": {"lr": 0.5, "max_steps": 7}})
+    # --algo beats the YAML's algo.name; YAML values beat defaults; CLI beats YAML.
+    cfg = load_config(path, algo="grpo", overrides=["train.lr=1e-5", "rollout.num_generations=4"])
+    assert cfg.algo.name == "grpo"
+    assert cfg.algo.beta == 0.1
+    assert cfg.train.lr == 1e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.train.max_steps == 7
+    assert cfg.rollout.num_generations == 4
+
+
+def test_cli_algo_name_override_beats_flag(tmp_path):
+    cfg = load_config(None, algo="grpo", overrides=["algo.name=grpo", "algo.beta=0"])
+    assert cfg.algo.name == "grpo" and cfg.algo.beta == 0.0
+
+
+def test_yaml_float_written_without_dot(tmp_path):
+    # PyYAML reads "1e-5" as a string; a float field still accepts it.
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1e-5\n")
+    assert load_config(str(path)).train.lr == 1e-5
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr'.*Did you mean 'lr'"):
+        load_config(overrides=["train.lrr=1"])
+
+
+def test_unknown_section_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rolout'.*Did you mean 'rollout'"):
+        load_config(overrides=["rolout.temperature=1"])
+
+
+def test_unknown_algo_key_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.betta'.*Did you mean 'beta'"):
+        load_config(overrides=["algo.betta=0.1"])
+
+
+def test_unknown_algorithm_lists_choices():
+    with pytest.raises(ConfigError, match=r"unknown algorithm 'grp'.*Choose from"):
+        load_config(algo="grp")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_steps=ten", r"train.max_steps='ten' has the wrong type: expected an integer"),
+    ("train.lr=fast", r"train.lr='fast' has the wrong type: expected a number"),
+    ("model.gradient_checkpointing=maybe", r"expected true or false"),
+    ("rollout.num_generations=2.5", r"expected an integer"),
+])
+def test_wrong_type(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dtype=fp8", r"model.dtype='fp8' is invalid: choose from \['fp32', 'bf16', 'fp16'\]"),
+    ("algo.aggregation=mean", r"algo.aggregation='mean' is invalid: choose from"),
+    ("algo.kl_estimator=k4", r"choose from \['k1', 'k2', 'k3'\]"),
+    ("train.zero_stage=4", r"train.zero_stage=4 is invalid: choose from \[0, 1, 2, 3\]"),
+    ("logging.report_to=[mlflow]", r"logging.report_to\[0\]='mlflow' is invalid"),
+])
+def test_bad_choice(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.num_generations=0", r"rollout.num_generations=0 is invalid: it must be > 0"),
+    ("rollout.top_p=1.5", r"rollout.top_p=1.5 is invalid"),
+    ("algo.beta=-1", r"algo.beta=-1.0 is invalid: it must be >= 0"),
+    ("algo.dual_clip=0.5", r"algo.dual_clip=0.5 is invalid: it must be > 1"),
+    ("ref.url=localhost:1", r"ref.url='localhost:1' is invalid"),
+    ("data.source=jsonl", r"data.path is required"),
+])
+def test_bad_value(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        parse_overrides(["train.lr"])
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    top = tmp_path / "list.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping at top level"):
+        load_config(str(top))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(overrides=["train.lr=0.25", "rewards=[{fn: digits_match, weight: 2}]"])
+    tree = to_dict(cfg)
+    again = load_config(write(tmp_path, tree))
+    assert to_dict(again) == tree
+    assert again.rewards[0].weight == 2.0
+
+
+def test_demo_config_loads():
+    cfg = load_config("configs/demo.yaml")
+    assert cfg.data.source == "builtin"
