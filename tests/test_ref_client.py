@@ -15,7 +15,7 @@ from grpo.ref_launch import free_port
 from grpo.ref_server import AccessLog, build_server, check_bind
 from grpo.reference import ReferenceServerError, sliced_logprobs
 from grpo.tiny import build_tiny, make_char_tokenizer
-from ref_support import assert_same, ragged_batch
+from tests.ref_support import assert_same, ragged_batch
 
 
 @pytest.fixture(scope="module")

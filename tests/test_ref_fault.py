@@ -68,8 +68,7 @@ def test_server_restarted_within_the_retry_window(server, tmp_path):
     server.start(timeout=120)
     done_at_kill = wait_for_steps(out, train, 2)
     server.kill()
-    time.sleep(1.0)  # the trainer now meets a dead server and retries
-    server.start(timeout=120)
+    server.start(timeout=120)  # seconds of imports and loading: the trainer meets a dead server meanwhile
     log = finish(train, out, 180)
     assert train.returncode == 0, log[-3000:]
     rows = read_metrics(out / "metrics.jsonl")

@@ -18,7 +18,7 @@ from grpo.ref_launch import ServerProcess, free_port
 from grpo.ref_wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
 from grpo.reference import InProcessReference, sliced_logprobs
 from grpo.tiny import make_char_tokenizer, make_tiny_model, write_tiny
-from ref_support import assert_same, log_events, ragged_batch
+from tests.ref_support import assert_same, log_events, ragged_batch
 
 pytestmark = pytest.mark.slow
 

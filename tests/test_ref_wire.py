@@ -20,7 +20,7 @@ from grpo.ref_wire import (
     unflatten,
 )
 from grpo.reference import row_slices
-from ref_support import ragged_batch
+from tests.ref_support import ragged_batch
 
 VOCAB = 93
 
