@@ -24,10 +24,9 @@ from requests.adapters import HTTPAdapter
 
 from grpo.config import Config, ConfigError
 from grpo.logprobs import Packed
-from grpo.ref_wire import CONTENT_TYPE, WireError, decode_response, encode_request
+from grpo.ref_wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
 from grpo.reference import ReferenceServerError
 
-TOKEN_ENV = "GRPO_REF_TOKEN"
 BACKOFF_BASE = 0.05  # seconds before the first retry; doubles each time
 BACKOFF_CAP = 2.0
 

@@ -29,10 +29,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import bottle
 
 from grpo.config import Config, ConfigError
-from grpo.ref_wire import CONTENT_TYPE, WireError, encode_response, parse_request
+from grpo.ref_wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_response, parse_request
 from grpo.ref_worker import DeviceWorker, QueueFull
-
-TOKEN_ENV = "GRPO_REF_TOKEN"
 
 
 @dataclass

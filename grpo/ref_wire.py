@@ -30,6 +30,7 @@ from safetensors.torch import save as st_save
 from grpo.logprobs import Packed
 
 CONTENT_TYPE = "application/vnd.grpo-ref+safetensors"
+TOKEN_ENV = "GRPO_REF_TOKEN"  # the bearer token, for server and client alike
 INT_DTYPES = (torch.int32, torch.int64)
 REQUEST_TENSORS = ("input_ids", "prompt_lens", "completion_lens")
 HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass")
