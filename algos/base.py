@@ -35,6 +35,11 @@ def masked_stat(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
     return (x.detach().float() * m).sum(), m.sum()
 
 
+def log_mean(ctx: "StepContext", name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
+    """ctx.metrics[name] = mean of x (over the mask) on all ranks; every rank must call it."""
+    ctx.metrics[name] = float(core.global_mean_std(x.detach(), mask=mask)[0])
+
+
 class StepContext:
     """What hooks may use: the config, the step number and a way to generate more groups."""
 
@@ -115,6 +120,37 @@ class Algorithm:
         per_token, kl_stats = self.add_kl(per_token, logp, mb)
         stats.update(kl_stats)
         return per_token, stats
+
+    def sequence_ppo_loss(
+        self,
+        ratio: torch.Tensor,
+        logp: torch.Tensor,
+        mb: RolloutBatch,
+        norms: core.StepNorms,
+        eps_low: Optional[float] = None,
+        scale: Optional[torch.Tensor] = None,
+    ) -> LossOutput:
+        """Sequence-level surrogate (GSPO, GRPO-S, TIC-GRPO): -(1/N) sum_i scale_i min(s_i A_i, clip(s_i) A_i),
+        ``ratio`` [rows]; plus beta KL aggregated per token when beta > 0. N is the whole step's,
+        so micro-batch shares add up exactly (core.sequence_mean)."""
+        adv = mb.advantages
+        if adv.dim() != 1:
+            raise ValueError(f"{self.name}: a sequence-level loss needs one advantage per completion")
+        low = self.a.clip_eps_low if eps_low is None else eps_low
+        surr = core.clipped_surrogate(ratio, adv, low, self.a.clip_eps_high, self.a.dual_clip)
+        value = surr.value if scale is None else surr.value * scale
+        loss = -core.sequence_mean(value, norms)
+        rows = torch.ones_like(ratio)
+        stats = {
+            "clip_frac_low": masked_stat(surr.clipped_low.float(), rows),
+            "clip_frac_high": masked_stat(surr.clipped_high.float(), rows),
+            "ratio_mean": masked_stat(ratio, rows),
+        }
+        if self.a.beta > 0:
+            kl_tok, kl_stats = self.add_kl(torch.zeros_like(logp), logp, mb)
+            loss = loss + core.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
+            stats.update(kl_stats)
+        return LossOutput(loss, stats)
 
     def add_kl(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
         if self.a.beta <= 0:

@@ -36,6 +36,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
+    freeze_bottom_layers: int = 0  # freeze embeddings + the first N decoder layers (cheaper steps on a CPU)
 
 
 @dataclass
@@ -48,18 +49,56 @@ class DigitsTaskConfig:
 
 
 @dataclass
-class DataConfig:
-    """Where prompts come from: the built-in task, or a local JSONL/Parquet file / hub dataset."""
+class CountdownTaskConfig:
+    """The seeded Countdown generator (``data.source: countdown``; see grpo/tasks.py)."""
 
-    source: Literal["builtin", "jsonl", "parquet", "hub"] = "builtin"
+    num_examples: int = 10000
+    min_numbers: int = 3
+    max_numbers: int = 4
+    max_number: int = 99  # numbers are drawn from 1..max_number
+    max_target: int = 999
+
+
+@dataclass
+class ArithmeticTaskConfig:
+    """The seeded arithmetic word-problem generator (``data.source: arithmetic``; see grpo/tasks.py)."""
+
+    num_examples: int = 5000
+    max_value: int = 50  # operands of + and - go up to this; of * and / up to max_value // 4 (at most 12)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how they become text.
+
+    Sources: the built-in digits task, the Countdown and arithmetic word-problem generators, a local JSONL/Parquet file
+    or a hub dataset. ``task`` presets the column mapping and prompt template of a known
+    schema (gsm8k: question/answer, math: problem/solution, countdown: nums/target);
+    ``columns`` and ``prompt_template`` override them.
+    """
+
+    source: Literal["builtin", "countdown", "arithmetic", "jsonl", "parquet", "hub"] = "builtin"
     path: Optional[str] = None
     split: str = "train"
+    hub_config: Optional[str] = None  # hub dataset configuration (gsm8k: "main")
+    task: Literal["custom", "gsm8k", "math", "countdown"] = "custom"
     # Map of our column names (prompt, answer, ...) to the dataset's column names.
     columns: dict[str, str] = field(default_factory=dict)
+    # Python format string over an item's columns, e.g. "{prompt}\nEnd with '#### <number>'."
+    prompt_template: Optional[str] = None
     builtin: DigitsTaskConfig = field(default_factory=DigitsTaskConfig)
-    chat_template: bool = False  # apply the tokenizer's chat template to prompts
-    system_prompt: Optional[str] = None
+    countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
+    arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+    chat_template: bool = False  # apply the tokenizer's chat template to prompts (false: plain text)
+    system_prompt: Optional[str] = None  # text, or the name of a ready one: "r1" (grpo/data.py SYSTEM_PROMPTS)
+    prefill: Optional[str] = None  # text the answer starts with (e.g. "<think>"), appended to every prompt
     shuffle: bool = True
+    seed: int = 0  # the data's own seed: Countdown generation and the held-out split (not train.seed)
+    # Held-out evaluation data: a file (same source kind and columns), a hub split, or
+    # ``eval_holdout`` items held out of the training data (never trained on).
+    eval_path: Optional[str] = None
+    eval_split: Optional[str] = None
+    eval_holdout: int = 0
 
 
 @dataclass
@@ -158,6 +197,34 @@ class RewardSpec:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation (grpo/evaluation.py): greedy accuracy, and mean@k / pass@k when k > 1.
+
+    ``correctness`` decides a completion is right when its value >= ``threshold`` (default:
+    the first entry of ``rewards``); ``format`` gives the format rate (none: not reported).
+    """
+
+    every: int = 0  # steps between evaluations during training; 0 = off
+    limit: Optional[int] = None  # first N held-out items (None = all)
+    k: int = 1  # samples per problem for mean@k / pass@k (1 = greedy only)
+    temperature: float = 1.0  # sampling temperature of the k samples
+    max_completion_length: Optional[int] = None  # None = rollout.max_completion_length
+    batch_size: int = 64  # prompts per generation call
+    correctness: Optional[RewardSpec] = None
+    threshold: float = 1.0
+    format: Optional[RewardSpec] = None
+
+
+@dataclass
+class RewardPoolConfig:
+    """Where reward functions run: worker processes with a hard per-call timeout (rewards/pool.py)."""
+
+    num_workers: int = 2  # 0 = in the trainer process, without a timeout (debugging only)
+    timeout: float = 10.0  # seconds per call; a call past it scores 0 and is counted
+    chunk_size: int = 1  # completions per call (a timeout or error zeroes the whole chunk)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -167,6 +234,8 @@ class Config:
     ref: RefConfig = field(default_factory=RefConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    reward_pool: RewardPoolConfig = field(default_factory=RewardPoolConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------- validation
@@ -214,10 +283,12 @@ def validate(cfg: Config) -> None:
             )
     if not cfg.rewards:
         raise ConfigError("rewards is empty: name at least one reward function")
-    if cfg.data.source != "builtin" and not cfg.data.path:
-        raise ConfigError(f"data.path is required when data.source={cfg.data.source!r}")
-    _positive("data.builtin.digits", cfg.data.builtin.digits)
-    _positive("data.builtin.num_examples", cfg.data.builtin.num_examples)
+    _positive("model.freeze_bottom_layers", cfg.model.freeze_bottom_layers, allow_zero=True)
+    _validate_data(cfg.data)
+    _validate_eval(cfg)
+    _positive("reward_pool.num_workers", cfg.reward_pool.num_workers, allow_zero=True)
+    _positive("reward_pool.timeout", cfg.reward_pool.timeout)
+    _positive("reward_pool.chunk_size", cfg.reward_pool.chunk_size)
     if cfg.ref.url is not None and not cfg.ref.url.startswith(("http://", "https://")):
         raise ConfigError(f"ref.url={cfg.ref.url!r} is invalid: it must start with http:// or https://")
     _positive("ref.connect_timeout", cfg.ref.connect_timeout)
@@ -228,6 +299,53 @@ def validate(cfg: Config) -> None:
     _positive("ref.max_request_mb", cfg.ref.max_request_mb)
     if not 0 <= cfg.ref.port <= 65535:
         raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
+
+
+def _validate_data(d: DataConfig) -> None:
+    if d.source in ("jsonl", "parquet") and not d.path:
+        raise ConfigError(f"data.path is required when data.source={d.source!r}")
+    if d.source == "hub" and not d.path:
+        raise ConfigError("data.path (the hub dataset name) is required when data.source='hub'")
+    _positive("data.builtin.digits", d.builtin.digits)
+    _positive("data.builtin.num_examples", d.builtin.num_examples)
+    c = d.countdown
+    _positive("data.countdown.num_examples", c.num_examples)
+    _positive("data.countdown.min_numbers", c.min_numbers)
+    if c.min_numbers < 2 or c.max_numbers < c.min_numbers:
+        raise ConfigError(
+            f"data.countdown.min_numbers={c.min_numbers}, max_numbers={c.max_numbers} are invalid: "
+            "need 2 <= min_numbers <= max_numbers"
+        )
+    _positive("data.countdown.max_number", c.max_number)
+    _positive("data.countdown.max_target", c.max_target)
+    _positive("data.arithmetic.num_examples", d.arithmetic.num_examples)
+    if d.arithmetic.max_value < 4:
+        raise ConfigError(f"data.arithmetic.max_value={d.arithmetic.max_value} is invalid: it must be >= 4")
+    _positive("data.eval_holdout", d.eval_holdout, allow_zero=True)
+    chosen = [k for k in ("eval_path", "eval_split") if getattr(d, k) is not None] + (["eval_holdout"] if d.eval_holdout else [])
+    if len(chosen) > 1:
+        raise ConfigError(f"data.{' and data.'.join(chosen)} are both set: choose one source of held-out data")
+    if d.eval_split is not None and d.source != "hub":
+        raise ConfigError(f"data.eval_split={d.eval_split!r} needs data.source='hub'; use data.eval_path for a file "
+                          "or data.eval_holdout to hold items out")
+    if d.eval_path is not None and d.source not in ("jsonl", "parquet"):
+        raise ConfigError(f"data.eval_path={d.eval_path!r} needs data.source 'jsonl' or 'parquet'")
+
+
+def _validate_eval(cfg: Config) -> None:
+    e = cfg.eval
+    _positive("eval.every", e.every, allow_zero=True)
+    _positive("eval.k", e.k)
+    _positive("eval.temperature", e.temperature)
+    _positive("eval.batch_size", e.batch_size)
+    if e.limit is not None:
+        _positive("eval.limit", e.limit)
+    if e.max_completion_length is not None:
+        _positive("eval.max_completion_length", e.max_completion_length)
+    d = cfg.data
+    if e.every and d.eval_path is None and d.eval_split is None and not d.eval_holdout:
+        raise ConfigError(f"eval.every={e.every} needs held-out data: set data.eval_path, data.eval_split "
+                          "or data.eval_holdout")
 
 
 # --------------------------------------------------------------------------- typed loading
@@ -450,6 +568,7 @@ def load_config(
         option_user[k] = v
 
     tree = _deep_merge(user_tree, {"algo": _deep_merge(dict(algorithm.defaults), common_user)})
+    tree["algo"] = {k: v for k, v in tree["algo"].items() if k in common}  # options go to cfg.algo.options
     tree["algo"]["name"] = name
     cfg = build_dataclass(Config, tree)
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")

@@ -73,7 +73,13 @@ def global_mean_std(
     x = x.double()
     m = torch.ones_like(x) if mask is None else mask.double()
     s = dist.all_reduce_sum(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]))
-    total, total_sq, n = s[0], s[1], s[2]
+    return _mean_std_from_sums(s[0], s[1], s[2], kind)
+
+
+def _mean_std_from_sums(
+    total: torch.Tensor, total_sq: torch.Tensor, n: torch.Tensor, kind: StdKind
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std from sum x, sum x^2 and the count (std 0 for a single unbiased sample)."""
     mean = total / n.clamp(min=1)
     var = (total_sq - n * mean * mean).clamp(min=0)
     if kind == "none":
@@ -104,6 +110,13 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
 def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO: s_i = exp(mean_t Delta)."""
     return torch.exp(sequence_log_ratio(logp, old_logp, mask))
+
+
+def sequence_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO-token: log s_{i,t} = l_{i,t} - sg[l_{i,t}] + sg[log s_i]: the value of s_i on every token,
+    the gradient of l_{i,t} (so token-level advantages can be used)."""
+    log_s = sequence_log_ratio(logp, old_logp, mask).detach().unsqueeze(-1)
+    return torch.exp(logp - logp.detach() + log_s)
 
 
 def trajectory_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -211,3 +224,120 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+# --------------------------------------------------------------------------- token-level statistics
+
+
+def standardize(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    scope: Literal["group", "batch"] = "group",
+    std: StdKind = "unbiased",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of each group ([rows, T], rows group-major),
+    or over every masked entry of the whole batch on all ranks (``scope="batch"``).
+
+    Used for token-level rewards (GTPO) and step rewards (process supervision); the result is 0
+    where the mask is 0.
+    """
+    xd, md = x.double(), mask.double()
+    if scope == "batch":
+        mean, sd = global_mean_std(xd, std, md)
+    else:
+        g, m = xd.reshape(-1, group_size * xd.shape[-1]), md.reshape(-1, group_size * xd.shape[-1])
+        mean, sd = _mean_std_from_sums((g * m).sum(-1, keepdim=True), (g * g * m).sum(-1, keepdim=True),
+                                       m.sum(-1, keepdim=True), std)
+        mean, sd = mean.expand_as(g).reshape_as(xd), sd.expand_as(g).reshape_as(xd)
+    return (((xd - mean) / (sd + eps)) * md).to(x.dtype)
+
+
+def suffix_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """y_t = sum_{k >= t} x_k on the masked positions (process supervision: the return of a token
+    is the sum of the rewards of every step that ends at or after it)."""
+    return x.flip(-1).cumsum(-1).flip(-1) * mask
+
+
+def entropy_shaped_rewards(
+    rewards: torch.Tensor,
+    entropy: torch.Tensor,
+    active: torch.Tensor,
+    success: torch.Tensor,
+    group_size: int,
+    w_outcome: float,
+    w_entropy: float,
+    min_entropy: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy-shaped rewards of GTPO / GRPO-S (arXiv 2508.04349), per group.
+
+    ``entropy`` is [N] (GRPO-S: one value per completion) or [N, T] (GTPO: per token, with
+    ``active`` the token mask). Among the active members of one group (and position):
+      pos_i = w_outcome * r_i + w_entropy * H_i / sum_{k in O+} H_k * |O+|      (successful i)
+      neg_j = -w_outcome - w_entropy * (1/H_j) / sum_{k in O-} (1/H_k) * |O-|   (failed j)
+    with 1/H using max(H, min_entropy). Returns (pos, neg), each 0 where it does not apply.
+    """
+    shape = entropy.shape
+    G = group_size
+    trail = (1,) * (len(shape) - 1)
+    h = entropy.double().reshape(-1, G, *shape[1:])
+    act = active.bool().reshape(-1, G, *shape[1:])
+    succ = success.bool().reshape(-1, G, *trail)
+    r = rewards.double().reshape(-1, G, *trail)
+    pos_members, neg_members = act & succ, act & ~succ
+
+    def share(w: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+        w = torch.where(members, w, torch.zeros_like(w))
+        total = w.sum(1, keepdim=True)
+        count = members.double().sum(1, keepdim=True)
+        return torch.where(members, w / total.clamp(min=1e-30) * count, torch.zeros_like(w))
+
+    zero = torch.zeros_like(h)
+    pos = torch.where(pos_members, w_outcome * r + w_entropy * share(h, pos_members), zero)
+    inv = 1.0 / h.clamp(min=min_entropy)
+    neg = torch.where(neg_members, -w_outcome - w_entropy * share(inv, neg_members), zero)
+    return pos.reshape(shape), neg.reshape(shape)
+
+
+def prefix_counts(completion_ids: list[list[int]], group_size: int, width: int) -> torch.Tensor:
+    """[rows, width]: |lambda(i, t)| = how many completions of i's group start with o_{i, <=t}
+    (duplicates count, i itself included). lambda-GRPO's prefix tree (arXiv 2509.21154)."""
+    out = torch.zeros(len(completion_ids), width)
+    for g0 in range(0, len(completion_ids), group_size):
+        rows = range(g0, g0 + group_size)
+        root: dict = {}  # token -> [count, children]
+        for i in rows:
+            children = root
+            for tok in completion_ids[i][:width]:
+                node = children.setdefault(tok, [0, {}])
+                node[0] += 1
+                children = node[1]
+        for i in rows:
+            children = root
+            for t, tok in enumerate(completion_ids[i][:width]):
+                out[i, t] = children[tok][0]
+                children = children[tok][1]
+    return out
+
+
+def eligibility_weights(length: int, decay: float, mode: Literal["recent", "both"] = "recent") -> torch.Tensor:
+    """[T, T] lower-triangular w_{t,k} of GRPO-lambda (arXiv 2510.00194), 0-based t and k:
+    "recent": decay^(t-k); "both": max(decay^(t-k), decay^k) (decay^(k-1) with 1-based k).
+
+    Exact and simple at O(T^2) memory (64 MB in float32 for T = 4096)."""
+    t = torch.arange(length, dtype=torch.float64)
+    lag = t.unsqueeze(1) - t.unsqueeze(0)
+    w = torch.pow(torch.tensor(decay, dtype=torch.float64), lag.clamp(min=0))
+    if mode == "both":
+        w = torch.maximum(w, torch.pow(torch.tensor(decay, dtype=torch.float64), t).unsqueeze(0))
+    elif mode != "recent":
+        raise ValueError(f"unknown eligibility trace mode {mode!r}: choose from ['recent', 'both']")
+    return torch.where(lag >= 0, w, torch.zeros_like(w))
+
+
+def trace_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, decay: float,
+                    mode: Literal["recent", "both"] = "recent") -> torch.Tensor:
+    """GRPO-lambda: log rho~_{i,t} = sum_{k <= t} w_{t,k} m_{i,k} (l_{i,k} - l^old_{i,k})."""
+    w = eligibility_weights(logp.shape[-1], decay, mode).to(device=logp.device, dtype=logp.dtype)
+    return ((logp - old_logp) * mask) @ w.T

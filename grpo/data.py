@@ -1,4 +1,4 @@
-"""Prompt sources and the seeded, resumable prompt sampler.
+"""Prompt sources, prompt text, held-out splits, and the seeded, resumable prompt sampler.
 
 An item is a dict with ``prompt`` (text, or a list of chat messages) and whatever columns
 the reward functions need (``answer``, ...). The sampler hands every rank its slice of
@@ -9,13 +9,15 @@ sees exactly the prompts an uninterrupted one would.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import ConfigError, DataConfig, DigitsTaskConfig
+from grpo.tasks import TASKS, ArithmeticTask, CountdownTask, system_prompt
 
 
 class PromptSource(Protocol):
@@ -60,28 +62,57 @@ class DigitsTask:
 # --------------------------------------------------------------------------- files and hub
 
 
+def _column_mapping(cfg: DataConfig) -> dict[str, str]:
+    """The task's preset mapping with the user's ``columns`` on top (a template needs no prompt column)."""
+    preset = dict(TASKS[cfg.task].columns)
+    if cfg.prompt_template is not None and cfg.task == "custom":
+        preset = {}
+    return {**preset, **cfg.columns}
+
+
+def _empty_file(path: Path, source: str) -> bool:
+    """A local file with no rows (``datasets`` fails on those with unhelpful messages)."""
+    if not path.is_file():
+        return False
+    if source == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 class TableSource:
     """A JSONL / Parquet file or hub dataset with our column names mapped onto its own."""
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: DataConfig, path: Optional[str] = None, split: Optional[str] = None):
         import datasets
 
+        path = path or cfg.path
+        where = f"{path!r}" + (f" (split {split!r})" if split else "")
+        if cfg.source != "hub" and _empty_file(Path(path), cfg.source):
+            raise ConfigError(f"data: {where} holds no rows: the dataset is empty")
         try:
             if cfg.source == "hub":
-                ds = datasets.load_dataset(cfg.path, split=cfg.split)
+                ds = datasets.load_dataset(path, cfg.hub_config, split=split or cfg.split)
             else:
                 kind = "json" if cfg.source == "jsonl" else "parquet"
-                ds = datasets.load_dataset(kind, data_files=cfg.path, split="train")
+                ds = datasets.load_dataset(kind, data_files=path, split="train")
         except FileNotFoundError as e:
-            raise ConfigError(f"data.path={cfg.path!r}: no such file or dataset ({e})") from e
+            raise ConfigError(f"data: {where}: no such file or dataset ({e})") from e
+        except datasets.exceptions.DatasetGenerationError as e:
+            raise ConfigError(f"data: {where} cannot be read as {cfg.source} ({e.__cause__ or e})") from e
         if len(ds) == 0:
-            raise ConfigError(f"data.path={cfg.path!r} holds no rows: the dataset is empty")
-        mapping = {"prompt": "prompt", **cfg.columns}
+            raise ConfigError(f"data: {where} holds no rows: the dataset is empty")
+        mapping = _column_mapping(cfg)
         for ours, theirs in mapping.items():
             if theirs not in ds.column_names:
                 raise ConfigError(
-                    f"data.columns.{ours}={theirs!r}: the dataset {cfg.path!r} has no column {theirs!r}; "
-                    f"its columns are {ds.column_names}"
+                    f"data.columns.{ours}={theirs!r}: the dataset {where} has no column {theirs!r}; "
+                    f"its columns are {ds.column_names} (map ours onto theirs with data.columns)"
                 )
         self.ds, self.mapping = ds, mapping
         keep = set(mapping.values())
@@ -97,27 +128,115 @@ class TableSource:
         return item
 
 
-def load_source(cfg: DataConfig, seed: int) -> PromptSource:
+class Subset:
+    """The items of ``source`` at ``indices`` (a held-out split or its complement)."""
+
+    def __init__(self, source: PromptSource, indices: list[int]):
+        self.source, self.indices = source, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.source[self.indices[i]]
+
+
+class Templated:
+    """Items whose ``prompt`` is the template filled with the item's columns."""
+
+    def __init__(self, source: PromptSource, template: str):
+        self.source, self.template = source, template
+        self[0]  # a template naming a missing column fails now, with the columns listed
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item = self.source[i]
+        try:
+            return {**item, "prompt": self.template.format_map(item)}
+        except KeyError as e:
+            raise ConfigError(
+                f"data.prompt_template names the column {e.args[0]!r}, which the items lack; "
+                f"their columns are {sorted(item)}"
+            ) from e
+        except (IndexError, ValueError) as e:
+            raise ConfigError(f"data.prompt_template={self.template!r} is not a valid format string ({e})") from e
+
+
+def _raw_source(cfg: DataConfig, seed: int, eval_file: bool = False) -> PromptSource:
     if cfg.source == "builtin":
         return DigitsTask(cfg.builtin, seed=seed)
+    if cfg.source == "countdown":
+        return CountdownTask(cfg.countdown, seed=cfg.seed)
+    if cfg.source == "arithmetic":
+        return ArithmeticTask(cfg.arithmetic, seed=cfg.seed)
+    if eval_file:
+        return TableSource(cfg, path=cfg.eval_path or cfg.path, split=cfg.eval_split)
     return TableSource(cfg)
+
+
+def _holdout_split(n: int, holdout: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices): a seeded choice of ``holdout`` items, disjoint from the rest."""
+    if holdout >= n:
+        raise ConfigError(f"data.eval_holdout={holdout} leaves no training data: the source has {n} items")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return sorted(order[holdout:]), sorted(order[:holdout])
+
+
+def _finish(source: PromptSource, cfg: DataConfig) -> PromptSource:
+    template = cfg.prompt_template or TASKS[cfg.task].template
+    if template is not None:
+        return Templated(source, template)
+    if "prompt" not in source[0]:
+        raise ConfigError(
+            f"data: the items have no 'prompt' column (columns: {sorted(source[0])}); "
+            "map one with data.columns.prompt or set data.prompt_template"
+        )
+    return source
+
+
+def load_source(cfg: DataConfig, seed: int) -> PromptSource:
+    """The training prompts (without the held-out items when ``data.eval_holdout`` is set)."""
+    source = _raw_source(cfg, seed)
+    if cfg.eval_holdout:
+        source = Subset(source, _holdout_split(len(source), cfg.eval_holdout, cfg.seed)[0])
+    return _finish(source, cfg)
+
+
+def load_eval_source(cfg: DataConfig, seed: int) -> Optional[PromptSource]:
+    """The held-out prompts (``eval_path``, ``eval_split`` or ``eval_holdout``); None when none is configured."""
+    if cfg.eval_holdout:
+        source = _raw_source(cfg, seed)
+        return _finish(Subset(source, _holdout_split(len(source), cfg.eval_holdout, cfg.seed)[1]), cfg)
+    if cfg.eval_path is not None or cfg.eval_split is not None:
+        return _finish(_raw_source(cfg, seed, eval_file=True), cfg)
+    return None
 
 
 # --------------------------------------------------------------------------- prompt text -> ids
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: DataConfig) -> list[int]:
+def prompt_text(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: DataConfig) -> str:
+    """The exact text the model is given: chat template (or plain text), system prompt, prefill."""
     prompt = item["prompt"]
+    system = system_prompt(cfg.system_prompt)
     if isinstance(prompt, list) or cfg.chat_template:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
-        if cfg.system_prompt and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    text = (cfg.system_prompt + "\n" if cfg.system_prompt else "") + str(prompt)
-    return tokenizer(text).input_ids
+        if system and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}] + messages
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = (system + "\n" if system else "") + str(prompt)
+    return text + (cfg.prefill or "")
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: DataConfig) -> list[int]:
+    text = prompt_text(tokenizer, item, cfg)
+    chat = isinstance(item["prompt"], list) or cfg.chat_template
+    # a rendered chat template already holds its special tokens (BOS included where the model wants one)
+    return tokenizer(text, add_special_tokens=not chat).input_ids
 
 
 @dataclass

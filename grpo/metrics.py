@@ -50,7 +50,9 @@ class MetricsLogger:
 
             self.bar = tqdm(total=cfg.train.max_steps, initial=start_step, dynamic_ncols=True, desc="train")
 
-    def log(self, step: int, metrics: dict[str, float], samples: Optional[list[dict[str, Any]]] = None) -> None:
+    def log(self, step: int, metrics: dict[str, float], samples: Optional[list[dict[str, Any]]] = None,
+            advance: bool = True) -> None:
+        """Write one step's record; ``advance=False`` for a record that is not a training step (step-0 evaluation)."""
         if not self.main:
             return
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -73,7 +75,7 @@ class MetricsLogger:
             if "kl" in metrics:
                 post["kl"] = f"{metrics['kl']:.4f}"
             self.bar.set_postfix(post, refresh=False)
-            self.bar.update(1)
+            self.bar.update(1 if advance else 0)
 
     def close(self) -> Optional[Path]:
         """Finish outputs; returns the plot's path (rank 0, when plotting is on)."""
@@ -118,11 +120,13 @@ def plot_metrics(metrics_path: Path, png: Path) -> Optional[Path]:
     if not rows:
         return None
     panels = [("reward/mean", "reward"), ("completion/length_mean", "completion length"), ("kl", "KL")]
+    if any(r.get("eval/accuracy") is not None for r in rows):
+        panels.append(("eval/accuracy", "held-out accuracy (greedy)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3))
     for ax, (key, title) in zip(axes, panels):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            ax.plot(*zip(*pts))
+            ax.plot(*zip(*pts), marker="o" if key.startswith("eval/") else None)
         else:
             ax.text(0.5, 0.5, "not computed", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)

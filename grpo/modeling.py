@@ -50,10 +50,29 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None) -> PreTrainedM
                 f"model.name_or_path={name!r}: cannot load the model ({e}). "
                 f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
             ) from e
+    if cfg.freeze_bottom_layers:
+        freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def freeze_bottom_layers(model: PreTrainedModel, n: int) -> None:
+    """Freeze the input embeddings (and a head tied to them) and the first ``n`` decoder layers.
+
+    The backward pass then stops at layer ``n``: on a CPU budget, most of a step's compute is
+    saved while the top of the network still learns.
+    """
+    base = getattr(model, model.base_model_prefix, None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError(f"model.freeze_bottom_layers: cannot find the decoder layers of {type(model).__name__}")
+    if n > len(layers):
+        raise ConfigError(f"model.freeze_bottom_layers={n} is more than the model's {len(layers)} layers")
+    model.get_input_embeddings().requires_grad_(False)
+    for layer in layers[:n]:
+        layer.requires_grad_(False)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

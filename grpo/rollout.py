@@ -116,3 +116,10 @@ def generate(
     eos_set = set(int(e) for e in eos_ids)
     truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens])
     return Completions(tokens=tokens, truncated=truncated)
+
+
+def decode_completions(tokenizer, tokens: list[list[int]], eos_ids: list[int]) -> list[str]:
+    """Text the rewards see: everything the model wrote except the final EOS (special tokens stay
+    visible, so a policy cannot hide filler in tokens that decoding would skip)."""
+    eos = set(eos_ids)
+    return tokenizer.batch_decode([t[:-1] if t and t[-1] in eos else t for t in tokens])

@@ -23,11 +23,12 @@ from grpo.batch import RolloutBatch, micro_batches
 from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo.config import Config, ConfigError, dump_config
 from grpo.data import PromptDataset, PromptSampler, load_source
+from grpo.evaluation import Evaluator
 from grpo.logprobs import completion_logprobs
 from grpo.metrics import MetricsLogger
 from grpo.modeling import eos_token_ids, load_model, load_tokenizer
 from grpo.reference import make_reference
-from grpo.rollout import generate
+from grpo.rollout import decode_completions, generate
 from rewards import CombinedReward
 
 
@@ -98,10 +99,11 @@ class Trainer:
         source = load_source(cfg.data, cfg.train.seed)
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
-        self.rewards = CombinedReward(cfg.rewards)
+        self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool)
 
         model = load_model(cfg.model)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.eos_ids) if cfg.eval.every else None
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.train.lr, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
             eps=cfg.train.adam_eps, weight_decay=cfg.train.weight_decay,
@@ -168,10 +170,7 @@ class Trainer:
         return batch
 
     def decode_completions(self, tokens: list[list[int]]) -> list[str]:
-        """Text the reward sees: everything the model wrote except the final EOS (special tokens stay
-        visible, so a policy cannot hide filler in tokens that decoding would skip)."""
-        eos = set(self.eos_ids)
-        return self.tokenizer.batch_decode([t[:-1] if t and t[-1] in eos else t for t in tokens])
+        return decode_completions(self.tokenizer, tokens, self.eos_ids)
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -330,6 +329,7 @@ class Trainer:
             m[f"time/{n}"] = float(t[i])
         tokens = dist.all_reduce_sum(torch.tensor(float(batch.mask.sum()) + sum(len(p) for p in batch.prompt_ids), dtype=torch.float64))
         m["tokens_per_sec"] = float(tokens) / max(m["time/step"], 1e-9)
+        m.update(self.rewards.pop_metrics())
         if self.reference is not None and hasattr(self.reference, "pop_metrics"):
             m.update(self.reference.pop_metrics())
         return m
@@ -343,9 +343,13 @@ class Trainer:
         cfg = self.cfg
         history = []
         last_saved = None
+        if self.evaluator is not None and self.step == 0:  # the starting point, logged as step 0
+            self.logger.log(0, self.evaluator(self.model, 0, self.out), advance=False)
         while self.step < cfg.train.max_steps:
             metrics = self.train_step()
             self.step += 1
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                metrics.update(self.evaluator(self.model, self.step, self.out))
             history.append({"step": self.step, **metrics})
             self.logger.log(self.step, metrics, self._samples_for_log())
             if cfg.train.save_every and self.step % cfg.train.save_every == 0:

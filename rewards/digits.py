@@ -14,3 +14,24 @@ def digits_match(prompts: list[str], completions: list[str], answer: list[str], 
         n = max(len(text), len(gold))
         scores.append(sum(a == b for a, b in zip(text, gold)) / n if n else 1.0)
     return scores
+
+
+def digits_step_match(prompt: str, steps: list[str], example: dict) -> list[float]:
+    """Step reward of the digits task for process supervision (grpo-ps).
+
+    The steps, laid end to end, are compared with the answer position by position: a step scores
+    the fraction of its characters that equal the answer's at the same place; the last step also
+    pays for missing answer characters (an empty step in between scores 0). With one step this
+    is ``digits_match``.
+    """
+    gold = str(example["answer"])
+    scores, pos = [], 0
+    for j, step in enumerate(steps):
+        last = j == len(steps) - 1
+        text = step.strip()
+        end = pos + len(text)
+        span = (max(end, len(gold)) if last else end) - pos
+        right = sum(1 for k, ch in enumerate(text) if pos + k < len(gold) and gold[pos + k] == ch)
+        scores.append(right / span if span else float(last))  # an empty step in between is no progress
+        pos = end
+    return scores

@@ -7,6 +7,7 @@ parametrised over the registry and checks each algorithm's status and metrics.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -16,6 +17,26 @@ from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow
 NAMES = sorted(ALGORITHMS)
+CLIP = ["clip_frac_low", "clip_frac_high", "ratio_mean"]
+# what each must log besides the trainer's reward / advantage / length metrics (ALGORITHMS.md)
+LOGGED = {
+    "grpo": CLIP + ["kl"],
+    "drgrpo": CLIP,
+    "gtpo": CLIP + ["entropy", "gtpo/success_frac", "gtpo/shaped_reward_pos", "gtpo/shaped_reward_neg"],
+    "grpo-s": CLIP + ["entropy", "grpo_s/success_frac", "grpo_s/shaped_reward"],
+    "gspo": CLIP,
+    "gspo-token": CLIP,
+    "tic-grpo": CLIP,
+    "pspo": ["ratio_mean", "smoothed_ratio_mean"],
+    "lambda-grpo": CLIP + ["prefix_count_mean"],
+    "grpo-lambda": CLIP,
+    "grpo-lead": CLIP + ["grpo_lead/shaped_reward", "grpo_lead/correct_frac"],
+    "diver": CLIP + ["diver/bonus", "diver/bonus_correct"],
+    "grpo-ps": CLIP + ["grpo_ps/step_reward", "grpo_ps/steps_per_completion"],
+}
+COMMON = ["reward/mean", "reward/std", "advantage/mean", "advantage/std", "advantage/min", "advantage/max",
+          "advantage/zero_group_frac", "completion/length_mean", "completion/length_max",
+          "completion/truncated_frac", "loss", "grad_norm", "lr"]
 SMALL = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=6"]
 
 
@@ -33,7 +54,8 @@ def test_algorithm_trains_on_two_ranks(smoke_runs, name):
     assert status["ok"], status.get("traceback", status)
     rows = read_metrics(smoke_runs / name / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("reward/mean", "advantage/mean", "advantage/std", "advantage/zero_group_frac",
-                "completion/length_mean", "completion/truncated_frac", "loss"):
-        assert key in rows[-1], key
+    for r in rows:
+        missing = [k for k in COMMON + LOGGED.get(name, CLIP) if k not in r]
+        assert not missing, f"{name} did not log {missing}"
+        assert all(math.isfinite(r[k]) for k in COMMON + LOGGED.get(name, CLIP)), r
     assert (smoke_runs / name / "checkpoints" / "latest").exists()

@@ -1,0 +1,59 @@
+"""GRPO-lambda: eligibility-trace credit assignment (arXiv 2510.00194). [unverified]
+
+Implemented as written in ALGORITHMS.md, not checked against the paper or code:
+    log rho~_{i,t} = sum_{k<=t} w_{t,k} m_{i,k} (l_{i,k} - l^old_{i,k})
+    w_{t,k} = (gamma lambda)^(t-k)                                   trace = "recent" (default)
+            = max((gamma lambda)^(t-k), (gamma lambda)^(k-1))         trace = "both" (k 1-based)
+    A <- max(A, neg_adv_clamp) (-0.1), then GRPO's clipped surrogate with rho~.
+lambda = 0.99, gamma = 1; the rest as GRPO. Even on-policy (rho~ = 1) the gradient of token t
+carries the trace of the earlier tokens' log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from algos.base import LossOutput
+from algos.grpo import GRPO
+from grpo import core
+from grpo.config import ConfigError
+
+
+@dataclass
+class GRPOLambdaOptions:
+    lam: float = 0.99  # trace decay lambda
+    gamma: float = 1.0  # discount gamma
+    trace: Literal["recent", "both"] = "recent"  # weighting of earlier tokens
+    neg_adv_clamp: Optional[float] = -0.1  # A <- max(A, this); null = no clamp
+
+
+class GRPOLambda(GRPO):
+    name = "grpo-lambda"
+    paper = "GRPO-lambda, eligibility traces (arXiv 2510.00194)"
+    tag = "unverified"
+    summary = "log-ratio accumulated over earlier tokens with (gamma lambda)^(t-k), negative A clamped"
+    Options = GRPOLambdaOptions
+    knobs = ("lam", "gamma", "trace", "neg_adv_clamp")
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        o = cfg.algo.options
+        for key in ("lam", "gamma"):
+            v = getattr(o, key)
+            if not 0.0 < v <= 1.0:
+                raise ConfigError(f"algo.{key}={v!r} is invalid: it must be in (0, 1]")
+        if o.neg_adv_clamp is not None and o.neg_adv_clamp > 0:
+            raise ConfigError(f"algo.neg_adv_clamp={o.neg_adv_clamp!r} is invalid: it must be <= 0 (or null)")
+
+    def advantages(self, batch, ctx) -> torch.Tensor:
+        adv = super().advantages(batch, ctx)
+        return adv if self.opt.neg_adv_clamp is None else adv.clamp(min=self.opt.neg_adv_clamp)
+
+    def loss(self, logp, mb, norms) -> LossOutput:
+        log_ratio = core.trace_log_ratio(logp, self.old_logp(logp, mb), mb.mask,
+                                         self.opt.gamma * self.opt.lam, self.opt.trace)
+        per_token, stats = self.ppo_token_loss(logp, mb, torch.exp(log_ratio))
+        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

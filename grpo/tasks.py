@@ -1,0 +1,145 @@
+"""Known task schemas (column presets and prompt templates), ready system prompts, and the seeded
+generators: Countdown and arithmetic word problems."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Optional
+
+from grpo.config import ArithmeticTaskConfig, CountdownTaskConfig
+
+# DeepSeek-R1-Zero's reasoning prompt (arXiv 2501.12948, table 1), as a system prompt.
+R1_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think> </think> and "
+    "<answer> </answer> tags, respectively, i.e., <think> reasoning process here </think> "
+    "<answer> answer here </answer>."
+)
+SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}
+
+# TinyZero's Countdown prompt (the Countdown-Tasks-3to4 recipe).
+COUNTDOWN_TEMPLATE = (
+    "Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
+    "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
+    "tags. And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
+
+
+@dataclass(frozen=True)
+class TaskPreset:
+    """Our column name -> the dataset's column name, and the prompt template (None: the ``prompt`` column)."""
+
+    columns: dict[str, str]
+    template: Optional[str] = None
+
+
+TASKS = {
+    "custom": TaskPreset({"prompt": "prompt"}),
+    "gsm8k": TaskPreset({"prompt": "question", "answer": "answer"}),
+    "math": TaskPreset({"prompt": "problem", "answer": "solution"}),
+    "countdown": TaskPreset({"nums": "nums", "target": "target"}, COUNTDOWN_TEMPLATE),
+}
+
+
+def system_prompt(value: Optional[str]) -> Optional[str]:
+    """A ready prompt's text when ``value`` names one ("r1"), else ``value`` itself."""
+    return SYSTEM_PROMPTS.get(value, value) if value else None
+
+
+# --------------------------------------------------------------------------- Countdown generator
+
+
+def _combine(rng: random.Random, a: Fraction, b: Fraction) -> Optional[Fraction]:
+    """A random + - * / of two values that stays a positive integer (None when the draw does not)."""
+    op = rng.choice("+-*/")
+    if op == "+":
+        v = a + b
+    elif op == "-":
+        v = max(a, b) - min(a, b)
+    elif op == "*":
+        v = a * b
+    else:
+        hi, lo = max(a, b), min(a, b)
+        v = hi / lo if lo and (hi / lo).denominator == 1 else None
+    return v if v is not None and v > 0 and v.denominator == 1 else None
+
+
+def countdown_example(rng: random.Random, cfg: CountdownTaskConfig) -> dict[str, Any]:
+    """Numbers and a target reachable with each number exactly once (built by combining them)."""
+    while True:
+        n = rng.randint(cfg.min_numbers, cfg.max_numbers)
+        nums = [rng.randint(1, cfg.max_number) for _ in range(n)]
+        pool = [Fraction(x) for x in nums]
+        while len(pool) > 1:
+            i, j = rng.sample(range(len(pool)), 2)
+            v = _combine(rng, pool[i], pool[j])
+            if v is None:
+                break
+            pool = [p for k, p in enumerate(pool) if k not in (i, j)] + [v]
+        if len(pool) == 1 and 1 <= pool[0] <= cfg.max_target:
+            return {"nums": nums, "target": int(pool[0])}
+
+
+class CountdownTask:
+    """Seeded Countdown problems in the Countdown-Tasks-3to4 schema (``nums``, ``target``)."""
+
+    def __init__(self, cfg: CountdownTaskConfig, seed: int = 0):
+        rng = random.Random(seed)
+        self.items = [countdown_example(rng, cfg) for _ in range(cfg.num_examples)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return dict(self.items[i])
+
+
+# --------------------------------------------------------------------------- arithmetic word problems
+
+_NAMES = ["Sam", "Mia", "Omar", "Lena", "Ravi", "Ana", "Tom", "Yuki", "Ben", "Zoe", "Ivan", "Nora"]
+_THINGS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "cards", "shells", "toy cars"]
+
+
+def _word_problem(rng: random.Random, max_value: int) -> tuple[str, int]:
+    """One short problem with one or two of + - * / and its integer answer."""
+    name, things = rng.choice(_NAMES), rng.choice(_THINGS)
+    kind = rng.choice(["add", "sub", "mul", "div", "add_sub"])
+    small = max(2, min(12, max_value // 4))
+    if kind == "add":
+        a, b = rng.randint(2, max_value), rng.randint(2, max_value)
+        return f"{name} has {a} {things} and gets {b} more. How many {things} does {name} have now?", a + b
+    if kind == "sub":
+        a = rng.randint(3, max_value)
+        b = rng.randint(1, a - 1)
+        return f"{name} has {a} {things} and gives {b} of them away. How many {things} does {name} have left?", a - b
+    if kind == "mul":
+        a, b = rng.randint(2, small), rng.randint(2, small)
+        return f"{name} buys {a} bags with {b} {things} in each bag. How many {things} does {name} buy?", a * b
+    if kind == "div":
+        a, b = rng.randint(2, small), rng.randint(2, small)
+        return (f"{name} shares {a * b} {things} equally among {b} friends. "
+                f"How many {things} does each friend get?"), a
+    a, b = rng.randint(2, max_value), rng.randint(2, max_value)
+    c = rng.randint(1, a + b - 1)
+    return (f"{name} has {a} {things}, gets {b} more and then gives {c} away. "
+            f"How many {things} does {name} have left?"), a + b - c
+
+
+class ArithmeticTask:
+    """Seeded one- and two-step arithmetic word problems: items ``{"prompt", "answer"}`` (answer: the integer as text)."""
+
+    def __init__(self, cfg: ArithmeticTaskConfig, seed: int = 0):
+        rng = random.Random(seed)
+        self.items = []
+        for _ in range(cfg.num_examples):
+            question, answer = _word_problem(rng, cfg.max_value)
+            self.items.append({"prompt": question, "answer": str(answer)})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return dict(self.items[i])

@@ -1,0 +1,184 @@
+"""Reward calls in worker processes, with a hard per-call timeout.
+
+Reward code is untrusted in the sense that matters for a long run: math-verify can hang
+on pathological input (sympy stuck inside one C call that no signal interrupts), a user
+function can raise or be slow. So each call (one chunk of completions for one function)
+runs in a worker process; a call that passes its deadline is answered with a timeout
+and its worker is killed and replaced, and an exception comes back as its traceback.
+The caller turns both into zeros and counts them (rewards.CombinedReward).
+
+Workers are started with ``spawn`` (a fork of a process holding torch's thread pools can
+deadlock) and resolve functions by name themselves, so only names, kwargs and texts
+cross the process boundary.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+
+@dataclass
+class Call:
+    """One reward call: function ``fn`` (registered name or ``pkg.mod:fn``) on a chunk of rows."""
+
+    fn: str
+    kwargs: dict[str, Any]
+    prompts: list[str]
+    completions: list[str]
+    columns: dict[str, list]
+
+
+@dataclass
+class Outcome:
+    """``status`` is ok | error | timeout; ``values`` only when ok, ``error`` (a traceback) when error."""
+
+    status: str
+    values: Optional[list[float]] = None
+    error: Optional[str] = None
+
+
+def run_call(call: Call) -> Outcome:
+    """Run one call here, in this process; an exception becomes an error outcome."""
+    from rewards import resolve  # late: the worker process imports the registry itself
+
+    try:
+        fn = resolve(call.fn)
+        values = [float(v) for v in fn(call.prompts, call.completions, **call.columns, **call.kwargs)]
+        if len(values) != len(call.completions):
+            raise ValueError(f"reward {call.fn!r} returned {len(values)} values for {len(call.completions)} completions")
+        return Outcome("ok", values=values)
+    except Exception:  # noqa: BLE001 - any failure of user code scores 0 and is reported
+        return Outcome("error", error=traceback.format_exc())
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: import the registry, say ready, then receive a Call and send back its Outcome
+    until None or a closed pipe."""
+    import rewards  # noqa: F401  (slow imports happen before the first deadline starts)
+
+    conn.send("ready")
+    while True:
+        try:
+            call = conn.recv()
+        except (EOFError, OSError):
+            return
+        if call is None:
+            return
+        conn.send(run_call(call))
+
+
+class _Worker:
+    STARTUP_TIMEOUT = 300.0  # seconds for a new worker's imports
+
+    def __init__(self, ctx) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the worker has imported the registry (not counted against any call's timeout)."""
+        if self.ready:
+            return
+        if not self.conn.poll(self.STARTUP_TIMEOUT):
+            raise RuntimeError(f"reward worker did not start within {self.STARTUP_TIMEOUT:.0f} s")
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise RuntimeError(f"reward worker died while starting (exit code {self.proc.exitcode})") from e
+        if msg != "ready":
+            raise RuntimeError(f"reward worker sent {msg!r} instead of 'ready'")
+        self.ready = True
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=2)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class WorkerPool:
+    """``num_workers`` processes; :meth:`run` maps calls to outcomes, each call within ``timeout`` seconds.
+
+    ``num_workers=0`` runs calls in this process, one after another, without a timeout
+    (for debugging: nothing can interrupt a hung call there).
+    """
+
+    def __init__(self, num_workers: int, timeout: float):
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout} must be > 0")
+        self.num_workers, self.timeout = num_workers, timeout
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self.restarts = 0  # workers replaced after a timeout or a crash
+        if num_workers:
+            self._workers = [_Worker(self._ctx) for _ in range(num_workers)]
+            atexit.register(self.close)
+
+    def run(self, calls: list[Call]) -> list[Outcome]:
+        if not self.num_workers:
+            return [run_call(c) for c in calls]
+        results: list[Optional[Outcome]] = [None] * len(calls)
+        queue = deque(range(len(calls)))
+        idle = list(range(len(self._workers)))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
+        while queue or busy:
+            while queue and idle:
+                slot, i = idle.pop(), queue.popleft()
+                try:
+                    self._workers[slot].wait_ready()
+                    self._workers[slot].conn.send(calls[i])
+                except (BrokenPipeError, OSError, RuntimeError):  # died while idle: replace it, retry once
+                    self._replace(slot)
+                    self._workers[slot].wait_ready()
+                    self._workers[slot].conn.send(calls[i])
+                busy[slot] = (i, time.monotonic() + self.timeout)
+            now = time.monotonic()
+            wait_for = max(0.0, min(d for _, d in busy.values()) - now)
+            ready = wait([self._workers[s].conn for s in busy], timeout=wait_for)
+            for slot in list(busy):
+                w, (i, deadline) = self._workers[slot], busy[slot]
+                if w.conn in ready:
+                    try:
+                        results[i] = w.conn.recv()
+                    except (EOFError, OSError):  # the worker crashed mid-call (segfault, OOM kill)
+                        results[i] = Outcome("error", error=f"worker process died (exit code {w.proc.exitcode})")
+                        self._replace(slot)
+                elif time.monotonic() >= deadline:
+                    results[i] = Outcome("timeout")
+                    self._replace(slot)
+                else:
+                    continue
+                del busy[slot]
+                idle.append(slot)
+        return results  # type: ignore[return-value]
+
+    def _replace(self, slot: int) -> None:
+        self._workers[slot].kill()
+        self._workers[slot] = _Worker(self._ctx)
+        self.restarts += 1
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.stop()
+        self._workers = []

@@ -1,0 +1,206 @@
+"""Loaders on small local files (GSM8K, MATH, Countdown schemas, custom mapping), generators, prompt text, held-out splits."""
+
+import itertools
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from grpo.config import ArithmeticTaskConfig, ConfigError, CountdownTaskConfig, DataConfig, load_config
+from grpo.data import PromptDataset, load_eval_source, load_source, prompt_ids, prompt_text
+from grpo.tasks import R1_SYSTEM_PROMPT, ArithmeticTask, CountdownTask
+from grpo.tiny import make_char_tokenizer
+from rewards.countdown import check
+from rewards.math_answer import math_correct
+
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def data(**kw):
+    return DataConfig(**kw)
+
+
+GSM_ROWS = [
+    {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2+3=<<2+3=5>>5\n#### 5"},
+    {"question": "A box holds 1,200 pens. 200 are sold. How many are left?", "answer": "#### 1,000"},
+    {"question": "What is 6 times 7?", "answer": "6*7=42\n#### 42"},
+]
+
+
+def test_gsm8k_schema(tmp_path):
+    cfg = data(source="jsonl", path=write_jsonl(tmp_path / "g.jsonl", GSM_ROWS), task="gsm8k")
+    src = load_source(cfg, seed=0)
+    assert len(src) == 3
+    item = src[1]
+    assert item["prompt"] == GSM_ROWS[1]["question"] and item["answer"] == GSM_ROWS[1]["answer"]
+    assert math_correct([item["prompt"]], ["<answer>1000</answer>"], [item["answer"]], gold="gsm8k") == [1.0]
+
+
+def test_math_schema_with_boxed_solutions(tmp_path):
+    rows = [{"problem": "Solve x+1=3.", "solution": "So $x=\\boxed{2}$.", "level": "Level 1"}]
+    src = load_source(data(source="jsonl", path=write_jsonl(tmp_path / "m.jsonl", rows), task="math"), 0)
+    item = src[0]
+    assert item["prompt"] == "Solve x+1=3." and item["level"] == "Level 1"  # other columns pass through
+    assert math_correct(["p"], ["\\boxed{2}"], [item["answer"]], extract="boxed") == [1.0]
+
+
+def test_countdown_schema_and_template(tmp_path):
+    rows = [{"target": 22, "nums": [3, 5, 7]}, {"target": 4, "nums": [5, 7, 3, 1]}]
+    src = load_source(data(source="jsonl", path=write_jsonl(tmp_path / "c.jsonl", rows), task="countdown"), 0)
+    item = src[0]
+    assert item["nums"] == [3, 5, 7] and item["target"] == 22
+    assert "Using the numbers [3, 5, 7], create an equation that equals 22" in item["prompt"]
+
+
+def test_parquet_with_custom_column_mapping_and_template(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "t.parquet"
+    pd.DataFrame({"q": ["2+2?", "3+3?"], "gold": ["4", "6"], "src": ["a", "b"]}).to_parquet(path)
+    cfg = data(source="parquet", path=str(path), columns={"question": "q", "answer": "gold"},
+               prompt_template="Question: {question} (from {src})")
+    item = load_source(cfg, 0)[1]
+    assert item == {"src": "b", "question": "3+3?", "answer": "6", "prompt": "Question: 3+3? (from b)"}
+
+
+def test_missing_column_stops_with_its_name(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "solution": "#### 1"}])
+    with pytest.raises(ConfigError, match=r"data.columns.answer='answer'.*no column 'answer'.*\['question', 'solution'\]"):
+        load_source(data(source="jsonl", path=path, task="gsm8k"), 0)
+    with pytest.raises(ConfigError, match="data.columns.prompt='prompt'.*no column 'prompt'"):
+        load_source(data(source="jsonl", path=path, columns={"answer": "solution"}), 0)
+    with pytest.raises(ConfigError, match=r"no 'prompt' column \(columns: \['nums', 'target'\]\)"):
+        load_source(data(source="countdown", countdown=CountdownTaskConfig(num_examples=2)), 0)
+
+
+def test_template_naming_a_missing_column_stops_with_its_name(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(ConfigError, match=r"names the column 'topic'.*\['prompt'\]"):
+        load_source(data(source="jsonl", path=path, prompt_template="{topic}: {prompt}"), 0)
+
+
+def test_empty_dataset_stops_with_a_message(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    with pytest.raises(ConfigError, match="empty.jsonl.*holds no rows"):
+        load_source(data(source="jsonl", path=str(path), task="gsm8k"), 0)
+    import pandas as pd
+
+    pq = tmp_path / "empty.parquet"
+    pd.DataFrame({"question": [], "answer": []}).to_parquet(pq)
+    with pytest.raises(ConfigError, match="empty.parquet.*holds no rows"):
+        load_source(data(source="parquet", path=str(pq), task="gsm8k"), 0)
+
+
+def test_missing_file_stops_with_its_path(tmp_path):
+    with pytest.raises(ConfigError, match="nope.jsonl"):
+        load_source(data(source="jsonl", path=str(tmp_path / "nope.jsonl")), 0)
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def solvable(nums, target):
+    """Brute force: some order, operators and bracketing of all numbers reaches the target."""
+    def values(xs):
+        if len(xs) == 1:
+            yield Fraction(xs[0])
+            return
+        for k in range(1, len(xs)):
+            for a in values(xs[:k]):
+                for b in values(xs[k:]):
+                    yield from (a + b, a - b, a * b)
+                    if b:
+                        yield a / b
+    return any(v == target for p in itertools.permutations(nums) for v in values(list(p)))
+
+
+def test_countdown_generator_is_seeded_and_solvable():
+    cfg = CountdownTaskConfig(num_examples=15, min_numbers=3, max_numbers=4, max_number=20, max_target=200)
+    a, b = CountdownTask(cfg, seed=3), CountdownTask(cfg, seed=3)
+    assert [a[i] for i in range(15)] == [b[i] for i in range(15)]
+    assert [a[i] for i in range(15)] != [CountdownTask(cfg, seed=4)[i] for i in range(15)]
+    for i in range(15):
+        item = a[i]
+        assert 3 <= len(item["nums"]) <= 4 and all(1 <= n <= 20 for n in item["nums"])
+        assert 1 <= item["target"] <= 200 and solvable(item["nums"], item["target"])
+
+
+def test_arithmetic_generator():
+    task = ArithmeticTask(ArithmeticTaskConfig(num_examples=200, max_value=12), seed=0)
+    assert len(task) == 200
+    for i in range(200):
+        item = task[i]
+        assert item["prompt"].endswith("?") and int(item["answer"]) >= 0
+    assert task[0] == ArithmeticTask(ArithmeticTaskConfig(num_examples=1, max_value=12), seed=0)[0]
+
+
+# --------------------------------------------------------------------------- prompt text
+
+
+def test_chat_template_with_r1_system_prompt_and_prefill():
+    tok = make_char_tokenizer()
+    cfg = data(chat_template=True, system_prompt="r1", prefill="<think>")
+    text = prompt_text(tok, {"prompt": "2+2?"}, cfg)
+    assert text == f"s:{R1_SYSTEM_PROMPT}\nu:2+2?\na:<think>"
+    assert tok.decode(prompt_ids(tok, {"prompt": "2+2?"}, cfg)) == text
+
+
+def test_plain_text_prompt_for_base_models():
+    tok = make_char_tokenizer()
+    cfg = data(system_prompt="Be brief.", prefill="A:")
+    assert prompt_text(tok, {"prompt": "Q: 2+2?\n"}, cfg) == "Be brief.\nQ: 2+2?\nA:"
+
+
+def test_over_long_prompts_are_dropped_and_counted():
+    tok = make_char_tokenizer()
+    items = [{"prompt": "x" * n} for n in (5, 50, 8, 60)]
+    ds = PromptDataset.build(items, tok, data(), max_prompt_length=10)
+    assert len(ds) == 2 and ds.dropped == 2
+    with pytest.raises(ConfigError, match="every prompt is longer"):
+        PromptDataset.build(items[1::2], tok, data(), max_prompt_length=10)
+
+
+# --------------------------------------------------------------------------- held-out data
+
+
+def test_holdout_is_disjoint_seeded_and_independent_of_the_training_seed():
+    cfg = data(source="arithmetic", arithmetic=ArithmeticTaskConfig(num_examples=100), eval_holdout=20)
+    train, held = load_source(cfg, seed=0), load_eval_source(cfg, seed=0)
+    assert len(train) == 80 and len(held) == 20
+    key = lambda s: {s[i]["prompt"] for i in range(len(s))}  # noqa: E731
+    assert not key(train) & key(held)
+    assert key(load_eval_source(cfg, seed=7)) == key(held)  # train.seed does not move the split
+
+
+def test_eval_path(tmp_path):
+    cfg = data(source="jsonl", task="gsm8k", path=write_jsonl(tmp_path / "a.jsonl", GSM_ROWS),
+               eval_path=write_jsonl(tmp_path / "b.jsonl", GSM_ROWS[:1]))
+    assert len(load_source(cfg, 0)) == 3 and len(load_eval_source(cfg, 0)) == 1
+    assert load_eval_source(data(), 0) is None
+
+
+def test_eval_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="choose one source of held-out data"):
+        load_config(None, None, ["data.source=jsonl", "data.path=x", "data.eval_path=y", "data.eval_holdout=5"])
+    with pytest.raises(ConfigError, match="eval.every=5 needs held-out data"):
+        load_config(None, None, ["eval.every=5"])
+    with pytest.raises(ConfigError, match="eval_split='test' needs data.source='hub'"):
+        load_config(None, None, ["data.source=jsonl", "data.path=x", "data.eval_split=test"])
+    with pytest.raises(ConfigError, match="leaves no training data"):
+        load_source(data(source="arithmetic", arithmetic=ArithmeticTaskConfig(num_examples=10), eval_holdout=10), 0)
+
+
+@pytest.mark.skipif(not SHARED_GSM8K.exists(), reason="../shared/data/gsm8k is not on this machine")
+def test_real_gsm8k_train_split_with_holdout():
+    cfg = data(source="jsonl", path=str(SHARED_GSM8K), task="gsm8k", eval_holdout=200)
+    train, held = load_source(cfg, 0), load_eval_source(cfg, 0)
+    assert len(train) + len(held) == 7473 and len(held) == 200
+    item = held[0]
+    assert math_correct(["p"], [f"<answer>{item['answer'].split('####')[-1]}</answer>"], [item["answer"]]) == [1.0]

@@ -1,0 +1,100 @@
+"""scripts/eval.py on the tiny model, and evaluation inside a (tiny) training run whose checkpoint it then reads."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_CONFIG = """
+model: {name_or_path: builtin:tiny-char}
+data:
+  source: arithmetic
+  arithmetic: {num_examples: 60, max_value: 9}
+  chat_template: true
+  system_prompt: Answer.
+  prefill: "A:"
+  eval_holdout: 12
+rollout: {num_generations: 2, prompts_per_step: 2, max_prompt_length: 200, max_completion_length: 4}
+algo: {beta: 0.0}
+train: {max_steps: 2, lr: 1.0e-3, micro_batch_size: 8, output_dir: OUT}
+logging: {progress_bar: false, plot: false}
+rewards:
+  - fn: math_correct
+    kwargs: {extract: last_number, gold: plain}
+reward_pool: {num_workers: 1}
+eval:
+  every: 1
+  limit: 6
+  batch_size: 4
+  format: {fn: format_soft, kwargs: {blocks: [answer]}}
+"""
+
+
+def load_eval_script():
+    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY_CONFIG.replace("OUT", str(tmp_path / "run")))
+    return path
+
+
+def test_eval_script_on_the_tiny_model(config, tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    rc = load_eval_script().main(["--model", "builtin:tiny-char", "--config", str(config), "--split", "test",
+                                  "--limit", "5", "--k", "3", "--out", str(out), "--json"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for line in ("problems: 5", "accuracy (greedy): ", "format rate: ", "mean completion length: ", "mean@3: ",
+                 "pass@3: "):
+        assert line in printed
+    summary = json.loads(printed.strip().splitlines()[-1])
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(records) == 5 == summary["eval/num_problems"]
+    assert {"prompt", "completion", "answer", "correct", "format", "length", "correct_of_3"} <= set(records[0])
+    assert records[0]["prompt"].endswith("a:A:")  # chat template + prefill, as the model saw it
+    assert summary["eval/accuracy"] == sum(r["correct"] for r in records) / 5
+    assert summary["eval/length_mean"] == sum(r["length"] for r in records) / 5
+    assert 0 <= summary["eval/mean@3"] <= summary["eval/pass@3"] <= 1
+
+
+def test_eval_script_rejects_a_bad_split(config, capsys):
+    assert load_eval_script().main(["--model", "builtin:tiny-char", "--config", str(config), "--split", "dev"]) == 2
+    assert "split='dev' is invalid" in capsys.readouterr().err
+
+
+def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, tmp_path, capsys):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29000 + os.getpid() % 2000), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("eval/accuracy" in r and r["eval/num_problems"] == 6 for r in rows)
+    assert "reward/mean" not in rows[0] and "reward/mean" in rows[1]
+    assert rows[1]["reward/math_correct/timeouts"] == 0.0 and rows[1]["reward/math_correct/errors"] == 0.0
+
+    saved = [json.loads(x) for x in (tmp_path / "run" / "eval" / "step-2.jsonl").read_text().splitlines()]
+    assert len(saved) == 6 and sum(r["correct"] for r in saved) / 6 == rows[-1]["eval/accuracy"]
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-2"
+    out = tmp_path / "ckpt.jsonl"
+    assert load_eval_script().main(["--model", str(ckpt), "--config", str(config), "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the checkpoint is the trained model: same problems, same greedy answers as the run's last evaluation
+    assert summary["eval/num_problems"] == 6
+    assert summary["eval/accuracy"] == rows[-1]["eval/accuracy"]
+    assert summary["eval/length_mean"] == rows[-1]["eval/length_mean"]
+    assert [json.loads(x)["completion"] for x in out.read_text().splitlines()] == [r["completion"] for r in saved]

@@ -1,0 +1,99 @@
+"""Rewards in the worker pool: a hang times out, an exception scores 0 and is logged once, the run goes on."""
+
+import logging
+import time
+
+import pytest
+
+from grpo.config import ConfigError, RewardPoolConfig, RewardSpec
+from rewards import CombinedReward, resolve
+
+HANG = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's comparison of this with 5 does not return (sympy in C)
+
+
+def combined(specs, workers=1, timeout=5.0, chunk=1):
+    return CombinedReward([RewardSpec(**s) for s in specs], RewardPoolConfig(workers, timeout, chunk))
+
+
+def test_hanging_math_input_hits_the_timeout_and_the_run_goes_on(caplog):
+    r = combined([{"fn": "math_correct", "kwargs": {"extract": "boxed", "gold": "plain"}}], workers=1, timeout=3.0)
+    try:
+        answers = {"answer": ["5", "5", "5"]}
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rewards"):
+            total, per_fn = r(["p"] * 3, ["\\boxed{5}", HANG, "so \\boxed{5.0}"], answers)
+        assert time.monotonic() - t0 < 20
+        assert total == [1.0, 0.0, 1.0]
+        assert r.pop_metrics() == {"reward/math_correct/errors": 0.0, "reward/math_correct/timeouts": 1.0}
+        assert "longer than reward_pool.timeout" in caplog.text
+        # the replaced worker keeps scoring
+        total, _ = r(["p"] * 2, ["\\boxed{5}", "\\boxed{4}"], {"answer": ["5", "5"]})
+        assert total == [1.0, 0.0]
+        assert r.pop_metrics()["reward/math_correct/timeouts"] == 0.0
+        assert r.pool.restarts == 1
+    finally:
+        r.close()
+
+
+def test_exception_scores_zero_counted_and_first_traceback_logged_once(caplog):
+    r = combined([{"fn": "reward_fixtures:boom"}, {"fn": "reward_fixtures:length_bonus", "weight": 0.5,
+                                                    "kwargs": {"scale": 2.0}}], workers=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rewards"):
+            total, per_fn = r(["p"] * 3, ["ab", "boom", "abcd"], {})
+            r(["p"], ["boom again"], {})
+        assert per_fn["boom"] == [1.0, 0.0, 1.0]
+        assert per_fn["length_bonus"] == [4.0, 8.0, 8.0]
+        assert total == [3.0, 4.0, 5.0]
+        assert r.pop_metrics()["reward/boom/errors"] == 2.0
+        tracebacks = [rec for rec in caplog.records if "raised" in rec.getMessage()]
+        assert len(tracebacks) == 1
+        assert "RuntimeError: kaboom" in tracebacks[0].getMessage()
+        assert "Traceback" in tracebacks[0].getMessage()
+    finally:
+        r.close()
+
+
+def test_slow_custom_function_times_out_only_its_rows():
+    r = combined([{"fn": "reward_fixtures:slow"}], workers=2, timeout=1.0)
+    try:
+        t0 = time.monotonic()
+        total, _ = r(["p"] * 4, ["a", "slow", "b", "c"], {})
+        assert time.monotonic() - t0 < 15
+        assert total == [1.0, 0.0, 1.0, 1.0]
+        assert r.pop_metrics()["reward/slow/timeouts"] == 1.0
+    finally:
+        r.close()
+
+
+def test_a_worker_that_dies_is_an_error_and_is_replaced():
+    r = combined([{"fn": "reward_fixtures:crash"}], workers=1)
+    try:
+        total, _ = r(["p"] * 3, ["a", "crash", "b"], {})
+        assert total == [1.0, 0.0, 1.0]
+        assert r.pop_metrics()["reward/crash/errors"] == 1.0
+    finally:
+        r.close()
+
+
+def test_chunks_score_together_and_wrong_lengths_are_errors():
+    r = combined([{"fn": "reward_fixtures:wrong_length"}], workers=0, chunk=2)
+    total, _ = r(["p"] * 3, ["a", "b", "c"], {})
+    assert total == [0.0, 0.0, 1.0]  # the 2-row chunk got 1 value: an error; the last chunk has 1 row
+    assert r.pop_metrics()["reward/wrong_length/errors"] == 2.0
+
+
+def test_inline_mode_counts_errors_too():
+    r = combined([{"fn": "reward_fixtures:boom"}], workers=0)
+    total, _ = r(["p"] * 2, ["boom", "fine"], {})
+    assert total == [0.0, 1.0]
+    assert r.pop_metrics()["reward/boom/errors"] == 1.0
+
+
+def test_bad_reward_names_stop_with_a_message():
+    with pytest.raises(ConfigError, match="unknown"):
+        resolve("no_such_reward")
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        resolve("no_such_module_xyz:f")
+    with pytest.raises(ConfigError, match="not callable"):
+        resolve("reward_fixtures:not_callable")
