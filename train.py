@@ -50,14 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    from grpo.reference import ReferenceServerError
     from grpo.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, resume=args.resume)
+        trainer.train()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    trainer.train()
+    except ReferenceServerError as e:  # the reference server is gone: the message says how to restart it
+        print(f"reference error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

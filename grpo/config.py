@@ -291,6 +291,14 @@ def validate(cfg: Config) -> None:
     _positive("reward_pool.chunk_size", cfg.reward_pool.chunk_size)
     if cfg.ref.url is not None and not cfg.ref.url.startswith(("http://", "https://")):
         raise ConfigError(f"ref.url={cfg.ref.url!r} is invalid: it must start with http:// or https://")
+    _positive("ref.connect_timeout", cfg.ref.connect_timeout)
+    _positive("ref.read_timeout", cfg.ref.read_timeout)
+    _positive("ref.retry_window", cfg.ref.retry_window, allow_zero=True)
+    _positive("ref.max_batch_tokens", cfg.ref.max_batch_tokens)
+    _positive("ref.max_queue", cfg.ref.max_queue)
+    _positive("ref.max_request_mb", cfg.ref.max_request_mb)
+    if not 0 <= cfg.ref.port <= 65535:
+        raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
 
 
 def _validate_data(d: DataConfig) -> None:

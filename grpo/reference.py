@@ -16,6 +16,44 @@ from grpo.config import Config
 from grpo.logprobs import Packed, completion_logprobs
 
 
+class ReferenceServerError(RuntimeError):
+    """The reference cannot answer (e.g. the server is gone); the message says what to do."""
+
+
+def row_slices(rows: int, row_tokens: int, max_rows: Optional[int] = None, max_tokens: Optional[int] = None) -> list[slice]:
+    """Consecutive row slices of at most ``max_rows`` rows and ``max_tokens`` padded tokens (>= 1 row each)."""
+    per = rows if max_rows is None else max_rows
+    if max_tokens is not None:
+        per = min(per, max(1, max_tokens // max(1, row_tokens)))
+    per = max(1, per)
+    return [slice(s, s + per) for s in range(0, rows, per)]
+
+
+@torch.no_grad()
+def sliced_logprobs(
+    model: torch.nn.Module,
+    packed: Packed,
+    temperature: float,
+    chunk_size: int,
+    max_rows: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[rows, width] float32 CPU log-probs (and entropy) of ``packed``, one forward pass per row slice.
+
+    The in-process reference and the reference server both call this, so the same rows in the
+    same slices give bit-identical results whichever side computes them.
+    """
+    lps, ents = [], []
+    for sl in row_slices(packed.input_ids.shape[0], packed.input_ids.shape[1], max_rows, max_tokens):
+        part = Packed(packed.input_ids[sl], packed.attention_mask[sl], packed.start[sl], packed.length[sl], packed.width)
+        lp, ent = completion_logprobs(model, part, temperature, chunk_size, with_entropy)
+        lps.append(lp.float().cpu())
+        if ent is not None:
+            ents.append(ent.float().cpu())
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
 class Reference(Protocol):
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]": ...
     def info(self) -> dict: ...
@@ -34,17 +72,9 @@ class InProcessReference:
         self.version = 0
         self.source = cfg.ref.model or cfg.model.name_or_path
 
-    @torch.no_grad()
     def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
-        chunk = self.cfg.train.logprob_chunk_size
-        rows = packed.input_ids.shape[0]
-        mbs = self.cfg.train.micro_batch_size
-        outs = []
-        for s in range(0, rows, mbs):
-            sl = slice(s, s + mbs)
-            part = Packed(packed.input_ids[sl], packed.attention_mask[sl], packed.start[sl], packed.length[sl], packed.width)
-            outs.append(completion_logprobs(self.model, part, temperature, chunk)[0].float().cpu())
-        return torch.cat(outs)
+        return sliced_logprobs(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
+                               max_rows=self.cfg.train.micro_batch_size)[0]
 
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
         fut: Future = Future()
@@ -65,12 +95,16 @@ class InProcessReference:
         return self.info()
 
 
-def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None) -> Optional[Reference]:
-    """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried."""
+def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None,
+                   vocab_size: Optional[int] = None) -> Optional[Reference]:
+    """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried.
+
+    ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both.
+    """
     if not needed:
         return None
     if cfg.ref.url:
         from grpo.ref_http import HTTPReference  # the server's client (ref_client.py serves it)
 
-        return HTTPReference(cfg, tokenizer)
+        return HTTPReference(cfg, tokenizer, vocab_size)
     return InProcessReference(cfg, device)

@@ -116,7 +116,8 @@ class Trainer:
         )
         self.model = self.engine.module
         self.device = self.engine.device
-        self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer)
+        self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer,
+                                        vocab_size=model.config.get_text_config().vocab_size)
 
         self.step = 0
         self._last_batch: Optional[RolloutBatch] = None

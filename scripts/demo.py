@@ -1,5 +1,7 @@
 """`make demo`: train the tiny model on the built-in task with 2 DeepSpeed CPU ranks, then report.
 
+The reference model (for the KL term) runs in its own process: the demo starts
+``ref_client.py``, waits until it is healthy, trains against it (``ref.url``) and stops it.
 Prints reward at start and end, steps and time, and the plot's path; exits non-zero when
 the run did not learn (last-10% mean reward >= 0.8 and >= 5x the first-10% mean).
 """
@@ -17,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.metrics import read_metrics  # noqa: E402
+from grpo.ref_launch import ServerProcess, free_port  # noqa: E402
 
 
 def launcher() -> list[str]:
@@ -29,7 +32,17 @@ def summarize(metrics_path: Path) -> dict:
     k = max(1, len(rows) // 10)
     first = sum(r["reward/mean"] for r in rows[:k]) / k
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
-    return {"steps": len(rows), "first": first, "last": last}
+    ref = [r for r in rows if r.get("ref/requests")]
+    per_step = {key: sum(r[key] for r in ref) / max(1, len(ref)) for key in ("ref/latency", "ref/bytes_sent", "ref/bytes_received")}
+    return {"steps": len(rows), "first": first, "last": last, "ref_steps": len(ref), **per_step}
+
+
+def needs_reference(config: str, overrides: list[str]) -> bool:
+    from algos import get_algorithm
+    from grpo.config import load_config
+
+    cfg = load_config(config, None, overrides)
+    return get_algorithm(cfg.algo.name)(cfg).needs_reference
 
 
 def main() -> int:
@@ -41,11 +54,27 @@ def main() -> int:
     args = p.parse_args()
 
     out = ROOT / args.output_dir
-    cmd = launcher() + ["--num_gpus", str(args.ranks), "--master_port", str(29500 + os.getpid() % 1000),
-                        "train.py", "--config", args.config, f"train.output_dir={out}", *args.overrides]
-    print("$", " ".join(cmd), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT)
+    server = None
+    overrides = list(args.overrides)
+    if needs_reference(args.config, overrides):
+        # One core each for the two ranks and the server: no thread oversubscription on a small CPU box.
+        server = ServerProcess(["--config", args.config, *overrides], port=free_port(),
+                               log_path=out / "ref_server.log", env={"OMP_NUM_THREADS": "1"})
+        print(f"$ python ref_client.py --config {args.config} --port {server.port}   (log: {server.log_path})", flush=True)
+        server.start(timeout=180)
+        print(f"reference server healthy at {server.url}", flush=True)
+        overrides.append(f"ref.url={server.url}")
+    cmd = launcher() + ["--num_gpus", str(args.ranks), "--master_port", str(29500 + os.getpid() % 1000),
+                        "train.py", "--config", args.config, f"train.output_dir={out}", *overrides]
+    print("$", " ".join(cmd), flush=True)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT)
+    finally:
+        if server is not None:
+            code = server.stop()
+            print(f"reference server stopped (exit {code})", flush=True)
     elapsed = time.time() - t0
     if proc.returncode != 0:
         print(f"training failed (exit {proc.returncode})", file=sys.stderr)
@@ -56,6 +85,9 @@ def main() -> int:
     print("| steps | reward, first 10% | reward, last 10% | ratio | wall time |")
     print("|---|---|---|---|---|")
     print(f"| {s['steps']} | {s['first']:.3f} | {s['last']:.3f} | {s['last'] / max(s['first'], 1e-9):.1f}x | {elapsed:.0f} s |")
+    if s["ref_steps"]:
+        print(f"\nreference server: {s['ref_steps']} steps, per step on rank 0: {1000 * s['ref/latency']:.1f} ms latency, "
+              f"{s['ref/bytes_sent'] / 1024:.1f} KiB sent, {s['ref/bytes_received'] / 1024:.1f} KiB received")
     print(f"\nplot: {out / 'metrics.png'}")
     print(f"metrics: {out / 'metrics.jsonl'}   samples: {out / 'samples.jsonl'}")
     print("learned: yes" if ok else "learned: NO (needs last >= 0.8 and >= 5x first)")

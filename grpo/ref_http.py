@@ -1,0 +1,180 @@
+"""The trainer's client of the reference server (``ref.url``; the server is ``ref_client.py``).
+
+One pooled HTTP session; connect/read timeouts; retries with exponential backoff and jitter
+on connection errors, timeouts, 503 and other 5xx (a log-prob request is idempotent) for up
+to ``ref.retry_window`` seconds, then :class:`ReferenceServerError` naming the URL and how
+to start the server. At start it checks health and that the server's tokenizer and
+vocabulary are the policy's. ``submit`` runs the request on a background thread so the
+trainer keeps working meanwhile; ``pop_metrics`` reports latency and bytes per step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+from urllib.parse import urlsplit
+
+import requests
+import torch
+from requests.adapters import HTTPAdapter
+
+from grpo.config import Config, ConfigError
+from grpo.logprobs import Packed
+from grpo.ref_wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
+from grpo.reference import ReferenceServerError
+
+BACKOFF_BASE = 0.05  # seconds before the first retry; doubles each time
+BACKOFF_CAP = 2.0
+
+
+def backoff(attempt: int, retry_after: float = 0.0) -> float:
+    """Seconds to wait before retry ``attempt`` (1, 2, ...): exponential, jittered, >= Retry-After."""
+    step = min(BACKOFF_CAP, BACKOFF_BASE * 2 ** (attempt - 1))
+    return max(retry_after, step * random.uniform(0.5, 1.0))
+
+
+def _retry_after(resp: requests.Response) -> float:
+    try:
+        return max(0.0, float(resp.headers.get("Retry-After", 0)))
+    except ValueError:
+        return 0.0
+
+
+def _error_text(resp: requests.Response) -> str:
+    try:
+        payload = resp.json()
+        field = f" [{payload['field']}]" if payload.get("field") else ""
+        return f"HTTP {resp.status_code}{field}: {payload.get('error')}"
+    except (ValueError, AttributeError, KeyError):
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+
+
+class HTTPReference:
+    """Reference log-probs from a server; implements grpo.reference.Reference."""
+
+    def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None):
+        r = cfg.ref
+        self.url = r.url.rstrip("/")
+        self.timeout = (r.connect_timeout, r.read_timeout)
+        self.retry_window = r.retry_window
+        self.rows_per_pass = cfg.train.micro_batch_size
+        self.pad_id = int(tokenizer.pad_token_id) if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        self.session = requests.Session()
+        self.session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0))
+        self.session.mount("https://", HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0))
+        token = r.token or os.environ.get(TOKEN_ENV)
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ref-http")
+        self._lock = threading.Lock()
+        self._metrics = self._zero_metrics()
+        self._request("GET", "/health")
+        self.server_info = self.info()
+        self._check_compatible(tokenizer, vocab_size)
+
+    # ------------------------------------------------------------------ transport
+    def _how_to_start(self) -> str:
+        port = urlsplit(self.url).port or 59875
+        return (f"Start it with `python ref_client.py --config <your config>` (or `python ref_client.py --model "
+                f"<reference model> --port {port}`), check ref.url, or raise ref.retry_window.")
+
+    def _request(self, method: str, path: str, body: Optional[bytes] = None, json: Optional[dict] = None,
+                 content_type: Optional[str] = None) -> requests.Response:
+        """The first non-retryable answer; retries connection errors, timeouts, 503 and 5xx within the window."""
+        url = self.url + path
+        deadline = time.monotonic() + self.retry_window
+        headers = {"Content-Type": content_type} if content_type else None
+        attempt = 0
+        while True:
+            try:
+                resp = self.session.request(method, url, data=body, json=json, headers=headers, timeout=self.timeout)
+                if resp.status_code < 500:
+                    if resp.status_code >= 400:
+                        raise ReferenceServerError(f"reference server at {url} refused the request: {_error_text(resp)}")
+                    return resp
+                last, wait_at_least = _error_text(resp), _retry_after(resp)
+            except requests.RequestException as e:  # connection refused/reset, timeouts
+                last, wait_at_least = f"{type(e).__name__}: {e}", 0.0
+            attempt += 1
+            delay = backoff(attempt, wait_at_least)
+            if time.monotonic() + delay > deadline:
+                raise ReferenceServerError(
+                    f"reference server at {url} is unavailable: no answer after {attempt} attempts within "
+                    f"ref.retry_window={self.retry_window:g} s (last error: {last}). {self._how_to_start()}"
+                )
+            with self._lock:
+                self._metrics["ref/retries"] += 1
+            time.sleep(delay)
+
+    # ------------------------------------------------------------------ start-up checks
+    def _check_compatible(self, tokenizer, vocab_size: Optional[int]) -> None:
+        info = self.server_info
+        problems = []
+        if tokenizer is not None:
+            from grpo.modeling import tokenizer_fingerprint
+
+            mine = tokenizer_fingerprint(tokenizer)
+            if info.get("tokenizer_fingerprint") != mine:
+                problems.append(f"tokenizer fingerprint {info.get('tokenizer_fingerprint')} ({info.get('tokenizer_size')} "
+                                f"tokens) != the policy's {mine} ({len(tokenizer)} tokens)")
+        if vocab_size is not None and info.get("vocab_size") != vocab_size:
+            problems.append(f"vocabulary size {info.get('vocab_size')} != the policy's {vocab_size}")
+        if problems:
+            raise ConfigError(
+                f"the reference server at {self.url} serves {info.get('model')!r}, which does not match the policy: "
+                + "; ".join(problems)
+                + ". Token ids would mean different text to the two models, so the KL term would be meaningless. "
+                "Serve a reference of the policy's model family (usually the policy's starting checkpoint): "
+                "python ref_client.py --config <this run's config>"
+            )
+
+    # ------------------------------------------------------------------ the Reference protocol
+    def logprobs(self, packed: Packed, temperature: float, with_entropy: bool = False
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """[rows, width] float32 log-probs (and entropy) of ``packed``'s completion tokens."""
+        body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass)
+        t0 = time.perf_counter()
+        resp = self._request("POST", "/v1/logprobs", body=body, content_type=CONTENT_TYPE)
+        try:
+            lp, ent, header = decode_response(resp.content, packed.length, packed.width)
+        except WireError as e:
+            raise ReferenceServerError(f"reference server at {self.url} sent a malformed answer: {e}") from None
+        with self._lock:
+            m = self._metrics
+            m["ref/latency"] += time.perf_counter() - t0
+            m["ref/server_compute"] += float(header.get("compute_ms", 0.0)) / 1000
+            m["ref/bytes_sent"] += len(body)
+            m["ref/bytes_received"] += len(resp.content)
+            m["ref/requests"] += 1
+        return lp, ent
+
+    def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
+        return self._pool.submit(lambda: self.logprobs(packed, temperature)[0])
+
+    def info(self) -> dict:
+        return self._request("GET", "/v1/info").json()
+
+    def reload(self, checkpoint_dir: str) -> dict:
+        """Ask the server to load new reference weights (admin: needs the token)."""
+        self.server_info = self._request("POST", "/v1/reload", json={"checkpoint": str(checkpoint_dir)}).json()
+        return self.server_info
+
+    # ------------------------------------------------------------------ metrics
+    @staticmethod
+    def _zero_metrics() -> dict[str, float]:
+        return {"ref/latency": 0.0, "ref/server_compute": 0.0, "ref/bytes_sent": 0.0, "ref/bytes_received": 0.0,
+                "ref/requests": 0.0, "ref/retries": 0.0}
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Totals since the last call (one training step): seconds, bytes, requests, retries."""
+        with self._lock:
+            out, self._metrics = self._metrics, self._zero_metrics()
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.session.close()

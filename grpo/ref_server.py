@@ -1,0 +1,318 @@
+"""The reference server's HTTP side: a bottle app on a multi-threaded WSGI server.
+
+    GET  /health        alive and model loaded (503 while shutting down)
+    GET  /v1/info       model, weights hash / version, vocabulary, tokenizer fingerprint, dtype, device, limits
+    POST /v1/logprobs   binary request -> binary answer (grpo/ref_wire.py)
+    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer
+
+Every request needs ``Authorization: Bearer <token>`` when the server has a token; a server
+without one only binds loopback. Errors are JSON ``{"error", "field", "status"}``. One JSON
+access-log line per request (method, path, status, latency, bytes) goes to stderr.
+SIGTERM/SIGINT stop accepting connections, let in-flight requests finish, then exit 0.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+import signal
+import socketserver
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TextIO
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import bottle
+
+from grpo.config import Config, ConfigError
+from grpo.ref_wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_response, parse_request
+from grpo.ref_worker import DeviceWorker, QueueFull
+
+
+@dataclass
+class ServerLimits:
+    max_request_bytes: int
+    max_batch_tokens: int
+
+
+# --------------------------------------------------------------------------- security
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def check_bind(host: str, token: Optional[str]) -> None:
+    """Refuse to serve an address other machines can reach without a token."""
+    if not token and not is_loopback(host):
+        raise ConfigError(
+            f"ref.host={host!r} is reachable from other machines, so a token is required: "
+            f"set {TOKEN_ENV} (or --token / ref.token), or bind 127.0.0.1"
+        )
+
+
+def resolve_token(explicit: Optional[str]) -> Optional[str]:
+    """The server's bearer token: the flag or config value, else the environment variable."""
+    return explicit or os.environ.get(TOKEN_ENV) or None
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class AccessLog:
+    """JSON lines, one per event; thread-safe."""
+
+    def __init__(self, stream: TextIO = sys.stderr):
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields})
+        with self.lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+def with_access_log(app: Callable, log: AccessLog) -> Callable:
+    """WSGI middleware: one 'request' line with status and latency per request."""
+
+    def wrapped(environ: dict, start_response: Callable):
+        t0 = time.perf_counter()
+        seen: dict[str, Any] = {}
+
+        def capture(status: str, headers: list, exc_info=None):
+            seen["status"] = int(status.split()[0])
+            seen["bytes_out"] = next((int(v) for k, v in headers if k.lower() == "content-length"), None)
+            return start_response(status, headers, exc_info)
+
+        try:
+            return app(environ, capture)
+        finally:
+            log("request", method=environ.get("REQUEST_METHOD"), path=environ.get("PATH_INFO"),
+                status=seen.get("status"), latency_ms=round((time.perf_counter() - t0) * 1000, 2),
+                bytes_in=int(environ.get("CONTENT_LENGTH") or 0), bytes_out=seen.get("bytes_out"),
+                client=environ.get("REMOTE_ADDR"), **environ.get("grpo.log", {}))
+
+    return wrapped
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def error(status: int, message: str, field: Optional[str] = None, **headers: str) -> bottle.HTTPResponse:
+    body = json.dumps({"error": message, "field": field, "status": status})
+    bottle.request.environ["grpo.log"] = {"error": message, **({"field": field} if field else {})}
+    return bottle.HTTPResponse(body, status=status, headers={"Content-Type": "application/json", **headers})
+
+
+def _json(payload: dict, status: int = 200) -> bottle.HTTPResponse:
+    return bottle.HTTPResponse(json.dumps(payload), status=status, headers={"Content-Type": "application/json"})
+
+
+def _read_body(limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413 beyond); needs a Content-Length (411)."""
+    env = bottle.request.environ
+    raw = env.get("CONTENT_LENGTH")
+    if not raw:
+        raise error(411, "a Content-Length header is required", "Content-Length")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise error(400, f"Content-Length {raw!r} is not an integer", "Content-Length") from None
+    if n < 0:
+        raise error(400, f"Content-Length {n} is negative", "Content-Length")
+    stream = env["wsgi.input"]
+    if n > limit:
+        left = n if n <= 2 * limit else 0  # read it, so the client sees the 413 rather than a reset connection
+        while left > 0:
+            chunk = stream.read(min(1 << 20, left))
+            if not chunk:
+                break
+            left -= len(chunk)
+        raise error(413, f"request body of {n} bytes exceeds the server's limit of {limit} bytes "
+                         f"(ref.max_request_mb); send fewer rows per request or raise the limit", "body")
+    try:
+        body = stream.read(n)
+    except OSError as e:
+        raise error(400, f"reading the body failed ({e})", "body") from None
+    if len(body) != n:
+        raise error(400, f"body truncated: Content-Length says {n} bytes, {len(body)} arrived", "body")
+    return body
+
+
+def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
+               draining: threading.Event) -> bottle.Bottle:
+    app = bottle.Bottle(catchall=True)
+
+    def json_error_page(err: bottle.HTTPError) -> str:  # bottle's own errors (404, 405, 500) as JSON
+        bottle.response.content_type = "application/json"
+        if err.status_code >= 500 and err.exception is not None:
+            message = f"internal error: {type(err.exception).__name__}: {err.exception}"
+        else:
+            message = str(err.body)
+        return json.dumps({"error": message, "field": None, "status": err.status_code})
+
+    app.default_error_handler = json_error_page
+
+    @app.hook("before_request")
+    def authenticate() -> None:
+        if not token:
+            return
+        got = bottle.request.get_header("Authorization", "")
+        if not got.startswith("Bearer "):
+            raise error(401, f"missing bearer token: send 'Authorization: Bearer <token>' "
+                             f"(client: ref.token or {TOKEN_ENV})", "Authorization", **{"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(got[len("Bearer "):].encode(), token.encode()):
+            raise error(403, "wrong bearer token", "Authorization")
+
+    @app.get("/health")
+    def health():
+        if draining.is_set():
+            return _json({"status": "shutting down"}, 503)
+        queued, running = worker.load()
+        return _json({"status": "ok", "model": worker.current.source, "version": worker.version,
+                      "queued": queued, "running": running})
+
+    @app.get("/v1/info")
+    def info():
+        out = worker.info()
+        out["limits"]["max_request_bytes"] = limits.max_request_bytes
+        return _json(out)
+
+    @app.post("/v1/logprobs")
+    def logprobs():
+        body = _read_body(limits.max_request_bytes)
+        try:
+            req = parse_request(body, worker.current.vocab_size, limits.max_batch_tokens)
+        except WireError as e:
+            return error(400, e.message, e.field)
+        try:
+            future = worker.submit(req)
+        except QueueFull as e:
+            return error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
+                         None, **{"Retry-After": str(e.retry_after)})
+        try:
+            lp, ent, seconds, version = future.result()
+        except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
+            return error(500, f"computing log-probs failed: {type(e).__name__}: {e}")
+        bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
+                                              "compute_ms": round(seconds * 1000, 2), "version": version}
+        out = encode_response(lp, ent, req.packed.length,
+                              {"version": version, "rows": req.rows, "tokens": req.tokens, "compute_ms": seconds * 1000})
+        return bottle.HTTPResponse(out, status=200, headers={"Content-Type": CONTENT_TYPE})
+
+    @app.post("/v1/reload")
+    def reload():
+        if not token:
+            return error(403, f"reload is an admin endpoint and this server has no token; restart it with "
+                              f"{TOKEN_ENV} (or --token) set", "Authorization")
+        try:
+            payload = json.loads(_read_body(limits.max_request_bytes) or b"null")
+        except ValueError as e:
+            return error(400, f"body is not JSON ({e}); send {{\"checkpoint\": \"/path/to/folder\"}}", "body")
+        path = payload.get("checkpoint") if isinstance(payload, dict) else None
+        if not isinstance(path, str) or not path:
+            return error(400, f"must be a folder path string, got {path!r}", "checkpoint")
+        try:
+            future = worker.reload(path)
+        except ConfigError as e:
+            return error(400, str(e), "checkpoint")
+        except QueueFull as e:
+            return error(503, "the server is busy; retry later", None, **{"Retry-After": str(e.retry_after)})
+        return _json(future.result())
+
+    return app
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    """One thread per connection; closing waits for in-flight requests."""
+
+    daemon_threads = False
+    block_on_close = True
+    allow_reuse_address = True  # a restarted server gets its port back at once
+
+
+class QuietHandler(WSGIRequestHandler):
+    timeout = 120  # seconds a client may stall mid-request before its connection is dropped
+
+    def log_message(self, format: str, *args: Any) -> None:  # the access log replaces wsgiref's lines
+        pass
+
+
+@dataclass
+class RefServer:
+    """A bound, not yet serving, reference server."""
+
+    httpd: ThreadingWSGIServer
+    worker: DeviceWorker
+    draining: threading.Event
+    log: AccessLog
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def begin_shutdown(self, reason: str) -> None:
+        """Stop accepting connections (callable from any thread, e.g. a signal handler)."""
+        self.draining.set()
+        self.log("shutting down", reason=reason, queued=self.worker.load()[0])
+        threading.Thread(target=self.httpd.shutdown, daemon=True).start()  # shutdown() waits for serve_forever
+
+    def serve_until_shutdown(self) -> None:
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self.httpd.server_close()  # joins the request threads: in-flight requests finish
+            self.worker.stop()
+        self.log("stopped")
+
+
+def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> RefServer:
+    """Load the reference model and bind ``ref.host:ref.port`` (refusing an open address without a token)."""
+    log = log or AccessLog()
+    r = cfg.ref
+    token = resolve_token(r.token)
+    check_bind(r.host, token)
+    source = r.model or cfg.model.name_or_path
+    log("loading", model=source, dtype=cfg.model.dtype, device=device)
+    t0 = time.perf_counter()
+    worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size)
+    limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens)
+    draining = threading.Event()
+    app = with_access_log(create_app(worker, limits, token, draining), log)
+    httpd = make_server(r.host, r.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+    server = RefServer(httpd, worker, draining, log)
+    info = worker.info()
+    log("ready", url=server.url, model=source, weights_hash=info["weights_hash"], dtype=info["dtype"],
+        device=info["device"], auth=bool(token), load_s=round(time.perf_counter() - t0, 2))
+    return server
+
+
+def serve(cfg: Config, device: str, log: Optional[AccessLog] = None) -> int:
+    """Serve until SIGTERM/SIGINT (a second signal exits at once); returns the exit code."""
+    server = build_server(cfg, device, log)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if server.draining.is_set():
+            server.log("forced exit", signal=name)
+            os._exit(1)
+        server.begin_shutdown(name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.serve_until_shutdown()
+    return 0

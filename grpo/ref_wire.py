@@ -1,0 +1,251 @@
+"""The reference server's binary wire format, and the validation of every request field.
+
+A body (request or response) is one safetensors file: the tensors, plus a JSON header
+stored as the string ``__metadata__["header"]``. Nothing is ever unpickled: safetensors
+holds only raw little-endian arrays with declared dtypes and shapes, and the header is JSON.
+
+Request (``POST /v1/logprobs``), rows concatenated without padding:
+    tensors  input_ids        int32|int64 [N]  prompt + completion tokens of every row, back to back
+             prompt_lens      int32|int64 [B]  prompt tokens of each row (>= 1)
+             completion_lens  int32|int64 [B]  completion tokens of each row to score (>= 0)
+    header   temperature (number > 0), with_entropy (bool, default false),
+             pad_id (int, default 0), rows_per_pass (int >= 1, optional: the client's
+             micro-batch size, so the server's forward passes match the in-process reference's)
+Response:
+    tensors  logprobs [T] float32 (T = sum completion_lens), entropy [T] float32 when asked
+    header   version, rows, tokens, compute_ms
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from grpo.logprobs import Packed
+
+CONTENT_TYPE = "application/vnd.grpo-ref+safetensors"
+TOKEN_ENV = "GRPO_REF_TOKEN"  # the bearer token, for server and client alike
+INT_DTYPES = (torch.int32, torch.int64)
+REQUEST_TENSORS = ("input_ids", "prompt_lens", "completion_lens")
+HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass")
+
+
+class WireError(ValueError):
+    """A request field is invalid; ``field`` names it (the 400 answer's JSON carries both)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+# --------------------------------------------------------------------------- framing
+
+
+def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> bytes:
+    """One safetensors payload holding ``tensors`` and the JSON ``header``."""
+    contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return st_save(contiguous, metadata={"header": json.dumps(header)})
+
+
+def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and header of a payload; a malformed body raises :class:`WireError` ('body'/'header')."""
+    if len(body) < 8:
+        raise WireError("body", f"{len(body)} bytes is too short for a safetensors payload")
+    n = int.from_bytes(body[:8], "little")
+    if n > len(body) - 8:
+        raise WireError("body", f"declares a {n}-byte safetensors header but only {len(body) - 8} bytes follow")
+    try:
+        st_header = json.loads(body[8 : 8 + n])
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError("body", f"the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(st_header, dict):
+        raise WireError("body", "the safetensors header is not a JSON object")
+    try:
+        tensors = st_load(body)
+    except BaseException as e:  # safetensors' Rust side may raise a PanicException (a BaseException)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise WireError("body", f"not a valid safetensors payload ({type(e).__name__}: {e})") from None
+    meta = st_header.get("__metadata__") or {}
+    raw = meta.get("header") if isinstance(meta, dict) else None
+    if raw is None:
+        raise WireError("header", 'missing: put the JSON header in the safetensors metadata under "header"')
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise WireError("header", f"not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise WireError("header", f"must be a JSON object, got {type(header).__name__}")
+    return tensors, header
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def flatten_packed(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids [N], prompt_lens [B], completion_lens [B]): each row's first start+length tokens."""
+    seq = packed.start + packed.length
+    real = packed.attention_mask.sum(-1)
+    if bool((seq > real).any()):
+        i = int((seq > real).nonzero()[0])
+        raise ValueError(f"row {i}: start + length = {int(seq[i])} exceeds its {int(real[i])} real tokens")
+    cols = torch.arange(packed.input_ids.shape[1])
+    flat = packed.input_ids[cols.unsqueeze(0) < seq.unsqueeze(1)]
+    return flat, packed.start.clone(), packed.length.clone()
+
+
+def unflatten(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pad_id: int) -> Packed:
+    """The right-padded :class:`Packed` that ``grpo.logprobs.pack`` builds from the same rows."""
+    seq = prompt_lens + completion_lens
+    L = int(seq.max())
+    keep = torch.arange(L).unsqueeze(0) < seq.unsqueeze(1)  # row-major: the rows' tokens in order
+    ids = torch.full((len(seq), L), pad_id, dtype=torch.long)
+    ids[keep] = input_ids.long()
+    width = max(int(completion_lens.max()), 1)
+    return Packed(ids, keep.long(), prompt_lens.long(), completion_lens.long(), width)
+
+
+def flatten_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, width] -> [sum lengths]: each row's first ``lengths[i]`` values."""
+    cols = torch.arange(values.shape[1], device=values.device)
+    return values[cols.unsqueeze(0) < lengths.to(values.device).unsqueeze(1)]
+
+
+def unflatten_rows(flat: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of :func:`flatten_rows`: zeros beyond each row's length."""
+    out = torch.zeros(len(lengths), width, dtype=flat.dtype)
+    out[torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)] = flat
+    return out
+
+
+# --------------------------------------------------------------------------- request
+
+
+@dataclass
+class LogprobRequest:
+    """A validated ``/v1/logprobs`` request."""
+
+    packed: Packed
+    temperature: float
+    with_entropy: bool
+    rows_per_pass: Optional[int]
+
+    @property
+    def rows(self) -> int:
+        return int(self.packed.input_ids.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.packed.attention_mask.sum())
+
+
+def encode_request(packed: Packed, temperature: float, with_entropy: bool = False, pad_id: int = 0,
+                   rows_per_pass: Optional[int] = None) -> bytes:
+    ids, prompt_lens, completion_lens = flatten_packed(packed)
+    small = torch.int32 if ids.numel() == 0 or int(ids.max()) < 2**31 else torch.int64
+    header: dict[str, Any] = {"temperature": float(temperature), "with_entropy": bool(with_entropy), "pad_id": int(pad_id)}
+    if rows_per_pass is not None:
+        header["rows_per_pass"] = int(rows_per_pass)
+    tensors = {"input_ids": ids.to(small), "prompt_lens": prompt_lens.to(torch.int32),
+               "completion_lens": completion_lens.to(torch.int32)}
+    return encode(tensors, header)
+
+
+def _int_field(header: dict, name: str, default: Optional[int], minimum: int) -> Optional[int]:
+    v = header.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise WireError(name, f"must be an integer, got {v!r}")
+    if v < minimum:
+        raise WireError(name, f"must be >= {minimum}, got {v}")
+    return v
+
+
+def _int_vector(tensors: dict, name: str) -> torch.Tensor:
+    t = tensors.get(name)
+    if t is None:
+        raise WireError(name, f"missing tensor; a request carries {list(REQUEST_TENSORS)}")
+    if t.dtype not in INT_DTYPES:
+        raise WireError(name, f"dtype {str(t.dtype).replace('torch.', '')} is not allowed; send int32 or int64")
+    if t.dim() != 1:
+        raise WireError(name, f"must be 1-D, got shape {list(t.shape)}")
+    return t.long()
+
+
+def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobRequest:
+    """Decode and validate a request; any problem raises :class:`WireError` naming the field."""
+    tensors, header = decode(body)
+    for name in tensors:
+        if name not in REQUEST_TENSORS:
+            raise WireError(name, f"unknown tensor; a request carries exactly {list(REQUEST_TENSORS)}")
+    for name in header:
+        if name not in HEADER_FIELDS:
+            raise WireError(name, f"unknown header field; valid fields are {list(HEADER_FIELDS)}")
+    ids, prompt_lens, completion_lens = (_int_vector(tensors, n) for n in REQUEST_TENSORS)
+
+    if prompt_lens.numel() == 0:
+        raise WireError("prompt_lens", "is empty: send at least one row")
+    if completion_lens.shape != prompt_lens.shape:
+        raise WireError("completion_lens", f"has {completion_lens.numel()} rows but prompt_lens has {prompt_lens.numel()}")
+    if bool((prompt_lens < 1).any()):
+        i = int((prompt_lens < 1).nonzero()[0])
+        raise WireError("prompt_lens", f"prompt_lens[{i}]={int(prompt_lens[i])}: every row needs a prompt of >= 1 token")
+    if bool((completion_lens < 0).any()):
+        i = int((completion_lens < 0).nonzero()[0])
+        raise WireError("completion_lens", f"completion_lens[{i}]={int(completion_lens[i])} is negative")
+    seq = prompt_lens + completion_lens
+    if int(seq.sum()) != ids.numel():
+        raise WireError("input_ids", f"has {ids.numel()} tokens but prompt_lens + completion_lens sum to {int(seq.sum())}")
+    if int(seq.max()) > max_row_tokens:
+        i = int(seq.argmax())
+        raise WireError("completion_lens", f"row {i} has {int(seq[i])} tokens, more than this server's "
+                                           f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise WireError("input_ids", f"input_ids[{i}]={int(ids[i])} is outside the vocabulary [0, {vocab_size})")
+
+    t = header.get("temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise WireError("temperature", f"must be a finite number > 0, got {t!r}")
+    with_entropy = header.get("with_entropy", False)
+    if not isinstance(with_entropy, bool):
+        raise WireError("with_entropy", f"must be true or false, got {with_entropy!r}")
+    pad_id = _int_field(header, "pad_id", 0, 0)
+    if pad_id >= vocab_size:
+        raise WireError("pad_id", f"{pad_id} is outside the vocabulary [0, {vocab_size})")
+    rows_per_pass = _int_field(header, "rows_per_pass", None, 1)
+    packed = unflatten(ids, prompt_lens, completion_lens, pad_id)
+    return LogprobRequest(packed, float(t), with_entropy, rows_per_pass)
+
+
+# --------------------------------------------------------------------------- response
+
+
+def encode_response(logp: torch.Tensor, entropy: Optional[torch.Tensor], lengths: torch.Tensor, header: dict) -> bytes:
+    tensors = {"logprobs": flatten_rows(logp, lengths).float()}
+    if entropy is not None:
+        tensors["entropy"] = flatten_rows(entropy, lengths).float()
+    return encode(tensors, header)
+
+
+def decode_response(body: bytes, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+    """([B, width] log-probs, entropy or None, header) of a server answer for rows of ``lengths``."""
+    tensors, header = decode(body)
+    expected = int(lengths.sum())
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or t.shape != (expected,):
+            raise WireError(name, f"the server sent {str(t.dtype)} {list(t.shape)}; expected float32 [{expected}]")
+    if "logprobs" not in tensors:
+        raise WireError("logprobs", "missing from the server's answer")
+    ent = tensors.get("entropy")
+    return (unflatten_rows(tensors["logprobs"], lengths, width),
+            None if ent is None else unflatten_rows(ent, lengths, width), header)

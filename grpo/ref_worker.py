@@ -1,0 +1,215 @@
+"""The reference server's device side: the frozen model, a bounded job queue, one worker thread.
+
+HTTP threads only parse and validate; every forward pass runs on the single worker thread, so
+the device holds one batch at a time. Each request is computed in forward passes of at most
+``max_batch_tokens`` padded tokens (and the client's ``rows_per_pass``) with the function the
+in-process reference uses, so a request's answer never depends on what other ranks sent at
+the same time: results are deterministic and, in float32 on CPU, bit-identical to in-process.
+A full queue refuses new work (:class:`QueueFull` -> 503) instead of growing without bound.
+A reload travels through the same queue: requests queued before it use the old weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import queue
+import re
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from grpo.config import ConfigError, ModelConfig
+from grpo.modeling import load_model, load_tokenizer, tokenizer_fingerprint
+from grpo.ref_wire import LogprobRequest
+from grpo.reference import sliced_logprobs
+
+
+class QueueFull(Exception):
+    """The job queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"queue full, retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """A hash of every parameter and buffer (names, dtypes, shapes, bytes): the weights' identity."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    """A reference model with what clients check against their policy."""
+
+    model: torch.nn.Module
+    source: str
+    tokenizer_fingerprint: str
+    tokenizer_size: int
+    vocab_size: int
+    weights_hash: str
+    step: Optional[int]  # the training step when ``source`` is a trainer checkpoint (step-N)
+
+
+def load_reference(model_cfg: ModelConfig, source: str) -> LoadedModel:
+    """Load model (on CPU, eval, frozen) and tokenizer of ``source``; hashes the weights."""
+    tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
+    model = load_model(model_cfg, source).eval()
+    model.requires_grad_(False)
+    match = re.search(r"step-(\d+)$", str(source).rstrip("/"))
+    return LoadedModel(
+        model=model,
+        source=str(source),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        tokenizer_size=len(tokenizer),
+        vocab_size=int(model.config.get_text_config().vocab_size),
+        weights_hash=weights_hash(model),
+        step=int(match.group(1)) if match else None,
+    )
+
+
+@dataclass
+class _Job:
+    run: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+
+_STOP = object()
+
+
+class DeviceWorker:
+    """Owns the model on ``device``; runs queued jobs one at a time on its own thread."""
+
+    def __init__(self, model_cfg: ModelConfig, source: str, device: str | torch.device,
+                 max_batch_tokens: int, max_queue: int, chunk_size: int):
+        self.model_cfg = model_cfg
+        self.device = torch.device(device)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_queue = max_queue
+        self.chunk_size = chunk_size
+        self.current = load_reference(model_cfg, source)
+        self.current.model.to(self.device)
+        self.version = 0
+        self.loaded_at = time.time()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._running = 0
+        self._job_seconds = 0.0  # moving average of one job's time, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="ref-device", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ jobs
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                job = self._queue.get()
+                if job is _STOP:
+                    return
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+                with self._lock:
+                    self._running = 1
+                t0 = time.perf_counter()
+                try:
+                    job.future.set_result(job.run())
+                except BaseException as e:  # a failing job answers 500; the worker keeps serving
+                    job.future.set_exception(e)
+                finally:
+                    dt = time.perf_counter() - t0
+                    with self._lock:
+                        self._running = 0
+                        self._job_seconds = dt if not self._job_seconds else 0.8 * self._job_seconds + 0.2 * dt
+
+    def _enqueue(self, run: Callable[[], Any]) -> Future:
+        job = _Job(run)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            wait = self._job_seconds * (self._queue.qsize() + 1)
+            raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
+        return job.future
+
+    def submit(self, req: LogprobRequest) -> Future:
+        """Future of (logp [B,w], entropy or None, compute seconds, weights version)."""
+
+        def run():
+            current, version = self.current, self.version  # as of the job's turn: a reload may precede it
+            t0 = time.perf_counter()
+            lp, ent = sliced_logprobs(current.model, req.packed, req.temperature, self.chunk_size,
+                                      max_rows=req.rows_per_pass, max_tokens=self.max_batch_tokens,
+                                      with_entropy=req.with_entropy)
+            return lp, ent, time.perf_counter() - t0, version
+
+        return self._enqueue(run)
+
+    def reload(self, checkpoint: str) -> Future:
+        """Load ``checkpoint`` (on the caller's thread), then swap it in, in queue order.
+
+        The new weights must keep the tokenizer and vocabulary: clients checked those at start.
+        """
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise ConfigError(f"checkpoint {checkpoint!r} is not a folder on the server's machine")
+        if not list(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").exists():
+            raise ConfigError(f"checkpoint {checkpoint!r} holds no *.safetensors weights (other formats are refused)")
+        new = load_reference(self.model_cfg, str(path))
+        old = self.current
+        if (new.tokenizer_fingerprint, new.vocab_size) != (old.tokenizer_fingerprint, old.vocab_size):
+            raise ConfigError(
+                f"checkpoint {checkpoint!r} has tokenizer {new.tokenizer_fingerprint} / vocabulary {new.vocab_size}, "
+                f"but the served model has {old.tokenizer_fingerprint} / {old.vocab_size}; clients checked those at "
+                f"start, so a reload must keep them (start a new server for a different model family)"
+            )
+
+        def swap() -> dict:
+            new.model.to(self.device)
+            self.current = new
+            self.version += 1
+            self.loaded_at = time.time()
+            if self.device.type == "cuda":
+                old.model.to("cpu")
+                torch.cuda.empty_cache()
+            return self.info()
+
+        return self._enqueue(swap)
+
+    # ------------------------------------------------------------------ state
+    def load(self) -> tuple[int, int]:
+        """(queued jobs, running jobs)."""
+        with self._lock:
+            return self._queue.qsize(), self._running
+
+    def info(self) -> dict:
+        c = self.current
+        queued, running = self.load()
+        dtype = next(c.model.parameters()).dtype
+        return {
+            "model": c.source,
+            "version": self.version,
+            "weights_hash": c.weights_hash,
+            "checkpoint_step": c.step,
+            "loaded_at": self.loaded_at,
+            "vocab_size": c.vocab_size,
+            "tokenizer_size": c.tokenizer_size,
+            "tokenizer_fingerprint": c.tokenizer_fingerprint,
+            "dtype": str(dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "logprob_chunk_size": self.chunk_size,
+            "limits": {"max_batch_tokens": self.max_batch_tokens, "max_queue": self.max_queue},
+            "queue": {"queued": queued, "running": running},
+        }
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish every queued job, then stop the worker thread."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout)

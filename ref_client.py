@@ -1,0 +1,76 @@
+"""Serve a frozen reference model over HTTP for the trainer (``ref.url``); see README "Reference server".
+
+    CUDA_VISIBLE_DEVICES=7 python ref_client.py --config configs/grpo.yaml      # the config's ref.model
+    python ref_client.py --model path/or/hub-name --port 59875 --dtype bf16     # or without a config
+    GRPO_REF_TOKEN=secret python ref_client.py --config c.yaml --host 0.0.0.0   # other machines: token required
+
+Host, port and limits come from the config's ``ref`` section (flags and key=value overrides
+beat it); the model is ``ref.model``, else ``model.name_or_path``. Stop it with Ctrl-C or
+SIGTERM: requests in flight finish first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config whose reference model to serve (see configs/)")
+    p.add_argument("--model", help="model folder, hub name or builtin:tiny-char (beats the config's)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights dtype (default: the config's model.dtype)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1; any other needs a token)")
+    p.add_argument("--port", type=int, help="port (default 59875; 0 = any free port, printed at start)")
+    p.add_argument("--token", help="bearer token clients must send (better: the GRPO_REF_TOKEN environment variable)")
+    p.add_argument("--max-batch-tokens", type=int, help="padded tokens per forward pass")
+    p.add_argument("--max-queue", type=int, help="queued requests before answering 503")
+    p.add_argument("--max-request-mb", type=float, help="largest request body in MiB (413 beyond)")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (only for models you trust)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. ref.max_queue=16")
+    return p.parse_args(argv)
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """Numeric and choice flags as config overrides, so they pass the same validation as the YAML."""
+    pairs = [("model.dtype", args.dtype), ("ref.port", args.port), ("ref.max_batch_tokens", args.max_batch_tokens),
+             ("ref.max_queue", args.max_queue), ("ref.max_request_mb", args.max_request_mb)]
+    out = [f"{k}={v}" for k, v in pairs if v is not None]
+    if args.trust_remote_code:
+        out.append("model.trust_remote_code=true")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.config and not args.model:
+        print("error: give --config CONFIG.yaml or --model PATH", file=sys.stderr)
+        return 2
+    from grpo.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, None, [*args.overrides, *flag_overrides(args)])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    for name in ("model", "host", "token"):  # free-form strings: set as given, not parsed as YAML
+        if getattr(args, name) is not None:
+            setattr(cfg.ref, name, getattr(args, name))
+    import torch
+
+    from grpo.ref_server import serve
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return serve(cfg, device)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. the port is taken
+        print(f"error: cannot serve on {cfg.ref.host}:{cfg.ref.port}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

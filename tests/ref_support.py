@@ -1,0 +1,36 @@
+"""Helpers shared by the reference-server tests (tests/test_ref_*.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from grpo.logprobs import Packed, pack
+
+
+def ragged_batch(seed: int, rows: int, vocab: int, max_prompt: int = 20, max_completion: int = 12,
+                 width: int | None = None) -> Packed:
+    """Rows of random lengths (some completions empty) padded like the trainer's batches."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, max_prompt))] for _ in range(rows)]
+    completions = [[rng.randrange(4, vocab) for _ in range(rng.randint(0, max_completion))] for _ in range(rows)]
+    return pack(prompts, completions, pad_id=0, width=width or max_completion)
+
+
+def log_events(path: Path, event: str = "request") -> list[dict]:
+    """The server's JSON access-log lines of one event kind."""
+    out = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("event") == event:
+                out.append(rec)
+    return out
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert torch.equal(a, b), f"max abs difference {(a - b).abs().max().item()}"

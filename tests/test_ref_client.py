@@ -1,0 +1,108 @@
+"""The client's retries, errors and start-up checks, against a server running in a thread."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+import requests
+
+from grpo.config import ConfigError, load_config
+from grpo.ref_http import BACKOFF_CAP, HTTPReference, backoff
+from grpo.ref_launch import free_port
+from grpo.ref_server import AccessLog, build_server, check_bind
+from grpo.reference import ReferenceServerError, sliced_logprobs
+from grpo.tiny import build_tiny, make_char_tokenizer
+from tests.ref_support import assert_same, ragged_batch
+
+
+@pytest.fixture(scope="module")
+def server():
+    """builtin:tiny-char served from a thread, without a token."""
+    cfg = load_config(None, None, ["ref.port=0", "ref.max_queue=4"])
+    srv = build_server(cfg, "cpu", AccessLog(io.StringIO()))
+    thread = threading.Thread(target=srv.serve_until_shutdown, daemon=True)
+    thread.start()
+    yield srv
+    srv.begin_shutdown("test over")
+    thread.join(10)
+
+
+def client_cfg(url: str, *overrides: str):
+    return load_config(None, None, [f"ref.url={url}", "algo.beta=0.04", *overrides])
+
+
+def test_client_matches_the_in_process_computation(server):
+    model, tok = build_tiny()
+    ref = HTTPReference(client_cfg(server.url, "train.micro_batch_size=3"), tok, vocab_size=model.config.vocab_size)
+    p = ragged_batch(5, rows=8, vocab=len(tok))
+    lp, ent = ref.logprobs(p, temperature=0.9, with_entropy=True)
+    want_lp, want_ent = sliced_logprobs(model.eval(), p, 0.9, 1024, max_rows=3, with_entropy=True)
+    assert_same(lp, want_lp)
+    assert_same(ent, want_ent)
+    m = ref.pop_metrics()
+    assert m["ref/requests"] == 1 and m["ref/bytes_sent"] > 0 and m["ref/bytes_received"] > 0
+    assert m["ref/latency"] >= m["ref/server_compute"] > 0
+    assert ref.pop_metrics()["ref/requests"] == 0, "pop_metrics resets the per-step totals"
+    ref.close()
+
+
+def test_tokenizer_mismatch_stops_with_an_explanation(server):
+    other = make_char_tokenizer("0123456789+=")
+    with pytest.raises(ConfigError) as e:
+        HTTPReference(client_cfg(server.url), other)
+    msg = str(e.value)
+    assert server.url in msg and "tokenizer fingerprint" in msg and "ref_client.py" in msg
+
+
+def test_vocabulary_mismatch_stops_with_an_explanation(server):
+    _, tok = build_tiny()
+    with pytest.raises(ConfigError) as e:
+        HTTPReference(client_cfg(server.url), tok, vocab_size=len(tok) + 7)
+    assert f"vocabulary size {len(tok)} != the policy's {len(tok) + 7}" in str(e.value)
+
+
+def test_no_server_gives_the_url_and_how_to_start_it():
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ReferenceServerError) as e:
+        HTTPReference(client_cfg(url, "ref.retry_window=1.0", "ref.connect_timeout=0.5"))
+    elapsed = time.monotonic() - t0
+    msg = str(e.value)
+    assert url in msg and "python ref_client.py" in msg and "ref.retry_window=1" in msg
+    assert "attempts" in msg and elapsed < 5
+
+
+def test_reload_needs_a_token(server):
+    r = requests.post(server.url + "/v1/reload", json={"checkpoint": "/tmp"}, timeout=10)
+    assert r.status_code == 403 and r.json()["field"] == "Authorization"
+
+
+def test_backoff_grows_exponentially_with_jitter_and_honours_retry_after():
+    for attempt in range(1, 12):
+        step = min(BACKOFF_CAP, 0.05 * 2 ** (attempt - 1))
+        samples = [backoff(attempt) for _ in range(50)]
+        assert all(step / 2 <= s <= step for s in samples)
+        assert len(set(samples)) > 1, "jittered"
+    assert backoff(1, retry_after=3.0) == 3.0
+
+
+@pytest.mark.parametrize("host, token, ok", [
+    ("127.0.0.1", None, True), ("::1", None, True), ("localhost", None, True),
+    ("0.0.0.0", None, False), ("10.1.2.3", None, False), ("myhost", None, False), ("0.0.0.0", "s3cret", True),
+])
+def test_binding_beyond_loopback_needs_a_token(host, token, ok):
+    if ok:
+        check_bind(host, token)
+    else:
+        with pytest.raises(ConfigError, match="GRPO_REF_TOKEN"):
+            check_bind(host, token)
+
+
+def test_ref_limits_are_validated():
+    with pytest.raises(ConfigError, match="ref.port"):
+        load_config(None, None, ["ref.port=70000"])
+    with pytest.raises(ConfigError, match="ref.max_queue"):
+        load_config(None, None, ["ref.max_queue=0"])

@@ -1,0 +1,100 @@
+"""The reference server dies during training (`python train.py`, one process, tiny model).
+
+Restarted within ref.retry_window: training completes and metrics.jsonl has every step once.
+Not restarted: the trainer stops with the clear error and the last checkpoint loads.
+The two tests share one server: the first kills and restarts it, the second kills it for good.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.checkpoint import latest_checkpoint
+from grpo.metrics import read_metrics
+from grpo.ref_launch import ROOT, ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the trainer and the server share this machine's cores
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("ref_fault") / "server.log"
+    srv = ServerProcess(["--model", "builtin:tiny-char"], port=free_port(), log_path=log, env=ONE_THREAD)
+    yield srv
+    srv.stop()
+
+
+def start_training(out: Path, url: str, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, **ONE_THREAD, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, "train.py", "--config", "configs/demo.yaml", f"ref.url={url}", "algo.beta=0.01",
+           f"train.output_dir={out}", "rollout.prompts_per_step=4", "rollout.num_generations=4",
+           "logging.progress_bar=false", "logging.plot=false", *overrides]
+    out.mkdir(parents=True)
+    with open(out.parent / "train.log", "w") as log:  # a file, not a pipe: a full pipe would block the trainer
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout: float) -> str:
+    """Wait for the trainer; its combined output."""
+    proc.wait(timeout)
+    return (out.parent / "train.log").read_text(errors="replace")
+
+
+def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> int:
+    path = out / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"training exited early ({proc.returncode}):\n{finish(proc, out, 1)[-3000:]}"
+        lines = len(path.read_text().splitlines()) if path.exists() else 0
+        if lines >= n:
+            return lines
+        time.sleep(0.02)
+    raise AssertionError(f"training did not reach step {n} within {timeout} s")
+
+
+def test_server_restarted_within_the_retry_window(server, tmp_path):
+    out, steps = tmp_path / "run", 16
+    train = start_training(out, server.url, f"train.max_steps={steps}", "ref.retry_window=120")
+    server.start(timeout=120)
+    done_at_kill = wait_for_steps(out, train, 2)
+    server.kill()
+    server.start(timeout=120)  # seconds of imports and loading: the trainer meets a dead server meanwhile
+    log = finish(train, out, 180)
+    assert train.returncode == 0, log[-3000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), "every step exactly once"
+    assert done_at_kill < steps, "the server must die while training runs"
+    assert sum(r["ref/retries"] for r in rows) >= 1, "the trainer retried through the outage"
+    assert all(r["ref/requests"] == 1 and r["ref/bytes_sent"] > 0 and r["ref/latency"] > 0 for r in rows)
+
+
+def test_server_gone_for_good_stops_training_with_a_clear_error(server, tmp_path):
+    if server.proc is None or server.proc.poll() is not None:
+        server.start(timeout=120)
+    out = tmp_path / "run"
+    train = start_training(out, server.url, "train.max_steps=500", "train.save_every=2", "ref.retry_window=3")
+    wait_for_steps(out, train, 3)
+    assert latest_checkpoint(out) is not None
+    server.kill()
+    log = finish(train, out, 120)
+    assert train.returncode == 1, log[-3000:]
+    assert f"reference error: reference server at {server.url}/v1/logprobs is unavailable" in log
+    assert "python ref_client.py" in log and "ref.retry_window=3" in log
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < 500
+    ckpt = latest_checkpoint(out)
+    step = int(ckpt.name.split("-")[1])
+    assert 2 <= step <= len(rows) and not list(ckpt.parent.glob(".tmp-*"))
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert model.config.vocab_size == len(tok)

@@ -1,0 +1,266 @@
+"""The reference server as a real subprocess on loopback: exactness, concurrency, bad input,
+reload and graceful shutdown. The last test stops the module's server (SIGTERM)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from grpo.config import load_config
+from grpo.ref_http import HTTPReference
+from grpo.ref_launch import ServerProcess, free_port
+from grpo.ref_wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
+from grpo.reference import InProcessReference, sliced_logprobs
+from grpo.tiny import make_char_tokenizer, make_tiny_model, write_tiny
+from tests.ref_support import assert_same, log_events, ragged_batch
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token-123"
+MAX_REQUEST_MB = 0.1
+QUEUE = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The server runs with OMP_NUM_THREADS=1; CPU kernels split large reductions by thread count,
+    so bit-exact comparisons need the in-process side on one thread too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref_server")
+    return {"root": root, "model": write_tiny(root / "tiny"), "log": root / "server.log"}
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    srv = ServerProcess(["--model", str(dirs["model"]), "--max-queue", str(QUEUE), "--max-request-mb", str(MAX_REQUEST_MB)],
+                        port=free_port(), token=TOKEN, log_path=dirs["log"], env={"OMP_NUM_THREADS": "1"})
+    srv.start(timeout=180)
+    yield srv
+    srv.stop()
+
+
+def cfg_for(server, dirs, micro_batch_size: int = 4):
+    return load_config(None, None, [f"ref.url={server.url}", f"ref.token={TOKEN}", f"model.name_or_path={dirs['model']}",
+                                    f"train.micro_batch_size={micro_batch_size}", "ref.retry_window=60"])
+
+
+@pytest.fixture(scope="module")
+def inproc(server, dirs):
+    return InProcessReference(cfg_for(server, dirs), torch.device("cpu"))
+
+
+def client(server, dirs, inproc, micro_batch_size: int = 4) -> HTTPReference:
+    tok = make_char_tokenizer()
+    return HTTPReference(cfg_for(server, dirs, micro_batch_size), tok, inproc.model.config.vocab_size)
+
+
+def post(server, body: bytes, token: str | None = TOKEN, path: str = "/v1/logprobs") -> requests.Response:
+    headers = {"Content-Type": CONTENT_TYPE}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    return requests.post(server.url + path, data=body, headers=headers, timeout=60)
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("micro_batch_size, temperature", [(4, 1.0), (3, 0.7), (64, 1.3)])
+def test_server_equals_in_process_reference_exactly(server, dirs, inproc, micro_batch_size, temperature):
+    ref = client(server, dirs, inproc, micro_batch_size)
+    inproc.cfg.train.micro_batch_size = micro_batch_size
+    for seed in range(3):
+        p = ragged_batch(seed, rows=11, vocab=93, max_prompt=30, max_completion=16)
+        assert_same(ref.submit(p, temperature).result(), inproc.logprobs(p, temperature))
+    lp, ent = ref.logprobs(p, temperature, with_entropy=True)
+    want_lp, want_ent = sliced_logprobs(inproc.model, p, temperature, 1024, max_rows=micro_batch_size, with_entropy=True)
+    assert_same(lp, want_lp)
+    assert_same(ent, want_ent)
+    ref.close()
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def test_eight_concurrent_clients_all_answers_exact(server, dirs, inproc):
+    """320 requests from 8 clients at once; the queue (8) holds them all, so no request is refused."""
+    inproc.cfg.train.micro_batch_size = 4
+    batches = [ragged_batch(100 + i, rows=2 + i % 7, vocab=93) for i in range(16)]
+    temps = [0.8 + 0.05 * i for i in range(16)]
+    expected = [inproc.logprobs(p, t) for p, t in zip(batches, temps)]
+    seen_before = len(log_events(dirs["log"]))
+    clients = [client(server, dirs, inproc) for _ in range(8)]
+    start = threading.Barrier(8)
+    per_client = 40
+
+    def hammer(k: int) -> int:
+        start.wait()
+        wrong = 0
+        for j in range(per_client):
+            i = (k * 5 + j) % len(batches)
+            wrong += not torch.equal(clients[k].submit(batches[i], temps[i]).result(), expected[i])
+        return wrong
+
+    with ThreadPoolExecutor(8) as pool:
+        wrong = sum(pool.map(hammer, range(8)))
+    assert wrong == 0, "every answer must equal the in-process reference exactly"
+    statuses = Counter(e["status"] for e in log_events(dirs["log"])[seen_before:])
+    assert statuses == Counter({200: 8 * per_client + 2 * 8}), statuses  # + /health and /v1/info per client
+    for c in clients:
+        c.close()
+
+
+def _wait_health(server, key: str, value: int, timeout: float = 60) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    deadline = time.monotonic() + timeout
+    while requests.get(server.url + "/health", headers=auth, timeout=10).json()[key] < value:
+        assert time.monotonic() < deadline, f"/health never showed {key} >= {value}"
+        time.sleep(0.002)
+
+
+def test_overload_answers_503_with_retry_after_and_the_client_retries(server, dirs, inproc):
+    """A deliberate overload: a slow request runs, the queue fills up, and the next requests are refused
+    with 503 + Retry-After; the client retries and gets the exact answer; queued requests stay exact."""
+    inproc.cfg.train.micro_batch_size = 1
+    slow = encode_request(ragged_batch(3, rows=48, vocab=93, max_prompt=250, max_completion=240, width=240), 1.0,
+                          rows_per_pass=1)
+    p = ragged_batch(21, rows=4, vocab=93)
+    body, expected = encode_request(p, 1.0, rows_per_pass=1), inproc.logprobs(p, 1.0)
+    ref = client(server, dirs, inproc, micro_batch_size=1)
+    seen_before = len(log_events(dirs["log"]))
+    with ThreadPoolExecutor(QUEUE + 1) as pool:
+        running = pool.submit(post, server, slow)
+        _wait_health(server, "running", 1)
+        queued = [pool.submit(post, server, body) for _ in range(QUEUE)]
+        _wait_health(server, "queued", QUEUE)
+        refused = post(server, body)
+        assert refused.status_code == 503, refused.text
+        assert int(refused.headers["Retry-After"]) >= 1 and "busy" in refused.json()["error"]
+        assert_same(ref.submit(p, 1.0).result(), expected)  # sent while the queue is still full
+        assert ref.pop_metrics()["ref/retries"] >= 1, "the client met a 503 and retried"
+        assert running.result().status_code == 200
+        for f in queued:
+            assert f.result().status_code == 200
+            assert_same(decode_response(f.result().content, p.length, p.width)[0], expected)
+    statuses = Counter(e["status"] for e in log_events(dirs["log"])[seen_before:] if e["path"] == "/v1/logprobs")
+    assert set(statuses) == {200, 503} and statuses[503] >= 2, statuses
+    ref.close()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _valid_body_and_expected(inproc):
+    p = ragged_batch(7, rows=5, vocab=93)
+    inproc.cfg.train.micro_batch_size = 4
+    return p, encode_request(p, 1.0, rows_per_pass=4), inproc.logprobs(p, 1.0)
+
+
+def _bad_bodies(p):
+    ids, plen, clen = flatten_packed(p)
+    good = {"input_ids": ids, "prompt_lens": plen, "completion_lens": clen}
+    header = {"temperature": 1.0, "rows_per_pass": 4}
+    oov = ids.clone()
+    oov[2] = 5000
+    return [
+        ("malformed body", b"\x00\x01garbage" * 10, 400, "body"),
+        ("wrong dtype", encode({**good, "input_ids": ids.double()}, header), 400, "input_ids"),
+        ("inconsistent lengths", encode({**good, "completion_lens": clen + 1}, header), 400, "input_ids"),
+        ("rows disagree", encode({**good, "prompt_lens": plen[:-1]}, header), 400, "completion_lens"),
+        ("out-of-vocabulary id", encode({**good, "input_ids": oov}, header), 400, "input_ids"),
+        ("bad temperature", encode(good, {"temperature": -1}), 400, "temperature"),
+        ("oversized body", b"\x00" * int(MAX_REQUEST_MB * 2**20 + 1000), 413, "body"),
+    ]
+
+
+def test_bad_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(server, inproc):
+    p, good, expected = _valid_body_and_expected(inproc)
+    cases = _bad_bodies(p) + [("missing token", good, 401, "Authorization"), ("wrong token", good, 403, "Authorization")]
+    for name, body, status, field in cases:
+        token = {"missing token": None, "wrong token": "nope"}.get(name, TOKEN)
+        r = post(server, body, token=token)
+        assert r.status_code == status, (name, r.status_code, r.text)
+        err = r.json()
+        assert err["field"] == field and err["error"], (name, err)
+        ok = post(server, good)
+        assert ok.status_code == 200, (name, ok.text)
+        lp, _, _ = decode_response(ok.content, p.length, p.width)
+        assert_same(lp, expected)
+    assert "is outside the vocabulary" in post(server, cases[4][1]).json()["error"]
+    r = requests.get(server.url + "/v1/logprobs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert r.status_code == 405 and r.json()["status"] == 405
+
+
+# --------------------------------------------------------------------------- reload
+
+
+def test_reload_swaps_weights_and_info_reports_the_new_version(server, dirs, inproc):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = requests.get(server.url + "/v1/info", headers=auth, timeout=10).json()
+    assert before["vocab_size"] == 93 and before["dtype"] == "float32" and before["weights_hash"]
+    other = write_tiny(dirs["root"] / "step-7", seed=1)
+    ref = client(server, dirs, inproc)
+    info = ref.reload(str(other))
+    assert info["version"] == before["version"] + 1 and info["checkpoint_step"] == 7
+    assert info["weights_hash"] != before["weights_hash"]
+    p = ragged_batch(11, rows=6, vocab=93)
+    new_cfg = cfg_for(server, dirs)
+    new_cfg.ref.model = str(other)
+    assert_same(ref.submit(p, 1.0).result(), InProcessReference(new_cfg, torch.device("cpu")).logprobs(p, 1.0))
+
+    foreign = dirs["root"] / "foreign"
+    tok = make_char_tokenizer("0123456789+=")
+    make_tiny_model(len(tok)).save_pretrained(foreign)
+    tok.save_pretrained(foreign)
+    for path, words in [(str(foreign), "tokenizer"), (str(dirs["root"] / "missing"), "not a folder")]:
+        r = requests.post(server.url + "/v1/reload", json={"checkpoint": path}, headers=auth, timeout=60)
+        assert r.status_code == 400 and r.json()["field"] == "checkpoint" and words in r.json()["error"]
+    r = requests.post(server.url + "/v1/reload", json={"checkpoint": str(other)}, timeout=10)
+    assert r.status_code == 401
+
+    back = ref.reload(str(dirs["model"]))
+    assert back["weights_hash"] == before["weights_hash"] and back["version"] == before["version"] + 2
+    ref.close()
+
+
+# --------------------------------------------------------------------------- shutdown (stops the server)
+
+
+def test_sigterm_lets_the_in_flight_request_finish(server, inproc):
+    p = ragged_batch(3, rows=24, vocab=93, max_prompt=250, max_completion=240, width=240)
+    body = encode_request(p, 1.0, rows_per_pass=1)
+    assert len(body) < MAX_REQUEST_MB * 2**20
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(r=post(server, body)))
+    worker.start()
+    running = False
+    deadline = time.monotonic() + 30
+    while worker.is_alive() and time.monotonic() < deadline:  # /health answers while the forward pass runs
+        h = requests.get(server.url + "/health", headers=auth, timeout=10).json()
+        if h["running"]:
+            running = True
+            break
+        time.sleep(0.005)
+    assert running, "the slow request finished before it was seen running; make it bigger"
+    server.proc.send_signal(15)
+    worker.join(60)
+    assert result["r"].status_code == 200
+    inproc.cfg.train.micro_batch_size = 1
+    lp, _, _ = decode_response(result["r"].content, p.length, p.width)
+    assert_same(lp, inproc.logprobs(p, 1.0))
+    assert server.proc.wait(30) == 0
+    events = [e["event"] for e in log_events(server.log_path, event="shutting down")]
+    assert events == ["shutting down"] and log_events(server.log_path, event="stopped")

@@ -1,0 +1,146 @@
+"""The reference server's wire format and request validation (no server, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from grpo.logprobs import pack
+from grpo.ref_wire import (
+    WireError,
+    decode_response,
+    encode,
+    encode_request,
+    encode_response,
+    flatten_packed,
+    parse_request,
+    unflatten,
+)
+from grpo.reference import row_slices
+from tests.ref_support import ragged_batch
+
+VOCAB = 93
+
+
+def _request(**header_changes):
+    """A valid request's tensors and header, with header fields replaced (None deletes)."""
+    p = ragged_batch(0, rows=5, vocab=VOCAB)
+    ids, plen, clen = flatten_packed(p)
+    tensors = {"input_ids": ids, "prompt_lens": plen, "completion_lens": clen}
+    header = {"temperature": 1.0, "with_entropy": False, "pad_id": 0}
+    for k, v in header_changes.items():
+        if v is None:
+            header.pop(k, None)
+        else:
+            header[k] = v
+    return tensors, header
+
+
+def test_flatten_then_unflatten_rebuilds_pack_exactly():
+    p = ragged_batch(1, rows=9, vocab=VOCAB)
+    assert int(p.length.min()) == 0, "the sample should include an empty completion"
+    ids, plen, clen = flatten_packed(p)
+    assert ids.numel() == int(p.attention_mask.sum())
+    q = unflatten(ids, plen, clen, pad_id=0)
+    assert torch.equal(q.input_ids, p.input_ids)
+    assert torch.equal(q.attention_mask, p.attention_mask)
+    assert torch.equal(q.start, p.start) and torch.equal(q.length, p.length)
+
+
+def test_request_round_trip():
+    p = ragged_batch(2, rows=6, vocab=VOCAB, width=16)
+    req = parse_request(encode_request(p, 0.7, with_entropy=True, pad_id=0, rows_per_pass=4), VOCAB, 16384)
+    assert req.temperature == 0.7 and req.with_entropy and req.rows_per_pass == 4
+    assert torch.equal(req.packed.input_ids, p.input_ids) and torch.equal(req.packed.length, p.length)
+    assert req.rows == 6 and req.tokens == int(p.attention_mask.sum())
+
+
+def test_response_round_trip_fills_zeros_beyond_lengths():
+    lengths = torch.tensor([3, 0, 2])
+    lp = torch.randn(3, 5)
+    body = encode_response(lp, None, lengths, {"version": 2})
+    got, ent, header = decode_response(body, lengths, width=5)
+    assert ent is None and header == {"version": 2}
+    mask = torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)
+    assert torch.equal(got[mask], lp[mask]) and bool((got[~mask] == 0).all())
+
+
+@pytest.mark.parametrize(
+    "mutate, field, words",
+    [
+        (lambda t, h: t.update(input_ids=t["input_ids"].float()), "input_ids", "dtype float32"),
+        (lambda t, h: t.update(input_ids=t["input_ids"].reshape(1, -1)), "input_ids", "1-D"),
+        (lambda t, h: t.update(input_ids=t["input_ids"][:-1]), "input_ids", "sum to"),
+        (lambda t, h: t.update(completion_lens=t["completion_lens"][:-1]), "completion_lens", "rows"),
+        (lambda t, h: t["prompt_lens"].__setitem__(0, 0), "prompt_lens", "prompt_lens[0]=0"),
+        (lambda t, h: t["completion_lens"].__setitem__(1, -1), "completion_lens", "negative"),
+        (lambda t, h: t["input_ids"].__setitem__(3, VOCAB), "input_ids", f"input_ids[3]={VOCAB}"),
+        (lambda t, h: t["input_ids"].__setitem__(0, -5), "input_ids", "input_ids[0]=-5"),
+        (lambda t, h: t.pop("prompt_lens"), "prompt_lens", "missing"),
+        (lambda t, h: t.update(extra=torch.zeros(2)), "extra", "unknown tensor"),
+        (lambda t, h: h.update(temperature=0), "temperature", "> 0"),
+        (lambda t, h: h.update(temperature="hot"), "temperature", "'hot'"),
+        (lambda t, h: h.pop("temperature"), "temperature", "None"),
+        (lambda t, h: h.update(with_entropy="yes"), "with_entropy", "true or false"),
+        (lambda t, h: h.update(pad_id=VOCAB + 1), "pad_id", "outside the vocabulary"),
+        (lambda t, h: h.update(rows_per_pass=0), "rows_per_pass", ">= 1"),
+        (lambda t, h: h.update(colour="blue"), "colour", "unknown header field"),
+    ],
+)
+def test_every_invalid_field_is_named(mutate, field, words):
+    tensors, header = _request()
+    mutate(tensors, header)
+    with pytest.raises(WireError) as e:
+        parse_request(encode(tensors, header), VOCAB, 16384)
+    assert e.value.field == field
+    assert words in e.value.message
+
+
+def test_row_longer_than_the_token_budget_is_refused_with_the_fix():
+    p = pack([[5] * 30], [[6] * 10], 0)
+    with pytest.raises(WireError) as e:
+        parse_request(encode_request(p, 1.0), VOCAB, max_row_tokens=32)
+    assert "40 tokens" in e.value.message and "--max-batch-tokens" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (b"", "body"),
+        (b"not safetensors at all", "body"),
+        ((10**6).to_bytes(8, "little") + b"{}", "body"),
+        ((2).to_bytes(8, "little") + b"[]", "body"),
+        (st_save({"input_ids": torch.zeros(2, dtype=torch.int64)}), "header"),
+        (st_save({"input_ids": torch.zeros(2, dtype=torch.int64)}, metadata={"header": "{not json"}), "header"),
+        (st_save({"input_ids": torch.zeros(2, dtype=torch.int64)}, metadata={"header": json.dumps([1])}), "header"),
+    ],
+)
+def test_malformed_bodies(body, field):
+    with pytest.raises(WireError) as e:
+        parse_request(body, VOCAB, 16384)
+    assert e.value.field == field
+
+
+def test_truncated_payload_is_refused():
+    body = encode_request(ragged_batch(3, rows=4, vocab=VOCAB), 1.0)
+    with pytest.raises(WireError) as e:
+        parse_request(body[:-7], VOCAB, 16384)
+    assert e.value.field == "body"
+
+
+@pytest.mark.parametrize(
+    "rows, row_tokens, max_rows, max_tokens, sizes",
+    [
+        (10, 7, None, None, [10]),
+        (10, 7, 4, None, [4, 4, 2]),
+        (10, 7, None, 21, [3, 3, 3, 1]),
+        (10, 7, 2, 21, [2, 2, 2, 2, 2]),
+        (3, 100, None, 50, [1, 1, 1]),  # a row over the budget still goes alone
+    ],
+)
+def test_row_slices(rows, row_tokens, max_rows, max_tokens, sizes):
+    slices = row_slices(rows, row_tokens, max_rows, max_tokens)
+    assert [len(range(rows)[s]) for s in slices] == sizes
