@@ -442,6 +442,7 @@ def load_config(
         option_user[k] = v
 
     tree = _deep_merge(user_tree, {"algo": _deep_merge(dict(algorithm.defaults), common_user)})
+    tree["algo"] = {k: v for k, v in tree["algo"].items() if k not in option_user}  # options are built below
     tree["algo"]["name"] = name
     cfg = build_dataclass(Config, tree)
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
