@@ -119,15 +119,17 @@ class DAPO(GRPO):
         target = self.cfg.rollout.prompts_per_step
         quota = target // dist.world_size()
         kept: list[RolloutBatch] = []
-        found = generated = 0.0
+        found = generated = reward_sum = rows = 0.0
         rounds = 0
         while True:
             rounds += 1
             groups = core.valid_groups(batch.rewards, batch.group_size)
             if groups:
                 kept.append(batch.select_groups(groups))
-            c = dist.all_reduce_sum(torch.tensor([len(groups), batch.num_groups], dtype=torch.float64))
+            c = dist.all_reduce_sum(torch.tensor(
+                [len(groups), batch.num_groups, float(batch.rewards.double().sum()), len(batch)], dtype=torch.float64))
             found, generated = found + float(c[0]), generated + float(c[1])
+            reward_sum, rows = reward_sum + float(c[2]), rows + float(c[3])
             if found >= target:
                 break
             if self.opt.max_gen_batches and rounds >= self.opt.max_gen_batches:
@@ -139,5 +141,6 @@ class DAPO(GRPO):
                 )
             batch = self.shape_rewards(ctx.generate_more())
         ctx.metrics["dapo/kept_frac"] = found / generated
+        ctx.metrics["dapo/reward_generated_mean"] = reward_sum / rows  # the policy's reward, before filtering
         ctx.metrics["dapo/gen_batches"] = float(rounds)
         return balance_groups(RolloutBatch.concat(kept) if kept else None, quota)

@@ -35,6 +35,11 @@ from grpo.rollout import completion_mask, cut_at_eos, generate
 CONTINUE, HINT, REPLACE = 0, 1, 2
 
 
+def correction_case(u: float) -> int:
+    """The correction for a uniform draw u in [0, 1): CONTINUE (0.5), HINT (0.25), REPLACE (0.25)."""
+    return CONTINUE if u < 0.5 else HINT if u < 0.75 else REPLACE
+
+
 @dataclass
 class EdgeOptions:
     guided_correction: bool = False
@@ -98,7 +103,7 @@ class EdgeGRPO(GRPO):
         for i, ui in zip(rows, u):
             own = batch.completion_ids[i]
             own = own[:-1] if own and own[-1] in eos_set else own
-            case = CONTINUE if ui < 0.5 else HINT if ui < 0.75 else REPLACE
+            case = correction_case(ui)
             if case == REPLACE:
                 sol = encode(batch.items[i][o.solution_column]) + [eos]
                 new[i] = (sol[:L], len(sol) > L)
