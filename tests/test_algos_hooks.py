@@ -278,13 +278,18 @@ def _balance_worker(rank: int, port: int, out_dir: str) -> None:
     tdist.destroy_process_group()
 
 
-def test_dapo_dynamic_sampling_balances_groups_across_ranks(tmp_path):
+def spawn2(worker, tmp_path) -> None:
+    """Run ``worker(rank, port, out_dir)`` on 2 gloo ranks."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_balance_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+
+
+def test_dapo_dynamic_sampling_balances_groups_across_ranks(tmp_path):
+    spawn2(_balance_worker, tmp_path)
     r0 = (tmp_path / "rank0.txt").read_text().split(";")
     r1 = (tmp_path / "rank1.txt").read_text().split(";")
     assert r0[0] == "[0, 1]" and r1[0] == "[10, 11]"  # rank 0 keeps its first two, rank 1 gets the next two
@@ -349,6 +354,34 @@ def test_gpg_threshold_resampling_replaces_uniform_groups():
     assert [out.prompt_index[g * G] for g in range(5)] == [0, 100, 111, 112, 113]
     assert len(calls) == 2 and len(out) == 10
     assert ctx.metrics["gpg/valid_group_frac"] == 1.0 and algo.alpha == 1.0
+
+
+def _gpg_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg = make_cfg("gpg", "rollout.num_generations=2")
+    results = []
+    cases = {  # rank -> rewards of its 3 groups of 2
+        "mixed": ([1, 0, 0.5, 0.5, 0, 1], [1, 1, 0, 0, 0, 0]),  # B = 6, M = 4 -> alpha = 3
+        "one rank uniform": ([1, 1, 0, 0, 1, 1], [0, 1, 0, 0, 0, 0]),  # rank 0 alone has no signal: no skip
+        "all uniform": ([1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]),  # skipped on both ranks
+    }
+    for name, rewards in cases.items():
+        algo = get_algorithm("gpg")(cfg)
+        ctx = StepContext(cfg, 0)
+        algo.process_batch(make_batch(rewards[rank], [2] * 6, 2), ctx)
+        results.append(f"{name}:{ctx.skip_update}:{algo.alpha}")
+    Path(out_dir, f"rank{rank}.txt").write_text("|".join(results))
+    tdist.destroy_process_group()
+
+
+def test_gpg_alpha_and_skip_count_groups_over_all_ranks(tmp_path):
+    spawn2(_gpg_worker, tmp_path)
+    r0, r1 = ((tmp_path / f"rank{k}.txt").read_text().split("|") for k in range(2))
+    assert r0 == r1
+    assert r0[0] == "mixed:False:3.0" and r0[1] == "one rank uniform:False:6.0"
+    assert r0[2].startswith("all uniform:True:")
 
 
 # --------------------------------------------------------------------------- 2-grpo
