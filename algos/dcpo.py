@@ -36,7 +36,9 @@ class DCPOOptions:
     max_ratio: float = 10.0  # cap of r_high (paper: 10)
 
 
-def smooth_advantages(r: torch.Tensor, i: int, mu_new: float, sd_new: float, mu_tot: float, sd_tot: float) -> torch.Tensor:
+def smooth_advantages(
+    r: torch.Tensor, i: int, mu_new: float, sd_new: float, mu_tot: float, sd_tot: float
+) -> torch.Tensor:
     """DCPO's smooth standardisation of one group's rewards ``r``."""
     a_new = (r - mu_new) / sd_new if sd_new > 0 else torch.zeros_like(r)
     a_tot = (r - mu_tot) / sd_tot if sd_tot > 0 else torch.zeros_like(r)
@@ -104,4 +106,5 @@ class DCPO(Algorithm):
         return {"prompt_stats": {k: list(v) for k, v in self.prompt_stats.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.prompt_stats = {int(k): (int(v[0]), float(v[1]), float(v[2])) for k, v in state.get("prompt_stats", {}).items()}
+        stats = state.get("prompt_stats", {})
+        self.prompt_stats = {int(k): (int(v[0]), float(v[1]), float(v[2])) for k, v in stats.items()}

@@ -46,7 +46,9 @@ class GPG(Algorithm):
     def validate(cls, cfg: Config) -> None:
         o = cfg.algo.options
         if cfg.algo.beta != 0:
-            raise ConfigError(f"algo.beta={cfg.algo.beta} is invalid for gpg: it has no reference model, set algo.beta=0")
+            raise ConfigError(
+                f"algo.beta={cfg.algo.beta} is invalid for gpg: it has no reference model, set algo.beta=0"
+            )
         if not 0 <= o.threshold <= 1:
             raise ConfigError(f"algo.threshold={o.threshold} is invalid: it must lie in [0, 1] (paper: 0.6, 0 = off)")
         if o.max_gen_batches < 0:

@@ -33,6 +33,7 @@ def overlong_penalty(
     lengths = torch.as_tensor(length, dtype=torch.float64)
     expected = max_len - buffer
     inside = (expected - lengths) / max(buffer, 1)
-    r = torch.where(lengths <= expected, torch.zeros_like(lengths), torch.where(lengths <= max_len, inside, -torch.ones_like(lengths)))
+    r = torch.where(lengths <= max_len, inside, -torch.ones_like(lengths))
+    r = torch.where(lengths <= expected, torch.zeros_like(lengths), r)
     r = r * factor
     return float(r) if not isinstance(length, torch.Tensor) else r
