@@ -4,7 +4,9 @@
     J     = sum_i sum_t l_i,t / sum_i |o_i|                          token-mean, eq. (12); beta = 0
     dynamic sampling, eq. (11): groups whose rewards are all equal are dropped and further
         batches generated until the step holds ``rollout.prompts_per_step`` prompts (at most
-        ``max_gen_batches`` generation batches, 0 = unlimited), then truncated to that size
+        ``max_gen_batches`` generation batches, 0 = unlimited), then truncated to that size.
+        ``filter_on``: the final reward (default), or the task reward before overlong shaping
+        (as verl's DAPO recipe, which filters on accuracy)
     soft overlong punishment, eq. (13): r += R_len(|o|) (rewards/length.py), L_cache = overlong_buffer
         (default: L_max // 5, the paper's 4096 of L_max = 20480; 0 = off)
     overlong filtering (option): truncated completions (no EOS within L_max) get mask 0
@@ -16,7 +18,7 @@ found fewer valid groups than that takes the surplus of the others (in rank orde
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -35,6 +37,7 @@ class DynamicSamplingError(RuntimeError):
 @dataclass
 class DAPOOptions:
     dynamic_sampling: bool = True
+    filter_on: Literal["reward", "task_reward"] = "reward"  # task_reward: before overlong shaping
     max_gen_batches: int = 10  # generation batches per step, the first included; 0 = unlimited (verl: 10)
     overlong_buffer: Optional[int] = None  # L_cache; None: L_max // 5 (paper: 4096 of L_max = 20480); 0 = off
     overlong_factor: float = 1.0
@@ -102,6 +105,7 @@ class DAPO(GRPO):
         lengths = torch.tensor([len(c) for c in batch.completion_ids])
         pen = overlong_penalty(lengths, self.cfg.rollout.max_completion_length, self.overlong_buffer,
                                self.opt.overlong_factor).to(batch.rewards.dtype)
+        batch.extra = {**batch.extra, "task_reward": batch.rewards}
         batch.rewards = batch.rewards + pen
         batch.reward_terms = {**batch.reward_terms, "overlong": pen}
         return batch
@@ -123,7 +127,8 @@ class DAPO(GRPO):
         rounds = 0
         while True:
             rounds += 1
-            groups = core.valid_groups(batch.rewards, batch.group_size)
+            signal = batch.extra.get("task_reward", batch.rewards) if self.opt.filter_on == "task_reward" else None
+            groups = core.valid_groups(batch.rewards if signal is None else signal, batch.group_size)
             if groups:
                 kept.append(batch.select_groups(groups))
             c = dist.all_reduce_sum(torch.tensor(

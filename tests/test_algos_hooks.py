@@ -242,6 +242,18 @@ def test_dapo_dynamic_sampling_refills_to_the_batch_size():
     assert ctx.metrics["dapo/reward_generated_mean"] == pytest.approx(sum(all_rewards) / 32)
 
 
+def test_dapo_dynamic_sampling_filters_on_the_task_reward_when_asked():
+    G = 2
+    rewards = [0, 0, 1, 1, 0, 1]  # groups: equal, equal, mixed
+    lengths = [2, 5, 3, 5, 5, 5]  # with L_max = 5, L_cache = 2 the first two groups differ in shaped reward
+    for filter_on, kept in [("reward", [0, 1, 2]), ("task_reward", [2])]:
+        cfg = make_cfg("dapo", "algo.overlong_buffer=2", "rollout.num_generations=2", f"rollout.prompts_per_step={len(kept)}",
+                       f"algo.filter_on={filter_on}")
+        out = get_algorithm("dapo")(cfg).process_batch(make_batch(rewards, lengths, G), StepContext(cfg, 0))
+        assert [out.prompt_index[g * G] for g in range(out.num_groups)] == kept
+        assert out.rewards.tolist() == pytest.approx([r + {2: 0, 3: 0, 5: -1}[l] for r, l in zip(rewards, lengths)][kept[0] * G:])
+
+
 def test_dapo_dynamic_sampling_clear_error_when_exhausted():
     G = 2
     cfg = make_cfg("dapo", "algo.overlong_buffer=0", "rollout.num_generations=2", "rollout.prompts_per_step=4",
