@@ -94,7 +94,7 @@ LEARN = ["data.builtin.digits=1", "rollout.max_completion_length=2", "train.lr=5
     # dapo's logged reward/mean is that of the kept (mixed) groups; this one is the policy's, before filtering.
     # Stop before the policy is perfect: then no group has differing rewards and refilling cannot end.
     ("dapo", "dapo/reward_generated_mean", ["train.max_steps=60", "algo.max_gen_batches=30"]),
-    ("gpg", "reward/mean", ["train.max_steps=100", "algo.threshold=0.6", "algo.max_gen_batches=5"]),
+    ("gpg", "reward/mean", ["train.max_steps=80", "algo.threshold=0.6", "algo.max_gen_batches=5"]),
 ])
 def test_learns_the_demo_task(algo, key, extra, tmp_path):
     """1-digit copy: the reward goes from about 0.01 to above 0.8."""
