@@ -26,9 +26,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def list_algos() -> str:
     from algos import ALGORITHMS
 
+    import dataclasses
+
+    from grpo.config import AlgoConfig
+
+    def defaults(cls) -> dict:
+        fields = [*dataclasses.fields(AlgoConfig), *dataclasses.fields(cls.Options)]
+        return {**{f.name: f.default for f in fields if f.default is not dataclasses.MISSING}, **cls.defaults}
+
     lines = []
     for name, cls in ALGORITHMS.items():
-        knobs = ", ".join(f"{k}={cls.defaults.get(k, '')}" if k in cls.defaults else k for k in cls.knobs)
+        values = defaults(cls)
+        knobs = ", ".join(f"{k}={values[k]!r}" if isinstance(values.get(k), str) else f"{k}={values.get(k)}"
+                          for k in cls.knobs)
         lines.append(f"{name:<12} {cls.paper}  [{cls.tag}]\n{'':<12} {cls.summary}\n{'':<12} knobs: {knobs}")
     return "\n".join(lines)
 

@@ -41,11 +41,20 @@ def log_mean(ctx: "StepContext", name: str, x: torch.Tensor, mask: Optional[torc
 
 
 class StepContext:
-    """What hooks may use: the config, the step number and a way to generate more groups."""
+    """What hooks may use: the config, the step number, a way to generate more groups and the trainer.
 
-    def __init__(self, cfg: Config, step: int, generate_more: Optional[Callable[[], RolloutBatch]] = None):
-        self.cfg, self.step, self.generate_more = cfg, step, generate_more
+    ``generate_more(n=None)`` rolls out and scores this rank's share of the next ``n`` prompts
+    of the global stream (default ``rollout.prompts_per_step``; every rank must call it the
+    same number of times, which keeps the prompt sampler in step). ``trainer`` gives hooks
+    that generate or re-score (EDGE-GRPO) the policy, tokenizer and reward combiner.
+    Setting ``skip_update`` skips the optimizer step (it must be set alike on every rank).
+    """
+
+    def __init__(self, cfg: Config, step: int, generate_more: Optional[Callable[..., RolloutBatch]] = None,
+                 trainer: Any = None):
+        self.cfg, self.step, self.generate_more, self.trainer = cfg, step, generate_more, trainer
         self.metrics: dict[str, float] = {}
+        self.skip_update = False
 
 
 class Algorithm:
@@ -56,6 +65,7 @@ class Algorithm:
     Options: ClassVar[type] = NoOptions
     defaults: ClassVar[dict[str, Any]] = {}  # overrides of AlgoConfig's shared defaults
     knobs: ClassVar[tuple[str, ...]] = ()  # main knobs shown by --list-algos
+    prunes: ClassVar[bool] = False  # True: advantages come before the forward passes, then prune_batch
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -85,6 +95,16 @@ class Algorithm:
         """Reward shaping / group filtering / refill, before advantages. Default: unchanged."""
         return batch
 
+    def prune_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        """Only for ``prunes = True``: drop rows after advantages, before any forward pass (CPPO)."""
+        return batch
+
+    def attach(self, trainer: Any) -> None:
+        """Called once when the trainer is ready (after a resume restored ``load_state_dict``)."""
+
+    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+        """Called on every rank after each step, before logging and checkpointing; may add metrics."""
+
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
         return core.group_advantages(batch.rewards, batch.group_size, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
 
@@ -106,11 +126,18 @@ class Algorithm:
         adv = mb.advantages
         return adv.unsqueeze(-1) if adv.dim() == 1 else adv
 
-    def ppo_token_loss(self, logp: torch.Tensor, mb: RolloutBatch, ratio: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
-        """-(clipped surrogate - beta KL) per token, with the standard statistics."""
+    def ppo_token_loss(self, logp: torch.Tensor, mb: RolloutBatch, ratio: Optional[torch.Tensor] = None,
+                       eps_low: Optional[float | torch.Tensor] = None,
+                       eps_high: Optional[float | torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+        """-(clipped surrogate - beta KL) per token, with the standard statistics.
+
+        ``eps_low``/``eps_high`` override the configured clip range (tensors: per-token bounds).
+        """
         old = self.old_logp(logp, mb)
         ratio = core.token_ratio(logp, old) if ratio is None else ratio
-        surr = core.clipped_surrogate(ratio, self.token_advantages(mb), self.a.clip_eps_low, self.a.clip_eps_high, self.a.dual_clip)
+        eps_low = self.a.clip_eps_low if eps_low is None else eps_low
+        eps_high = self.a.clip_eps_high if eps_high is None else eps_high
+        surr = core.clipped_surrogate(ratio, self.token_advantages(mb), eps_low, eps_high, self.a.dual_clip)
         per_token = -surr.value
         stats = {
             "clip_frac_low": masked_stat(surr.clipped_low.float(), mb.mask),

@@ -43,6 +43,10 @@ class RolloutBatch:
         return self.mask.shape[1]
 
     @property
+    def num_groups(self) -> int:
+        return len(self) // self.group_size
+
+    @property
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(-1)
 
@@ -65,6 +69,11 @@ class RolloutBatch:
             else:
                 out[f.name] = v
         return RolloutBatch(**out)
+
+    def select_groups(self, groups: list[int]) -> "RolloutBatch":
+        """A new batch holding whole groups (in that order)."""
+        G = self.group_size
+        return self.select([g * G + j for g in groups for j in range(G)])
 
     @staticmethod
     def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":

@@ -73,14 +73,7 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
         tmp.mkdir(parents=True)
     dist.barrier()
     engine.save_checkpoint(str(tmp), tag="ds")
-    # HF weights: consolidated on rank 0 (ZeRO-3 gathers the partitions).
-    if engine.zero_optimization_partition_weights():
-        state_dict = engine._zero3_consolidated_16bit_state_dict()
-    else:
-        state_dict = engine.module.state_dict() if dist.is_main() else None
-    if dist.is_main():
-        engine.module.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+    _write_hf(engine, tokenizer, tmp)
     (tmp / "trainer").mkdir(exist_ok=True)
     torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer" / f"rank{dist.rank()}.pt")
     dist.barrier()
@@ -93,6 +86,34 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
             steps = sorted((int(p.name.split("-")[1]), p) for p in root.glob("step-*") if p.is_dir())
             for _, p in steps[:-keep]:
                 shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write_hf(engine, tokenizer, folder: Path) -> None:
+    """HF weights + tokenizer, consolidated on rank 0 (ZeRO-3 gathers the partitions). Collective."""
+    if engine.zero_optimization_partition_weights():
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state_dict = engine.module.state_dict() if dist.is_main() else None
+    if dist.is_main():
+        engine.module.save_pretrained(str(folder), state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+
+
+def export_model(engine, tokenizer, folder: str | Path) -> Path:
+    """Collective: write the policy as an HF folder (``from_pretrained`` loads it), atomically."""
+    final = Path(folder)
+    tmp = final.with_name(f".tmp-{final.name}")
+    if dist.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    _write_hf(engine, tokenizer, tmp)
+    dist.barrier()
+    if dist.is_main():
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
     dist.barrier()
     return final
 

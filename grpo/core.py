@@ -94,6 +94,11 @@ def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r.max(dim=1).values - r.min(dim=1).values) == 0
 
 
+def valid_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose rewards are not all equal (DAPO's dynamic sampling, GPG's B - M)."""
+    return (~uniform_groups(rewards, group_size)).nonzero(as_tuple=True)[0].tolist()
+
+
 # --------------------------------------------------------------------------- ratios
 
 
@@ -157,6 +162,19 @@ def clipped_surrogate(
         clipped_low=((ratio < low) & (adv < 0)).detach(),
         clipped_high=((ratio > high) & (adv > 0)).detach(),
     )
+
+
+def dynamic_clip_bounds(
+    old_logp: torch.Tensor, eps_low: float, eps_high: float, max_ratio: float = 10.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DCPO's per-token ratio bounds from the old token probability q = exp(l_old) (detached):
+
+    r_low = 0.5 + 0.5 sqrt(max(1 - 4 eps_low / q, 0)),  r_high = min(0.5 + 0.5 sqrt(1 + 4 eps_high / q), max_ratio).
+    """
+    q = torch.exp(old_logp.detach())
+    low = 0.5 + 0.5 * torch.sqrt(torch.clamp(1.0 - 4.0 * eps_low / q, min=0.0))
+    high = torch.clamp(0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / q), max=max_ratio)
+    return low, high
 
 
 # --------------------------------------------------------------------------- KL

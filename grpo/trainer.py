@@ -1,9 +1,10 @@
 """The training loop on a DeepSpeed engine.
 
 One step, on every rank:
-  data -> rollout -> rewards -> algorithm hook (shaping / filtering) -> reference (async)
-  -> old log-probs / entropy (only if needed) -> advantages -> mu optimizer passes over
-  micro-batches -> metrics reduced over ranks -> checkpoint.
+  data -> rollout -> rewards -> algorithm hook ``process_batch`` (shaping / filtering /
+  refill / correction) -> [pruning algorithms: advantages -> ``prune_batch``] -> reference
+  (async) -> old log-probs / entropy (only if needed) -> advantages -> mu optimizer passes
+  over micro-batches -> metrics reduced over ranks -> ``on_step_end`` -> checkpoint.
 """
 
 from __future__ import annotations
@@ -131,14 +132,17 @@ class Trainer:
             self.algo.load_state_dict(state.get("algo", {}))
             if dist.is_main():
                 print(f"resumed from {ckpt} at step {self.step}", flush=True)
+        self.algo.attach(self)
         self.logger = MetricsLogger(cfg, start_step=self.step)
         if dist.is_main() and self.dataset.dropped:
             print(f"dropped {self.dataset.dropped} prompts longer than rollout.max_prompt_length", flush=True)
 
     # ------------------------------------------------------------------ data -> rollout -> rewards
-    def _rank_indices(self) -> list[int]:
-        """This rank's slice of the next global batch of prompts."""
-        n = self.cfg.rollout.prompts_per_step
+    def _rank_indices(self, n: Optional[int] = None) -> list[int]:
+        """This rank's slice of the next global batch of ``n`` prompts (default prompts_per_step)."""
+        n = self.cfg.rollout.prompts_per_step if n is None else n
+        if n % self.world:
+            raise ValueError(f"{n} prompts cannot be split evenly over {self.world} ranks")
         per_rank = n // self.world
         batch = self.sampler.next_batch(n)
         return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
@@ -163,13 +167,17 @@ class Trainer:
             prompt_text=self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False),
             completion_text=self.decode_completions(comp.tokens),
         )
-        total, per_fn = self.rewards(batch.prompt_text, batch.completion_text, batch.columns())
-        batch.rewards = torch.tensor(total, dtype=torch.float32)
-        batch.reward_terms = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_fn.items()}
+        self.score(batch)
         t2 = time.perf_counter()
         timings["generation"] = timings.get("generation", 0.0) + t1 - t0
         timings["reward"] = timings.get("reward", 0.0) + t2 - t1
         return batch
+
+    def score(self, batch: RolloutBatch) -> None:
+        """Set ``batch.rewards`` and ``batch.reward_terms`` from the reward functions (texts and columns)."""
+        total, per_fn = self.rewards(batch.prompt_text, batch.completion_text, batch.columns())
+        batch.rewards = torch.tensor(total, dtype=torch.float32)
+        batch.reward_terms = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_fn.items()}
 
     def decode_completions(self, tokens: list[list[int]]) -> list[str]:
         return decode_completions(self.tokenizer, tokens, self.eos_ids)
@@ -206,8 +214,14 @@ class Trainer:
         timings: dict[str, float] = {}
         t_start = time.perf_counter()
         batch = self.rollout(self._rank_indices(), timings)
-        ctx = StepContext(cfg, self.step, generate_more=lambda: self.rollout(self._rank_indices(), timings))
+        ctx = StepContext(cfg, self.step, generate_more=lambda n=None: self.rollout(self._rank_indices(n), timings),
+                          trainer=self)
+        # The one place where algorithms change the batch (shaping, filtering + refill, correction).
         batch = algo.process_batch(batch, ctx)
+        scored = batch  # what the step's reward / advantage metrics describe
+        if algo.prunes:  # CPPO: advantages first, so that every forward pass runs on kept rows only
+            batch.advantages = algo.advantages(batch, ctx)
+            batch = algo.prune_batch(batch, ctx)
 
         t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id
@@ -223,7 +237,8 @@ class Trainer:
         timings["old_logprobs"] = t1 - t0
         timings["reference"] = t2 - t1
 
-        batch.advantages = algo.advantages(batch, ctx)
+        if not algo.prunes:
+            batch.advantages = algo.advantages(batch, ctx)
         norms = self.step_norms(batch)
 
         t3 = time.perf_counter()
@@ -245,8 +260,8 @@ class Trainer:
         timings["train"] = t4 - t3
         timings["step"] = t4 - t_start
 
-        self._last_batch = batch
-        return self._metrics(batch, stats, loss_sum, grad_norm, timings, ctx)
+        self._last_batch = scored
+        return self._metrics(scored, stats, loss_sum, grad_norm, timings, ctx, entropy=batch.entropy, mask=batch.mask)
 
     def _optimizer_pass(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict) -> torch.Tensor:
         """One optimizer step over all micro-batches; the gradient is that of the whole step's loss."""
@@ -289,7 +304,7 @@ class Trainer:
         return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
     # ------------------------------------------------------------------ metrics
-    def _metrics(self, batch, stats, loss_sum, grad_norm, timings, ctx) -> dict[str, float]:
+    def _metrics(self, batch, stats, loss_sum, grad_norm, timings, ctx, entropy=None, mask=None) -> dict[str, float]:
         G = batch.group_size
         m: dict[str, float] = {}
 
@@ -308,12 +323,13 @@ class Trainer:
         zero = core.uniform_groups(batch.rewards, G).double()
         zs = dist.all_reduce_sum(torch.stack([zero.sum(), torch.tensor(float(zero.numel()), dtype=torch.float64)]))
         m["advantage/zero_group_frac"] = float(zs[0] / zs[1])
-        lengths = batch.lengths.double()
+        # lengths as generated (DAPO's overlong filter zeroes the masks of truncated completions)
+        lengths = torch.tensor([float(len(c)) for c in batch.completion_ids], dtype=torch.float64)
         m["completion/length_mean"] = float(core.global_mean_std(lengths)[0])
         m["completion/length_max"] = float(dist.all_reduce_max(lengths.max().reshape(1)))
         m["completion/truncated_frac"] = float(core.global_mean_std(batch.truncated.double())[0])
-        if batch.entropy is not None:
-            m["entropy"] = float(core.global_mean_std(batch.entropy, mask=batch.mask)[0])
+        if entropy is not None:
+            m["entropy"] = float(core.global_mean_std(entropy, mask=mask)[0])
         if stats:
             names = sorted(stats)
             red = dist.all_reduce_sum(torch.stack([torch.stack(stats[n]) for n in names]))
@@ -352,6 +368,7 @@ class Trainer:
             self.step += 1
             if self.evaluator is not None and self.evaluator.due(self.step):
                 metrics.update(self.evaluator(self.model, self.step, self.out))
+            self.algo.on_step_end(self, metrics)  # may add metrics (e.g. ProRL's reference version)
             history.append({"step": self.step, **metrics})
             self.logger.log(self.step, metrics, self._samples_for_log())
             if cfg.train.save_every and self.step % cfg.train.save_every == 0:

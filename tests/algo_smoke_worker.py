@@ -22,21 +22,20 @@ from grpo.trainer import Trainer  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--algos", required=True, help="comma-separated names")
+    p.add_argument("--plan", required=True, help="JSON file: {algorithm name: [key=value overrides]}")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     root = Path(__file__).resolve().parent.parent
-    for name in args.algos.split(","):
+    plan: dict[str, list[str]] = json.loads(Path(args.plan).read_text())
+    for name, overrides in plan.items():
         out = Path(args.out) / name
-        preset = root / "configs" / f"{name}.yaml"
         status: dict = {"algo": name}
         try:
-            cfg = load_config(preset if preset.exists() else root / "configs" / "demo.yaml", algo=name, overrides=[
+            cfg = load_config(root / "configs" / "demo.yaml", algo=name, overrides=[
                 f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.save_every=0",
-                "logging.progress_bar=false", "logging.plot=false", *args.overrides,
+                "logging.progress_bar=false", "logging.plot=false", *overrides,
             ])
             Trainer(cfg).train()
             status["ok"] = True

@@ -1,7 +1,10 @@
-"""Every registered algorithm trains the demo task for a few steps on 2 CPU ranks.
+"""Every registered algorithm trains the demo task for 3 steps on 2 DeepSpeed CPU ranks.
 
-One deepspeed launch runs them all in turn (tests/algo_smoke_worker.py); this test is
-parametrised over the registry and checks each algorithm's status and metrics.
+One deepspeed launch runs them all in turn (tests/algo_smoke_worker.py, with
+``configs/demo.yaml`` + ``--algo NAME`` + the overrides below): starting the launcher costs
+more than the steps. The test is parametrised over the registry and checks each
+algorithm's status, the metrics every algorithm must log (ALGORITHMS.md, "What every
+algorithm must log") and each algorithm's own quantity.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from algos import ALGORITHMS
 from grpo.metrics import read_metrics
@@ -17,45 +21,80 @@ from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow
 NAMES = sorted(ALGORITHMS)
-CLIP = ["clip_frac_low", "clip_frac_high", "ratio_mean"]
-# what each must log besides the trainer's reward / advantage / length metrics (ALGORITHMS.md)
-LOGGED = {
-    "grpo": CLIP + ["kl"],
-    "drgrpo": CLIP,
-    "gtpo": CLIP + ["entropy", "gtpo/success_frac", "gtpo/shaped_reward_pos", "gtpo/shaped_reward_neg"],
-    "grpo-s": CLIP + ["entropy", "grpo_s/success_frac", "grpo_s/shaped_reward"],
-    "gspo": CLIP,
-    "gspo-token": CLIP,
-    "tic-grpo": CLIP,
-    "pspo": ["ratio_mean", "smoothed_ratio_mean"],
-    "lambda-grpo": CLIP + ["prefix_count_mean"],
-    "grpo-lambda": CLIP,
-    "grpo-lead": CLIP + ["grpo_lead/shaped_reward", "grpo_lead/correct_frac"],
-    "diver": CLIP + ["diver/bonus", "diver/bonus_correct"],
-    "grpo-ps": CLIP + ["grpo_ps/step_reward", "grpo_ps/steps_per_completion"],
-}
-COMMON = ["reward/mean", "reward/std", "advantage/mean", "advantage/std", "advantage/min", "advantage/max",
-          "advantage/zero_group_frac", "completion/length_mean", "completion/length_max",
-          "completion/truncated_frac", "loss", "grad_norm", "lr"]
 SMALL = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=6"]
+CLIP = ["clip_frac_low", "clip_frac_high", "ratio_mean"]
+
+# name -> (extra overrides, quantities it must log besides the common ones)
+ALGOS: dict[str, tuple[list[str], list[str]]] = {
+    "grpo": ([], CLIP + ["kl"]),
+    "drgrpo": ([], CLIP),
+    "gtpo": ([], CLIP + ["entropy", "gtpo/success_frac", "gtpo/shaped_reward_pos", "gtpo/shaped_reward_neg"]),
+    "grpo-s": ([], CLIP + ["entropy", "grpo_s/success_frac", "grpo_s/shaped_reward"]),
+    "gspo": ([], CLIP),
+    "gspo-token": ([], CLIP),
+    "tic-grpo": ([], CLIP),
+    "pspo": ([], ["ratio_mean", "smoothed_ratio_mean"]),
+    "lambda-grpo": ([], CLIP + ["prefix_count_mean"]),
+    "grpo-lambda": ([], CLIP),
+    "grpo-lead": ([], CLIP + ["grpo_lead/shaped_reward", "grpo_lead/correct_frac"]),
+    "diver": ([], CLIP + ["diver/bonus", "diver/bonus_correct"]),
+    "grpo-ps": ([], CLIP + ["grpo_ps/step_reward", "grpo_ps/steps_per_completion"]),
+    "dapo": (["algo.overlong_buffer=1", "algo.overlong_filter=true", "algo.max_gen_batches=0"],
+             CLIP + ["dapo/kept_frac", "dapo/gen_batches", "dapo/reward_generated_mean", "reward/overlong/mean"]),
+    "gpg": (["algo.threshold=0.6", "algo.max_gen_batches=3"], ["gpg/valid_group_frac", "gpg/gen_batches"]),
+    "2-grpo": (["rollout.num_generations=2", "rollout.prompts_per_step=8"], CLIP),
+    "cppo": (["algo.beta=0.04", "algo.allocation=true"], CLIP + ["cppo/kept_frac", "cppo/prompts", "kl"]),
+    "prorl": (["algo.beta=0.001", "algo.reset_every=2", "algo.max_gen_batches=0"],
+              CLIP + ["prorl/ref_version", "prorl/reset", "kl", "dapo/kept_frac"]),
+    "dcpo": ([], CLIP + ["dcpo/times_sampled_mean"]),
+    "edge-grpo": (["algo.guided_correction=true", "algo.solution_column=answer", "rollout.max_completion_length=8",
+                   "algo.reflection_cue=' ?'"], CLIP + ["edge/corrected_frac", "entropy"]),
+}
+EVERY_STEP = ["reward/mean", "reward/std", "reward/digits_match/mean", "advantage/mean", "advantage/std",
+              "advantage/min", "advantage/max", "advantage/zero_group_frac", "completion/length_mean",
+              "completion/length_max", "completion/truncated_frac", "lr"]
+UPDATE = ["loss", "grad_norm"]
+
+
+def test_every_registered_algorithm_is_covered():
+    assert sorted(ALGOS) == NAMES
 
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("algos")
-    run_deepspeed(["--algos", ",".join(NAMES), "--out", str(out), *SMALL], 2, "tests/algo_smoke_worker.py",
-                  timeout=900)
+    plan = out / "plan.json"
+    plan.write_text(json.dumps({name: SMALL + ALGOS.get(name, ([], []))[0] for name in NAMES}))
+    run_deepspeed(["--plan", str(plan), "--out", str(out)], 2, "tests/algo_smoke_worker.py", timeout=1200)
     return out
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_algorithm_trains_on_two_ranks(smoke_runs, name):
-    status = json.loads((smoke_runs / name / "status.json").read_text())
+    run = smoke_runs / name
+    status = json.loads((run / "status.json").read_text())
     assert status["ok"], status.get("traceback", status)
-    rows = read_metrics(smoke_runs / name / "metrics.jsonl")
+    rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
+    own = ALGOS[name][1]
     for r in rows:
-        missing = [k for k in COMMON + LOGGED.get(name, CLIP) if k not in r]
-        assert not missing, f"{name} did not log {missing}"
-        assert all(math.isfinite(r[k]) for k in COMMON + LOGGED.get(name, CLIP)), r
-    assert (smoke_runs / name / "checkpoints" / "latest").exists()
+        update = [] if r.get("update_skipped") else UPDATE + own
+        if r.get("update_skipped"):
+            assert name == "gpg", f"{name} skipped an update"
+        for key in EVERY_STEP + update:
+            assert r.get(key) is not None, f"{name} did not log {key} at step {r['step']}"
+            assert math.isfinite(r[key]), (name, key, r[key])
+    assert (run / "checkpoints" / "latest").exists()
+    if name == "prorl":  # reset after step 2: the reference of step 3 is the policy of step 2
+        assert [r["prorl/ref_version"] for r in rows] == [0, 0, 1]
+        assert [r["prorl/reset"] for r in rows] == [0, 1, 0]
+        assert (run / "reference" / "step-2" / "config.json").is_file()
+    if name == "cppo":
+        assert all(r["cppo/kept_frac"] == 0.5 and r["cppo/prompts"] == 8 for r in rows)
+    if name == "dcpo":  # the per-prompt statistics are in the checkpoint, identical on both ranks
+        states = [torch.load(run / "checkpoints" / "step-3" / "trainer" / f"rank{k}.pt", weights_only=False)
+                  for k in range(2)]
+        stats = states[0]["algo"]["prompt_stats"]
+        assert len(stats) == 12 and stats == states[1]["algo"]["prompt_stats"]  # 3 steps x 4 prompts
+    if name == "gpg":
+        assert all(r.get("gpg/alpha") is not None or r.get("update_skipped") for r in rows)

@@ -1,0 +1,145 @@
+"""EDGE-GRPO: entropy-driven advantage and guided error correction (arXiv 2507.21848).
+
+Entropy-driven advantage (EDA), with H the old policy's per-token entropy (detached):
+
+    P_i = (1/|o_i|) sum_t H_i,t,   P^_i = P_i / mean_g P,   A^_i = A_i / P^_i
+
+(A_i the grpo group advantage; P_i is floored at 1e-6 so that a zero-entropy completion
+cannot divide by zero). The loss is grpo's with beta = 0.
+
+Guided error correction (option ``guided_correction``; the data needs reference solutions):
+every incorrect completion (reward < ``correct_threshold``) is, with probability
+  0.5   its text + ``reflection_cue``, then continued by the policy (grpo.rollout.generate);
+  0.25  its text + ``reflection_cue`` + the correct final answer (``answer_column``) + EOS;
+  0.25  replaced by the reference solution (``solution_column``) + EOS;
+then re-scored with the trainer's reward functions, before advantages. Everything stays within
+``rollout.max_completion_length`` tokens: the original text is cut from its end to make room
+for what is appended (a completion is left as it is when even the appended part cannot fit),
+and a reference solution that is too long is truncated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from algos.base import StepContext
+from algos.grpo import GRPO
+from grpo import core, dist
+from grpo.batch import RolloutBatch
+from grpo.config import Config, ConfigError
+from grpo.rollout import completion_mask, cut_at_eos, generate
+
+CONTINUE, HINT, REPLACE = 0, 1, 2
+
+
+def correction_case(u: float) -> int:
+    """The correction for a uniform draw u in [0, 1): CONTINUE (0.5), HINT (0.25), REPLACE (0.25)."""
+    return CONTINUE if u < 0.5 else HINT if u < 0.75 else REPLACE
+
+
+@dataclass
+class EdgeOptions:
+    guided_correction: bool = False
+    solution_column: str = "solution"  # reference solutions (replacement)
+    answer_column: str = "answer"  # correct final answers (hint)
+    reflection_cue: str = "\nWait, let me check that again.\n"  # the paper's cue is not given: Decision
+    correct_threshold: float = 1.0  # reward >= this counts as correct
+
+
+class EdgeGRPO(GRPO):
+    name = "edge-grpo"
+    paper = "EDGE-GRPO (arXiv 2507.21848)"
+    summary = "advantage divided by the completion's normalised mean entropy; optional guided error correction"
+    Options = EdgeOptions
+    defaults = {**GRPO.defaults, "beta": 0.0}
+    knobs = ("guided_correction", "reflection_cue", "clip_eps_low", "clip_eps_high")
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        if cfg.algo.options.guided_correction and not cfg.algo.options.reflection_cue:
+            raise ConfigError("algo.reflection_cue is empty: guided correction appends it to incorrect completions")
+
+    @property
+    def needs_entropy(self) -> bool:
+        return True
+
+    def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
+        adv = super().advantages(batch, ctx).double()
+        p = core.masked_mean(batch.entropy.double(), batch.mask.double(), dim=-1).clamp(min=1e-6)
+        p_hat = p / core.group_view(p, batch.group_size).mean(1).repeat_interleave(batch.group_size)
+        return (adv / p_hat).to(batch.rewards.dtype)
+
+    # ----------------------------------------------------------------- guided error correction
+    def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        if not self.opt.guided_correction:
+            return batch
+        wrong = (batch.rewards < self.opt.correct_threshold).nonzero(as_tuple=True)[0].tolist()
+        if wrong:
+            self.correct(batch, wrong, ctx)
+        c = dist.all_reduce_sum(torch.tensor([len(wrong), len(batch)], dtype=torch.float64))
+        ctx.metrics["edge/corrected_frac"] = float(c[0] / c[1])
+        return batch
+
+    def correct(self, batch: RolloutBatch, rows: list[int], ctx: StepContext) -> None:
+        """Rewrite the incorrect ``rows`` of ``batch`` in place and re-score them."""
+        tr, o, L = ctx.trainer, self.opt, batch.width
+        tok, eos = tr.tokenizer, tr.eos_ids[0]
+        for col in {o.solution_column, o.answer_column}:
+            if any(col not in batch.items[i] for i in rows):
+                raise ConfigError(
+                    f"algo.guided_correction needs the dataset column {col!r} (algo.solution_column / "
+                    f"algo.answer_column); the data has {sorted(batch.items[rows[0]])}"
+                )
+        encode = lambda text: tok(str(text), add_special_tokens=False).input_ids  # noqa: E731
+        cue = encode(o.reflection_cue)
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + ctx.step * 1009 + dist.rank())
+        u = torch.rand(len(rows), generator=gen).tolist()
+        eos_set = set(tr.eos_ids)
+        new: dict[int, tuple[list[int], bool]] = {}
+        to_continue: list[tuple[int, list[int]]] = []
+        for i, ui in zip(rows, u):
+            own = batch.completion_ids[i]
+            own = own[:-1] if own and own[-1] in eos_set else own
+            case = correction_case(ui)
+            if case == REPLACE:
+                sol = encode(batch.items[i][o.solution_column]) + [eos]
+                new[i] = (sol[:L], len(sol) > L)
+                continue
+            tail = cue if case == CONTINUE else cue + encode(batch.items[i][o.answer_column]) + [eos]
+            room = L - len(tail) - (1 if case == CONTINUE else 0)  # CONTINUE leaves >= 1 token to the policy
+            if room < 0:
+                continue  # the cue (and answer) cannot fit: leave this completion as it is
+            prefix = own[:room] + tail
+            if case == HINT:
+                new[i] = (prefix, False)
+            else:
+                to_continue.append((i, prefix))
+        if to_continue:
+            budget = max(L - len(p) for _, p in to_continue)
+            cont = generate(tr.model, [batch.prompt_ids[i] + p for i, p in to_continue],
+                            dataclasses.replace(self.cfg.rollout, max_completion_length=budget), tr.eos_ids,
+                            tok.pad_token_id, num_generations=1)
+            for (i, p), toks in zip(to_continue, cont.tokens):
+                toks, truncated = cut_at_eos(toks, eos_set, L - len(p))
+                new[i] = (p + toks, truncated)
+        if not new:
+            return
+        changed = sorted(new)
+        for i in changed:
+            batch.completion_ids[i] = new[i][0]
+            batch.truncated[i] = new[i][1]
+        batch.mask = completion_mask([len(c) for c in batch.completion_ids], L)
+        texts = tr.decode_completions([batch.completion_ids[i] for i in changed])
+        for i, t in zip(changed, texts):
+            batch.completion_text[i] = t
+        sub = batch.select(changed)
+        tr.score(sub)
+        idx = torch.tensor(changed)
+        batch.rewards = batch.rewards.clone()
+        batch.rewards[idx] = sub.rewards
+        for k, v in sub.reward_terms.items():
+            batch.reward_terms[k] = batch.reward_terms[k].clone()
+            batch.reward_terms[k][idx] = v

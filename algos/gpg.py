@@ -1,0 +1,104 @@
+"""GPG: Group Policy Gradient (Chu et al., 2025, arXiv 2504.02546; authors' code AMAP-ML/GPG).
+
+    A_i   = (r_i - mean_g r) / F_norm                F_norm = 1 (algo.adv_std=none); option: the std
+    alpha = B / (B - M)                              B groups in the step, M with all-equal rewards
+                                                     (both counted over all ranks)
+    L     = -alpha * sum_i sum_t l_i,t A_i / sum_i |o_i|   plain policy gradient: no ratio, no clip,
+                                                            no reference
+The step is skipped (on every rank alike) when B = M. Threshold resampling (option, paper
+beta_th = 0.6): while (B - M) / B < ``threshold``, generate further batches and put their
+valid groups in place of this rank's uniform ones (at most ``max_gen_batches`` batches, the
+first included; 0 = unlimited); then go on with what there is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algos.base import Algorithm, LossOutput, StepContext, masked_stat
+from grpo import core, dist
+from grpo.batch import RolloutBatch
+from grpo.config import Config, ConfigError
+
+
+@dataclass
+class GPGOptions:
+    threshold: float = 0.0  # beta_th: resample while the valid-group fraction is below it (paper: 0.6; 0 = off)
+    max_gen_batches: int = 10  # generation batches per step for resampling, the first included; 0 = unlimited
+
+
+class GPG(Algorithm):
+    name = "gpg"
+    paper = "GPG (arXiv 2504.02546)"
+    tag = "code"
+    summary = "plain policy gradient on r - mean_g r, scaled by alpha = B/(B-M); no ratio, clip or reference"
+    Options = GPGOptions
+    defaults = dict(beta=0.0, adv_std="none", adv_eps=1e-4, aggregation="token-mean")
+    knobs = ("adv_std", "threshold", "max_gen_batches")
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.alpha = 1.0
+
+    @classmethod
+    def validate(cls, cfg: Config) -> None:
+        o = cfg.algo.options
+        if cfg.algo.beta != 0:
+            raise ConfigError(
+                f"algo.beta={cfg.algo.beta} is invalid for gpg: it has no reference model, set algo.beta=0"
+            )
+        if not 0 <= o.threshold <= 1:
+            raise ConfigError(f"algo.threshold={o.threshold} is invalid: it must lie in [0, 1] (paper: 0.6, 0 = off)")
+        if o.max_gen_batches < 0:
+            raise ConfigError(f"algo.max_gen_batches={o.max_gen_batches} is invalid: it must be >= 0 (0 = unlimited)")
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return False  # no ratio
+
+    @staticmethod
+    def group_counts(batch: RolloutBatch) -> tuple[float, float]:
+        """(B, M) over all ranks."""
+        uniform = core.uniform_groups(batch.rewards, batch.group_size)
+        c = dist.all_reduce_sum(torch.tensor([uniform.numel(), uniform.sum()], dtype=torch.float64))
+        return float(c[0]), float(c[1])
+
+    def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        B, M = self.group_counts(batch)
+        rounds = 1
+        while (self.opt.threshold > 0 and (B - M) / B < self.opt.threshold
+               and (not self.opt.max_gen_batches or rounds < self.opt.max_gen_batches)):
+            batch = self.replace_uniform_groups(batch, ctx.generate_more())
+            rounds += 1
+            B, M = self.group_counts(batch)
+        ctx.metrics["gpg/gen_batches"] = float(rounds)
+        ctx.metrics["gpg/valid_group_frac"] = (B - M) / B
+        if B == M:  # no group carries a signal on any rank: skip the step everywhere
+            ctx.skip_update = True
+            self.alpha = float("nan")
+        else:
+            self.alpha = B / (B - M)
+            ctx.metrics["gpg/alpha"] = self.alpha
+        return batch
+
+    @staticmethod
+    def replace_uniform_groups(batch: RolloutBatch, more: RolloutBatch) -> RolloutBatch:
+        """This rank's uniform groups, in order, give way to ``more``'s valid groups, in order."""
+        n = batch.num_groups
+        fresh = [n + g for g in core.valid_groups(more.rewards, more.group_size)]
+        good = set(core.valid_groups(batch.rewards, batch.group_size))
+        groups = [g if g in good or not fresh else fresh.pop(0) for g in range(n)]
+        return RolloutBatch.concat([batch, more]).select_groups(groups)
+
+    def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
+        per_token = -self.alpha * logp * self.token_advantages(mb)
+        ratio = core.token_ratio(logp, self.old_logp(logp, mb)).detach()  # 1 on-policy; logged only
+        zero = torch.zeros_like(logp)
+        stats = {
+            "clip_frac_low": masked_stat(zero, mb.mask),
+            "clip_frac_high": masked_stat(zero, mb.mask),
+            "ratio_mean": masked_stat(ratio, mb.mask),
+        }
+        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
