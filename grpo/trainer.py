@@ -358,6 +358,19 @@ class Trainer:
         return save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state)
 
     def train(self) -> list[dict]:
+        """Run to ``train.max_steps``; worker processes (reward pool, evaluation) end with it."""
+        try:
+            return self._train()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the reward and evaluation worker pools (idempotent)."""
+        self.rewards.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
+
+    def _train(self) -> list[dict]:
         cfg = self.cfg
         history = []
         last_saved = None
