@@ -21,7 +21,8 @@ from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow
 NAMES = sorted(ALGORITHMS)
-SMALL = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=6"]
+SMALL = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=6",
+         "reward_pool.num_workers=0"]  # the pool has its own tests; 20 trainers need not spawn 40 workers
 CLIP = ["clip_frac_low", "clip_frac_high", "ratio_mean"]
 
 # name -> (extra overrides, quantities it must log besides the common ones)
