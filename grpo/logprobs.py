@@ -193,24 +193,88 @@ def head_logprobs(
     return lp, ent
 
 
+def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts of the rows (first-seen order) and each row's prompt index."""
+    ids, start = packed.input_ids.tolist(), packed.start.tolist()
+    seen: dict[tuple, int] = {}
+    which = [seen.setdefault(tuple(r[:s]), len(seen)) for r, s in zip(ids, start)]
+    return [list(p) for p in seen], which
+
+
+def _can_share_prefix(model: torch.nn.Module) -> bool:
+    """A cache-capable decoder run without activation checkpointing (which turns the cache off)."""
+    ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
+    if ckpt is None:
+        ckpt = getattr(model, "is_gradient_checkpointing", False)
+    return bool(getattr(model.config, "use_cache", True)) and not ckpt
+
+
+def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[list[int]], which: list[int],
+                          device) -> torch.Tensor:
+    """[B, width, H]: column t holds the hidden state that predicts completion token t.
+
+    Each distinct prompt runs once (right-padded: no query row is fully masked); its keys and values, with their
+    autograd history, are repeated for the rows that share it, and the completions run on top of
+    them. The same numbers as one forward over every ``prompt + completion`` row, without running
+    a group's prompt G times forward and backward.
+    """
+    from transformers import DynamicCache
+
+    U, Lp = len(prompts), max(len(p) for p in prompts)
+    p_ids = torch.zeros((U, Lp), dtype=torch.long)  # right padding, masked: any id will do
+    p_att = torch.zeros((U, Lp), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        p_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        p_att[i, : len(p)] = 1
+    p_ids, p_att = p_ids.to(device), p_att.to(device)
+    p_len = p_att.sum(-1)
+    out = model.base_model(input_ids=p_ids, attention_mask=p_att, past_key_values=DynamicCache(), use_cache=True)
+    cache = out.past_key_values
+    h_last = out.last_hidden_state[torch.arange(U, device=device), p_len - 1]  # predicts completion token 0
+    idx = torch.tensor(which, dtype=torch.long, device=device)
+    cache.batch_select_indices(idx)  # differentiable: the rows' gradients add up in the shared prompt
+    B, width = packed.input_ids.shape[0], packed.width
+    start, length = packed.start.to(device), packed.length.to(device)
+    if width > 1:
+        cols = torch.arange(width - 1, device=device)
+        c_pos = start.unsqueeze(1) + cols.unsqueeze(0)  # [B, width - 1] absolute positions
+        c_att = (cols.unsqueeze(0) < length.unsqueeze(1) - 1).long()
+        full_ids = packed.input_ids.to(device)
+        c_ids = full_ids.gather(1, c_pos.clamp(max=full_ids.shape[1] - 1))
+        att = torch.cat([p_att[idx], c_att], dim=1)
+        h_c = model.base_model(input_ids=c_ids, attention_mask=att, position_ids=c_pos, past_key_values=cache,
+                               use_cache=True).last_hidden_state
+        return torch.cat([h_last[idx].unsqueeze(1), h_c], dim=1)
+    return h_last[idx].unsqueeze(1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     packed: Packed,
     temperature: float = 1.0,
     chunk_size: int = 256,
     with_entropy: bool = False,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy."""
+    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy.
+
+    Rows that share a prompt (a group) run it once (``share_prefix``; see
+    :func:`_shared_prefix_hidden`); the LM head runs on completion positions only.
+    """
     device = next(model.parameters()).device
     ids = packed.input_ids.to(device)
-    hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
     B, width = ids.shape[0], packed.width
     cols = torch.arange(width, device=device)
     valid = cols.unsqueeze(0) < packed.length.to(device).unsqueeze(1)  # [B, width]
     rows, tcols = valid.nonzero(as_tuple=True)
     pos = packed.start.to(device)[rows] + tcols  # position of the completion token
-    h = hidden[rows, pos - 1]
     targets = ids[rows, pos]
+    prompts, which = _prompt_groups(packed) if share_prefix and B > 1 else ([], [])
+    if prompts and len(prompts) < B and _can_share_prefix(model):
+        h = _shared_prefix_hidden(model, packed, prompts, which, device)[rows, tcols]
+    else:
+        hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
+        h = hidden[rows, pos - 1]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     lp, ent = head_logprobs(model.get_output_embeddings(), h, targets, temperature, chunk_size, with_entropy, softcap)
     out = torch.zeros(B, width, dtype=lp.dtype, device=device)

@@ -395,7 +395,7 @@ def fmt_ratio(a: float, b: float) -> str:
 def compare(args, workdir: Path) -> dict:
     spec = base_spec(args, workdir)
     write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup))
-    rate = matmul_rate(args.threads)
+    rate = matmul_rate(args.threads, args.dtype)
     load_before = load_avg()
     results = {"ours": run_child("ours", spec, sys.executable, workdir)}
     if args.vs == "trl":
@@ -458,7 +458,7 @@ def compare_markdown(r: dict, args) -> str:
         "",
         f"Arithmetic floor: {f['total'] / 1e12:.3f} TFLOP per step (generation {f['generation'] / 1e12:.3f}, "
         f"log-prob forward {f['logprob_forward'] / 1e12:.3f}, backward {f['backward'] / 1e12:.3f}, reference "
-        f"{f['reference_forward'] / 1e12:.3f}) / measured fp32 matmul rate {r['matmul_rate']['peak'] / 1e9:.1f} "
+        f"{f['reference_forward'] / 1e12:.3f}) / measured {args.dtype} matmul rate {r['matmul_rate']['peak'] / 1e9:.1f} "
         f"GFLOP/s = {r['floor_s']:.2f} s; ours = {r['ours_over_floor']:.2f} x the floor.",
     ]
     if "warning" in r:
@@ -471,7 +471,7 @@ def sweep(args, workdir: Path) -> dict:
     points = [(L, args.group) for L in args.lengths] + [(args.max_new, g) for g in args.groups if g != args.group]
     rows = []
     shape = model_shape(Path(args.model))
-    rate = matmul_rate(args.threads)
+    rate = matmul_rate(args.threads, args.dtype)
     for L, G in points:
         sub = workdir / f"sweep-L{L}-G{G}"
         sub.mkdir(parents=True, exist_ok=True)
