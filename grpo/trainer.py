@@ -122,6 +122,10 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(cfg)
         )
         self.model = self.engine.module
+        if self.world == 1 and cfg.train.zero_stage == 0 and cfg.model.dtype == "fp32":
+            # One rank has nothing to all-reduce, but DeepSpeed would still copy every gradient into a
+            # flat bucket and back at each step (one more model-sized buffer at the memory peak).
+            self.engine.enable_backward_allreduce = False
         self.device = self.engine.device
         self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer)
 

@@ -147,16 +147,18 @@ def forward_flops(s: dict, new_tokens: int, context_before: int, head_tokens: in
 
 
 def step_flops(s: dict, prompt_lens: list[int], G: int, T: int, reference: bool) -> dict:
-    """FLOPs of one step of our algorithm: prefill once per prompt, T - 1 decode forwards for G rows (the
-    last sampled token is not fed back), the training forward (LM head on completion positions only),
-    its backward (2x), and the reference forward when beta > 0. Old log-probs are not needed (mu = 1)."""
+    """FLOPs of one step as our trainer does it: generation prefills each prompt once and runs T - 1
+    decode forwards for its G rows (the last sampled token is not fed back); the log-prob forward runs
+    each prompt once and the G completions on top of its keys and values (LM head on the T completion
+    positions only); the backward costs twice the forward's matmuls; the reference repeats the forward
+    when beta > 0. No old log-probs (mu = 1). The optimizer's elementwise update is left out."""
+    d, V = s["d"], s["vocab"]
     gen = train_fwd = 0.0
     for lp in prompt_lens:
         gen += forward_flops(s, lp, 0, 1)  # prefill, shared by the group
         for t in range(T - 1):
             gen += G * forward_flops(s, 1, lp + t, 1)
-        train_fwd += G * forward_flops(s, lp + T, 0, T)
-    # the backward of a forward costs twice its matmuls; the embedding lookup has none
+        train_fwd += forward_flops(s, lp, 0, 0) + G * (forward_flops(s, T - 1, lp, 0) + 2 * d * V * T)
     out = {"generation": gen, "logprob_forward": train_fwd, "backward": 2 * train_fwd,
            "reference_forward": train_fwd if reference else 0.0}
     out["total"] = sum(out.values())
