@@ -112,6 +112,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # Benchmarking / profiling only: EOS does not end a completion, so every completion is exactly
+    # max_completion_length tokens (as vLLM's ignore_eos). Never use it for real training.
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -157,7 +160,7 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs/default"
     save_every: int = 0  # 0 = only at the end
-    logprob_chunk_size: int = 1024  # completion tokens per LM-head chunk
+    logprob_chunk_size: int = 256  # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer)
 
 
 @dataclass

@@ -65,16 +65,115 @@ def _chunk_logprob_entropy(head, hidden, targets, temperature, softcap):
     return lp, entropy
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half precisions and float32, float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _LinearHeadLogprob(torch.autograd.Function):
+    """log softmax(softcap(h W^T + b) / T)[target] for a linear LM head, chunk by chunk.
+
+    The forward keeps only the log-normaliser of each row (one float per token); the backward
+    recomputes a chunk's logits into one buffer and turns it in place into the gradient
+    d lp / d logits = onehot(target) - softmax, so at most one [chunk x vocab] float32 tensor
+    exists at a time, forward or backward. Same values and gradients as autograd through the
+    naive expression (tests/test_logprobs.py), with fewer passes over the logits than
+    checkpointing the naive chunk (no second log-sum-exp, no scatter into a zero tensor).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, with_entropy):
+        n, acc = hidden.shape[0], _acc_dtype(weight.dtype)
+        lp = torch.empty(n, dtype=acc, device=hidden.device)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            logits = _LinearHeadLogprob._logits(hidden[s:e], weight, bias, temperature, softcap)[0]
+            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            lp[s:e] = logits.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse[s:e]
+            if ent is not None:  # H = lse - sum_v p_v z_v
+                z = logits
+                ent[s:e] = lse[s:e] - (torch.exp(z - lse[s:e].unsqueeze(-1)) * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.softcap, ctx.chunk_size = temperature, softcap, chunk_size
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def _logits(h, weight, bias, temperature, softcap):
+        """(float32 logits / T, tanh of the capped ones or None)."""
+        logits = torch.nn.functional.linear(h, weight, bias).to(_acc_dtype(weight.dtype))
+        th = None
+        if softcap:
+            th = torch.tanh(logits / softcap)
+            logits = th * softcap
+        if temperature != 1.0:
+            logits = logits / temperature
+        return logits, th
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        T, cap, chunk = ctx.temperature, ctx.softcap, ctx.chunk_size
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        acc = _acc_dtype(weight.dtype)  # weight gradients summed over chunks in at least float32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        grad_lp = grad_lp.to(acc)
+        for s in range(0, hidden.shape[0], chunk):
+            e = min(hidden.shape[0], s + chunk)
+            logits, th = _LinearHeadLogprob._logits(hidden[s:e], weight, bias, T, cap)
+            g = grad_lp[s:e]
+            # d lp / d logits = onehot - softmax, times the incoming gradient, in place
+            dz = logits.sub_(lse[s:e].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+            dz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g.unsqueeze(-1))
+            if T != 1.0:
+                dz.div_(T)
+            if th is not None:  # d (c tanh(x / c)) / dx = 1 - tanh^2
+                dz.mul_(1.0 - th * th)
+            dz = dz.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = dz @ weight
+            if grad_w is not None:
+                if weight.dtype == acc:
+                    grad_w.addmm_(dz.t(), hidden[s:e])
+                else:  # half-precision product, float32 sum
+                    grad_w += dz.t() @ hidden[s:e]
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _plain_linear(head: torch.nn.Module) -> bool:
+    """A bare nn.Linear whose weight is all here (not a ZeRO-3 partition gathered by module hooks)."""
+    return type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id")
+
+
 def head_logprobs(
     head: torch.nn.Module,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     with_entropy: bool = False,
     softcap: Optional[float] = None,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log softmax(head(h)/T)[target] for [n, H] hidden states, chunk by chunk; entropy is detached."""
+    """log softmax(head(h)/T)[target] for [n, H] hidden states, chunk by chunk; entropy is detached.
+
+    A plain linear head takes the fused path (:class:`_LinearHeadLogprob`); any other head (or
+    ``fused=False``) runs the naive chunk under activation checkpointing.
+    """
+    if fused and _plain_linear(head):
+        lp, ent = _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
+                                           chunk_size, with_entropy)
+        return lp, ent
     fn = _chunk_logprob_entropy if with_entropy else _chunk_logprob
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
@@ -94,24 +193,88 @@ def head_logprobs(
     return lp, ent
 
 
+def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts of the rows (first-seen order) and each row's prompt index."""
+    ids, start = packed.input_ids.tolist(), packed.start.tolist()
+    seen: dict[tuple, int] = {}
+    which = [seen.setdefault(tuple(r[:s]), len(seen)) for r, s in zip(ids, start)]
+    return [list(p) for p in seen], which
+
+
+def _can_share_prefix(model: torch.nn.Module) -> bool:
+    """A cache-capable decoder run without activation checkpointing (which turns the cache off)."""
+    ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
+    if ckpt is None:
+        ckpt = getattr(model, "is_gradient_checkpointing", False)
+    return bool(getattr(model.config, "use_cache", True)) and not ckpt
+
+
+def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[list[int]], which: list[int],
+                          device) -> torch.Tensor:
+    """[B, width, H]: column t holds the hidden state that predicts completion token t.
+
+    Each distinct prompt runs once (right-padded: no query row is fully masked); its keys and values, with their
+    autograd history, are repeated for the rows that share it, and the completions run on top of
+    them. The same numbers as one forward over every ``prompt + completion`` row, without running
+    a group's prompt G times forward and backward.
+    """
+    from transformers import DynamicCache
+
+    U, Lp = len(prompts), max(len(p) for p in prompts)
+    p_ids = torch.zeros((U, Lp), dtype=torch.long)  # right padding, masked: any id will do
+    p_att = torch.zeros((U, Lp), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        p_ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        p_att[i, : len(p)] = 1
+    p_ids, p_att = p_ids.to(device), p_att.to(device)
+    p_len = p_att.sum(-1)
+    out = model.base_model(input_ids=p_ids, attention_mask=p_att, past_key_values=DynamicCache(), use_cache=True)
+    cache = out.past_key_values
+    h_last = out.last_hidden_state[torch.arange(U, device=device), p_len - 1]  # predicts completion token 0
+    idx = torch.tensor(which, dtype=torch.long, device=device)
+    cache.batch_select_indices(idx)  # differentiable: the rows' gradients add up in the shared prompt
+    B, width = packed.input_ids.shape[0], packed.width
+    start, length = packed.start.to(device), packed.length.to(device)
+    if width > 1:
+        cols = torch.arange(width - 1, device=device)
+        c_pos = start.unsqueeze(1) + cols.unsqueeze(0)  # [B, width - 1] absolute positions
+        c_att = (cols.unsqueeze(0) < length.unsqueeze(1) - 1).long()
+        full_ids = packed.input_ids.to(device)
+        c_ids = full_ids.gather(1, c_pos.clamp(max=full_ids.shape[1] - 1))
+        att = torch.cat([p_att[idx], c_att], dim=1)
+        h_c = model.base_model(input_ids=c_ids, attention_mask=att, position_ids=c_pos, past_key_values=cache,
+                               use_cache=True).last_hidden_state
+        return torch.cat([h_last[idx].unsqueeze(1), h_c], dim=1)
+    return h_last[idx].unsqueeze(1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     packed: Packed,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     with_entropy: bool = False,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy."""
+    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy.
+
+    Rows that share a prompt (a group) run it once (``share_prefix``; see
+    :func:`_shared_prefix_hidden`); the LM head runs on completion positions only.
+    """
     device = next(model.parameters()).device
     ids = packed.input_ids.to(device)
-    hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
     B, width = ids.shape[0], packed.width
     cols = torch.arange(width, device=device)
     valid = cols.unsqueeze(0) < packed.length.to(device).unsqueeze(1)  # [B, width]
     rows, tcols = valid.nonzero(as_tuple=True)
     pos = packed.start.to(device)[rows] + tcols  # position of the completion token
-    h = hidden[rows, pos - 1]
     targets = ids[rows, pos]
+    prompts, which = _prompt_groups(packed) if share_prefix and B > 1 else ([], [])
+    if prompts and len(prompts) < B and _can_share_prefix(model):
+        h = _shared_prefix_hidden(model, packed, prompts, which, device)[rows, tcols]
+    else:
+        hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
+        h = hidden[rows, pos - 1]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     lp, ent = head_logprobs(model.get_output_embeddings(), h, targets, temperature, chunk_size, with_entropy, softcap)
     out = torch.zeros(B, width, dtype=lp.dtype, device=device)

