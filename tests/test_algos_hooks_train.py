@@ -10,7 +10,7 @@ from tests.conftest import run_deepspeed
 pytestmark = pytest.mark.slow
 LEARN = ["--config", "configs/demo.yaml", "data.builtin.digits=1", "rollout.max_completion_length=2",
          "train.lr=5e-3", "rollout.prompts_per_step=16", "rollout.num_generations=16", "logging.progress_bar=false",
-         "logging.plot=false", "train.save_every=0"]
+         "logging.plot=false", "train.save_every=0", "reward_pool.num_workers=0"]
 
 
 @pytest.mark.parametrize("algo,key,extra", [

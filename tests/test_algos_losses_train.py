@@ -13,7 +13,8 @@ from tests.conftest import run_deepspeed
 
 def train(ranks: int, algo: str, out: Path, *overrides: str) -> list[dict]:
     run_deepspeed(["--algo", algo, "--config", "configs/demo.yaml", f"train.output_dir={out}",
-                   "logging.progress_bar=false", "logging.plot=false", *overrides], ranks, timeout=900)
+                   "logging.progress_bar=false", "logging.plot=false", "reward_pool.num_workers=0", *overrides],
+                  ranks, timeout=900)
     return read_metrics(out / "metrics.jsonl")
 
 
