@@ -14,9 +14,10 @@ LEARN = ["--config", "configs/demo.yaml", "data.builtin.digits=1", "rollout.max_
 
 
 @pytest.mark.parametrize("algo,key,extra", [
-    # dapo's logged reward/mean is that of the kept (mixed) groups; this one is the policy's, before filtering.
-    # Stop before the policy is perfect: then no group has differing rewards and refilling cannot end.
-    ("dapo", "dapo/reward_generated_mean", ["train.max_steps=60", "algo.max_gen_batches=30"]),
+    # Without dynamic sampling here: near a perfect policy almost no group has differing rewards and
+    # refilling dominates the run time (minutes). The refill and its limit are tested in
+    # test_algos_hooks.py and run in the 2-rank smoke test; this checks clip-higher + token-mean learn.
+    ("dapo", "reward/mean", ["train.max_steps=60", "algo.dynamic_sampling=false"]),
     ("gpg", "reward/mean", ["train.max_steps=80", "algo.threshold=0.6", "algo.max_gen_batches=5"]),
 ])
 def test_learns_the_demo_task(algo, key, extra, tmp_path):
