@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
-import shutil
 import socket
 import statistics
 import subprocess
