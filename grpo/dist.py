@@ -3,10 +3,37 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_single_process_env() -> bool:
+    """Make a plain ``python train.py`` one rank of a world of one.
+
+    Without a launcher none of RANK/WORLD_SIZE/MASTER_* is set and DeepSpeed falls back to MPI
+    discovery (which needs mpi4py and an MPI job). When no launcher variable and no MPI/SLURM job is
+    present, set the single-process values instead; a partial set is left alone so DeepSpeed reports it.
+    Returns whether it set anything.
+    """
+    if any(k in os.environ for k in _LAUNCHER_VARS + _MPI_VARS):
+        return False
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return True
 
 
 def is_initialized() -> bool:

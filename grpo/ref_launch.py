@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,18 @@ from typing import Optional
 
 import requests
 
+from grpo.dist import free_port  # noqa: F401  (re-exported: scripts and tests start servers on it)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def needs_reference(config: str, overrides: list[str]) -> bool:
+    """Whether training ``config`` with ``overrides`` uses a reference model (its algorithm with its β)."""
+    from algos import get_algorithm
+    from grpo.config import load_config
+
+    cfg = load_config(config, None, overrides)
+    return get_algorithm(cfg.algo.name)(cfg).needs_reference
 
 
 class ServerProcess:

@@ -93,6 +93,7 @@ class Trainer:
         import deepspeed
 
         self.cfg = cfg
+        dist.default_single_process_env()
         deepspeed.init_distributed(dist_backend=None)
         atexit.register(dist.release_shm_buffer)
         self.rank, self.world = dist.rank(), dist.world_size()

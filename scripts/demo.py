@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.metrics import read_metrics  # noqa: E402
-from grpo.ref_launch import ServerProcess, free_port  # noqa: E402
+from grpo.ref_launch import ServerProcess, free_port, needs_reference  # noqa: E402
 
 
 def launcher() -> list[str]:
@@ -35,14 +35,6 @@ def summarize(metrics_path: Path) -> dict:
     ref = [r for r in rows if r.get("ref/requests")]
     per_step = {key: sum(r[key] for r in ref) / max(1, len(ref)) for key in ("ref/latency", "ref/bytes_sent", "ref/bytes_received")}
     return {"steps": len(rows), "first": first, "last": last, "ref_steps": len(ref), **per_step}
-
-
-def needs_reference(config: str, overrides: list[str]) -> bool:
-    from algos import get_algorithm
-    from grpo.config import load_config
-
-    cfg = load_config(config, None, overrides)
-    return get_algorithm(cfg.algo.name)(cfg).needs_reference
 
 
 def main() -> int:

@@ -3,9 +3,10 @@
     python scripts/learn_smollm2.py                 # seeds 0 and 1, in parallel, one CPU thread each
     python scripts/learn_smollm2.py --seeds 0 1 2 --threads 2 [key=value ...]
 
-Fetches the model if needed (scripts/fetch_smollm2.py), trains one run per seed with
-configs/smollm2_arith.yaml (held-out greedy accuracy on 200 problems at the start, during
-training and at the end), then prints a markdown table (accuracy before / after, the
+Fetches the model if needed (scripts/fetch_smollm2.py), starts the reference server
+(``ref_client.py``, one for all seeds: the reference is the same frozen model), trains one run
+per seed with configs/smollm2_arith.yaml against it (GRPO with the k3 KL term, held-out greedy
+accuracy on 200 problems at the start, during training and at the end), stops the server, then prints a markdown table (accuracy before / after, the
 problems fixed and broken, a sign test on them), and writes it with a plot to
 runs/smollm2_arith/summary.md and docs/smollm2_arith.png.
 """
@@ -25,17 +26,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.metrics import read_metrics  # noqa: E402
+from grpo.ref_launch import ServerProcess, free_port, needs_reference  # noqa: E402
 
 
 def train(seeds: list[int], config: str, out: Path, threads: int, overrides: list[str]) -> dict[int, float]:
     """One single-rank run per seed, all at once; returns each run's wall time."""
     procs = {}
-    for k, seed in enumerate(seeds):
+    for seed in seeds:
         run = out / f"seed-{seed}"
         run.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29700 + os.getpid() % 200 + k),
-               "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # train.py runs as a world of one by itself
         cmd = [sys.executable, "train.py", "--config", config, f"train.seed={seed}", f"train.output_dir={run}",
                *overrides]
         print("$", " ".join(cmd), f"  > {run / 'train.log'}", flush=True)
@@ -49,6 +49,22 @@ def train(seeds: list[int], config: str, out: Path, threads: int, overrides: lis
         if rc != 0:
             sys.exit(f"seed {seed} failed (exit {rc}); see {out / f'seed-{seed}' / 'train.log'}")
     return walls
+
+
+def train_with_reference(seeds: list[int], config: str, out: Path, threads: int, overrides: list[str]) -> dict[int, float]:
+    """Start one reference server when the config's algorithm needs it, train every seed against it, stop it."""
+    if not needs_reference(config, overrides):
+        return train(seeds, config, out, threads, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(["--config", config, *overrides], port=free_port(), log_path=out / "ref_server.log",
+                           env={"OMP_NUM_THREADS": str(threads)})
+    print(f"$ python ref_client.py --config {config} --port {server.port}   > {server.log_path}", flush=True)
+    server.start(timeout=300)
+    print(f"reference server healthy at {server.url}", flush=True)
+    try:
+        return train(seeds, config, out, threads, [*overrides, f"ref.url={server.url}"])
+    finally:
+        print(f"reference server stopped (exit {server.stop()})", flush=True)
 
 
 def sign_test(fixed: int, broken: int) -> float:
@@ -72,19 +88,25 @@ def summarize(run: Path) -> dict:
     broken = sum(a[i] and not b[i] for i in a)
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     k = max(1, len(rewards) // 5)
+    kl = [r["kl"] for r in rows if "kl" in r]
+    ref_s = [r["time/reference"] for r in rows if "time/reference" in r]
+    step_s = [r["time/step"] for r in rows if "time/step" in r]
     return {"steps": last_step, "n": len(a), "before": before, "after": after, "fixed": fixed, "broken": broken,
             "p": sign_test(fixed, broken), "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
+            "kl_last": sum(kl[-k:]) / len(kl[-k:]) if kl else float("nan"),
+            "ref_share": sum(ref_s) / sum(step_s) if ref_s and step_s else 0.0,
             "evals": evals, "rewards": rewards}
 
 
 def table(results: dict[int, dict], walls: dict[int, float]) -> str:
     lines = ["| seed | steps | held-out problems | accuracy before | accuracy after | gain | fixed / broken | "
-             "sign test p | train reward, first → last 20% | wall time |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "sign test p | train reward, first → last 20% | KL, last 20% | reference share of step | wall time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seed, s in results.items():
         lines.append(f"| {seed} | {s['steps']} | {s['n']} | {s['before']:.3f} | {s['after']:.3f} | "
                      f"{s['after'] - s['before']:+.3f} | {s['fixed']} / {s['broken']} | {s['p']:.1e} | "
-                     f"{s['reward_first']:.3f} → {s['reward_last']:.3f} | {walls.get(seed, float('nan')) / 60:.0f} min |")
+                     f"{s['reward_first']:.3f} → {s['reward_last']:.3f} | {s['kl_last']:.4f} | {100 * s['ref_share']:.0f}% | "
+                     f"{walls.get(seed, float('nan')) / 60:.0f} min |")
     gains = [s["after"] - s["before"] for s in results.values()]
     mean = sum(gains) / len(gains)
     n = next(iter(results.values()))["n"]
@@ -134,7 +156,8 @@ def main() -> int:
     if not args.report_only and not (model / "model.safetensors").is_file():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_smollm2.py")], check=True)
     t0 = time.time()
-    walls = {} if args.report_only else train(args.seeds, args.config, args.out, args.threads, args.overrides)
+    walls = {} if args.report_only else train_with_reference(args.seeds, args.config, args.out, args.threads,
+                                                              args.overrides)
     results = {seed: summarize(args.out / f"seed-{seed}") for seed in args.seeds}
     text = table(results, walls)
     plot(results, args.plot)

@@ -14,7 +14,8 @@ from grpo.tiny import make_char_tokenizer
 from rewards.countdown import check
 from rewards.math_answer import math_correct
 
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+# The first 40 lines of GSM8K's train split (../shared/data/gsm8k/train.jsonl), with its MIT licence.
+GSM8K_HEAD = Path(__file__).resolve().parent / "data" / "gsm8k" / "train_head40.jsonl"
 
 
 def write_jsonl(path, rows):
@@ -197,10 +198,12 @@ def test_eval_config_errors(tmp_path):
         load_source(data(source="arithmetic", arithmetic=ArithmeticTaskConfig(num_examples=10), eval_holdout=10), 0)
 
 
-@pytest.mark.skipif(not SHARED_GSM8K.exists(), reason="../shared/data/gsm8k is not on this machine")
-def test_real_gsm8k_train_split_with_holdout():
-    cfg = data(source="jsonl", path=str(SHARED_GSM8K), task="gsm8k", eval_holdout=200)
+def test_real_gsm8k_rows_with_holdout():
+    """Real GSM8K rows: the loader splits them, and each held-out gold answer scores 1 against itself."""
+    cfg = data(source="jsonl", path=str(GSM8K_HEAD), task="gsm8k", eval_holdout=10)
     train, held = load_source(cfg, 0), load_eval_source(cfg, 0)
-    assert len(train) + len(held) == 7473 and len(held) == 200
-    item = held[0]
-    assert math_correct(["p"], [f"<answer>{item['answer'].split('####')[-1]}</answer>"], [item["answer"]]) == [1.0]
+    assert len(train) == 30 and len(held) == 10
+    for item in held:
+        final = item["answer"].split("####")[-1]
+        assert math_correct(["p"], [f"<answer>{final}</answer>"], [item["answer"]]) == [1.0]
+        assert math_correct(["p"], ["<answer>-1</answer>"], [item["answer"]]) == [0.0]

@@ -34,8 +34,9 @@ def server(tmp_path_factory):
 
 
 def start_training(out: Path, url: str, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, **ONE_THREAD, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    # A plain `python train.py` with no launcher variables: the trainer makes itself a world of one.
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, **ONE_THREAD}
     cmd = [sys.executable, "train.py", "--config", "configs/demo.yaml", f"ref.url={url}", "algo.beta=0.01",
            f"train.output_dir={out}", "rollout.prompts_per_step=4", "rollout.num_generations=4",
            "logging.progress_bar=false", "logging.plot=false", *overrides]

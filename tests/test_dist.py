@@ -1,0 +1,37 @@
+"""grpo.dist: a plain `python train.py` becomes a world of one; launcher and MPI jobs are left alone."""
+
+import socket
+
+import pytest
+
+from grpo import dist
+
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    for k in LAUNCHER + dist._MPI_VARS:
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+def test_plain_process_gets_world_of_one(bare_env):
+    assert dist.default_single_process_env() is True
+    import os
+
+    assert {k: os.environ[k] for k in LAUNCHER if k != "MASTER_PORT"} == {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket() as s:  # the chosen port is free
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("var", ["RANK", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"])
+def test_launcher_or_mpi_job_left_alone(bare_env, var):
+    import os
+
+    bare_env.setenv(var, "7")
+    assert dist.default_single_process_env() is False
+    assert os.environ[var] == "7"
+    assert all(k not in os.environ for k in LAUNCHER if k != var)
