@@ -134,6 +134,13 @@ def close(a, b, tol=1e-5):
     torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * 1e-1)
 
 
+def assert_loss_and_grad(loss, grad, x, expected):
+    """The algorithm's loss and d loss / d logp equal ``expected`` (a float64 function of leaf ``x``) and its gradient."""
+    expected.backward()
+    close(loss, expected.detach())
+    close(grad, x.grad)
+
+
 def test_fixture_has_clipped_and_unclipped_tokens_and_both_signs():
     batch = make_batch()
     ratio = torch.exp(policy_logp(batch) - batch.old_logp)[batch.mask.bool()]
@@ -180,9 +187,7 @@ def test_grpo_matches_trl_grpo_loss_type():
     x = lp64(logp)
     m = batch.mask.double()
     expected = trl_loss(x, batch.old_logp.double(), batch.ref_logp.double(), m, adv, 0.2, 0.2, 0.04, "grpo")
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert float(out.stats["clip_frac_low"][0]) > 0 and float(out.stats["clip_frac_high"][0]) > 0
     assert "kl" in out.stats
     assert_split_invariant(algo, batch, logp)
@@ -203,9 +208,7 @@ def test_grpo_loss_plain_loops():
             s = s + clip_min(rho, float(adv[i]), 0.8, 1.2) - 0.04 * (torch.exp(d) - d - 1)
         total = total + s / L
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
 
 
 def test_drgrpo_matches_trl_dr_grpo_loss_type():
@@ -217,9 +220,7 @@ def test_drgrpo_matches_trl_dr_grpo_loss_type():
     assert algo.a.beta == 0 and not algo.needs_reference
     x = lp64(logp)
     expected = trl_loss(x, batch.old_logp.double(), None, batch.mask.double(), adv, 0.2, 0.2, 0.0, "dr_grpo")
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     # plain: sum over all tokens / (N * L_max), no 1/|o_i|
     total = sum(
         clip_min(torch.exp(torch.tensor(float(logp[i, t] - batch.old_logp[i, t]), dtype=torch.float64)), float(adv[i]), 0.8, 1.2)
@@ -253,9 +254,7 @@ def test_gspo_matches_trl_sequence_importance_sampling():
     coef_2 = torch.clamp(coef_1, 1 - 3e-4, 1 + 4e-4)
     per_token_loss = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))
     expected = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     n_low, n_high = float(out.stats["clip_frac_low"][0]), float(out.stats["clip_frac_high"][0])
     assert n_low > 0 and n_high > 0 and n_low + n_high < 8  # clipped and unclipped sequences
     assert_split_invariant(algo, batch, logp)
@@ -271,9 +270,7 @@ def test_gspo_plain_loops():
         mean_delta = sum(x[i, t] - float(batch.old_logp[i, t]) for t in range(L)) / L
         total = total + clip_min(torch.exp(mean_delta), float(adv[i]), 1 - 3e-4, 1 + 4e-4)
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
 
 
 def test_gspo_token_equals_gspo_when_advantages_are_per_sequence():
@@ -310,9 +307,7 @@ def test_sequence_level_loss_adds_token_kl_when_beta_is_positive():
             kl = kl + torch.exp(d) - d - 1
         total = total + clip_min(torch.exp(mean_delta), float(adv[i]), 1 - 3e-4, 1 + 4e-4) - 0.04 * kl / L
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert_split_invariant(algo, batch, logp)
 
 
@@ -338,9 +333,7 @@ def test_tic_grpo(upper_only, length_corrected):
             term = clip_min(w, a, 0.8, 1.2)
         total = total + (term / L if length_corrected else term)
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert_split_invariant(algo, batch, logp)
 
 
@@ -370,9 +363,7 @@ def test_pspo_against_plain_loops():
             s = s + (0.9 * rho + 0.1) * float(adv[i]) - 0.04 * (torch.exp(d) - d - 1)
         total = total + s / L
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert_split_invariant(algo, batch, logp)
 
 
@@ -417,9 +408,7 @@ def test_lambda_grpo_prefix_counts_and_loss():
             s = s + (clip_min(rho, float(adv[i]), 0.8, 1.2) - 0.04 * (torch.exp(d) - d - 1)) / counts[i][t]
         total = total + s / L
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert_split_invariant(algo, batch, logp)
 
 
@@ -454,9 +443,7 @@ def test_grpo_lambda(trace):
             s = s + clip_min(torch.exp(log_rho), float(adv[i]), 0.8, 1.2) - 0.04 * (torch.exp(d) - d - 1)
         total = total + s / L
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert_split_invariant(algo, batch, logp)
 
 
@@ -534,9 +521,7 @@ def test_gtpo_advantages_and_loss(scope):
             rho = torch.exp(x[i, t] - float(batch.old_logp[i, t]))
             total = total + clip_min(rho, float(expected_adv[i, t]), 0.8, 1.28)
     expected = -total / sum(LENGTHS)  # token-mean
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert ctx.metrics["gtpo/success_frac"] == pytest.approx(sum(r >= 1 for r in REWARDS) / len(REWARDS))
     assert_split_invariant(algo, batch, logp)
 
@@ -580,9 +565,7 @@ def test_grpo_s_advantages_and_loss():
         s = torch.exp(sum(x[i, t] - float(batch.old_logp[i, t]) for t in range(L)) / L)
         total = total + clip_min(s, float(expected_adv[i]), 0.8, 1.28)
     expected = -total / len(LENGTHS)
-    expected.backward()
-    close(loss, expected.detach())
-    close(grad, x.grad)
+    assert_loss_and_grad(loss, grad, x, expected)
     assert float(out.stats["clip_frac_low"][0]) + float(out.stats["clip_frac_high"][0]) > 0
     assert_split_invariant(algo, batch, logp)
 
