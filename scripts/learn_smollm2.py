@@ -79,6 +79,37 @@ def correct_by_index(path: Path) -> dict[int, bool]:
     return {r["index"]: bool(r["correct"]) for r in map(json.loads, path.read_text().splitlines())}
 
 
+# The arithmetic task's problem kinds (grpo/tasks.py), told apart by their wording; the first match wins.
+KINDS = [("a + b - c, two steps", "then gives"), ("a + b", "more. How many"), ("a - b", "away. How many"),
+         ("a * b", " bags with "), ("a·b / b", " equally among ")]
+
+
+def kind_of(prompt: str) -> str:
+    return next((name for name, phrase in KINDS if phrase in prompt), "other")
+
+
+def by_kind(runs: dict[int, Path]) -> str:
+    """Held-out problems answered right, by kind: before (the same for every seed: greedy) and after, per seed."""
+    def counts(path: Path) -> dict[str, tuple[int, int]]:
+        out: dict[str, list[int]] = {}
+        for r in map(json.loads, path.read_text().splitlines()):
+            c = out.setdefault(kind_of(r["prompt"]), [0, 0])
+            c[0] += bool(r["correct"])
+            c[1] += 1
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    first = {seed: sorted((run / "eval").glob("step-*.jsonl"), key=lambda p: int(p.stem.split("-")[1])) for seed, run in runs.items()}
+    before = counts(next(iter(first.values()))[0])
+    after = {seed: counts(files[-1]) for seed, files in first.items()}
+    lines = ["| problems | right before | " + " | ".join(f"seed {s} after" for s in runs) + " |",
+             "|---|---|" + "---|" * len(runs)]
+    for name in [k for k, _ in KINDS[1:]] + [KINDS[0][0], "other"]:  # the two-step kind last
+        if name in before:
+            right, n = before[name]
+            lines.append(f"| {name} ({n}) | {right} | " + " | ".join(str(after[s].get(name, (0, 0))[0]) for s in runs) + " |")
+    return "\n".join(lines)
+
+
 def summarize(run: Path) -> dict:
     rows = read_metrics(run / "metrics.jsonl")
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
@@ -88,14 +119,14 @@ def summarize(run: Path) -> dict:
     broken = sum(a[i] and not b[i] for i in a)
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     k = max(1, len(rewards) // 5)
-    kl = [r["kl"] for r in rows if "kl" in r]
+    kl = [r["kl"] for r in rows if "kl" in r]  # k3 estimate of KL(policy || reference), mean per token
     ref_s = [r["time/reference"] for r in rows if "time/reference" in r]
     step_s = [r["time/step"] for r in rows if "time/step" in r]
     return {"steps": last_step, "n": len(a), "before": before, "after": after, "fixed": fixed, "broken": broken,
             "p": sign_test(fixed, broken), "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
             "kl_last": sum(kl[-k:]) / len(kl[-k:]) if kl else float("nan"),
             "ref_share": sum(ref_s) / sum(step_s) if ref_s and step_s else 0.0,
-            "evals": evals, "rewards": rewards}
+            "evals": evals, "rewards": rewards, "kl": kl}
 
 
 def table(results: dict[int, dict], walls: dict[int, float]) -> str:
@@ -106,7 +137,7 @@ def table(results: dict[int, dict], walls: dict[int, float]) -> str:
         lines.append(f"| {seed} | {s['steps']} | {s['n']} | {s['before']:.3f} | {s['after']:.3f} | "
                      f"{s['after'] - s['before']:+.3f} | {s['fixed']} / {s['broken']} | {s['p']:.1e} | "
                      f"{s['reward_first']:.3f} → {s['reward_last']:.3f} | {s['kl_last']:.4f} | {100 * s['ref_share']:.0f}% | "
-                     f"{walls.get(seed, float('nan')) / 60:.0f} min |")
+                     f"{f'{walls[seed] / 60:.0f} min' if seed in walls else 'not timed (--report-only)'} |")
     gains = [s["after"] - s["before"] for s in results.values()]
     mean = sum(gains) / len(gains)
     n = next(iter(results.values()))["n"]
@@ -124,15 +155,18 @@ def plot(results: dict[int, dict], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    def smooth(r: list[float], w: int = 5) -> list[float]:
+        return [sum(r[max(0, i - w + 1) : i + 1]) / len(r[max(0, i - w + 1) : i + 1]) for i in range(len(r))]
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.2))
     for seed, s in results.items():
         ax1.plot(*zip(*s["evals"]), marker="o", label=f"seed {seed}")
-        r, w = s["rewards"], 5
-        smooth = [sum(r[max(0, i - w + 1) : i + 1]) / len(r[max(0, i - w + 1) : i + 1]) for i in range(len(r))]
-        ax2.plot(range(1, len(r) + 1), smooth, label=f"seed {seed}")
+        ax2.plot(range(1, len(s["rewards"]) + 1), smooth(s["rewards"]), label=f"seed {seed}")
+        ax3.plot(range(1, len(s["kl"]) + 1), smooth(s["kl"]), label=f"seed {seed}")
     ax1.set_title(f"held-out accuracy, greedy ({next(iter(results.values()))['n']} problems)")
     ax2.set_title("training reward (sampled, 5-step mean)")
-    for ax in (ax1, ax2):
+    ax3.set_title("KL to the reference (k3, 5-step mean)")
+    for ax in (ax1, ax2, ax3):
         ax.set_xlabel("step")
         ax.legend()
     fig.tight_layout()
@@ -159,7 +193,8 @@ def main() -> int:
     walls = {} if args.report_only else train_with_reference(args.seeds, args.config, args.out, args.threads,
                                                               args.overrides)
     results = {seed: summarize(args.out / f"seed-{seed}") for seed in args.seeds}
-    text = table(results, walls)
+    text = table(results, walls) + "\n\nRight answers by kind of problem (held-out, greedy):\n\n" + by_kind(
+        {seed: args.out / f"seed-{seed}" for seed in args.seeds})
     plot(results, args.plot)
     (args.out / "summary.md").write_text(text + "\n")
     print()
