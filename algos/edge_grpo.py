@@ -77,7 +77,7 @@ class EdgeGRPO(GRPO):
         if not self.opt.guided_correction:
             return batch
         wrong = (batch.rewards < self.opt.correct_threshold).nonzero(as_tuple=True)[0].tolist()
-        if wrong:
+        if wrong or ctx.trainer.synced_generation:  # correction generates: collective under ZeRO-3
             self.correct(batch, wrong, ctx)
         c = dist.all_reduce_sum(torch.tensor([len(wrong), len(batch)], dtype=torch.float64))
         ctx.metrics["edge/corrected_frac"] = float(c[0] / c[1])
@@ -117,11 +117,11 @@ class EdgeGRPO(GRPO):
                 new[i] = (prefix, False)
             else:
                 to_continue.append((i, prefix))
-        if to_continue:
-            budget = max(L - len(p) for _, p in to_continue)
+        if to_continue or tr.synced_generation:  # under ZeRO-3 every rank joins, with or without rows
+            budget = max((L - len(p) for _, p in to_continue), default=0)
             cont = generate(tr.model, [batch.prompt_ids[i] + p for i, p in to_continue],
                             dataclasses.replace(self.cfg.rollout, max_completion_length=budget), tr.eos_ids,
-                            tok.pad_token_id, num_generations=1)
+                            tok.pad_token_id, num_generations=1, synced=tr.synced_generation)
             for (i, p), toks in zip(to_continue, cont.tokens):
                 toks, truncated = cut_at_eos(toks, eos_set, L - len(p))
                 new[i] = (p + toks, truncated)

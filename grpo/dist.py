@@ -69,6 +69,13 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on at least one rank (collective when distributed)."""
+    if not is_initialized() or world_size() == 1:
+        return flag
+    return bool(all_reduce_max(torch.tensor([float(flag)]))[0] > 0)
+
+
 def all_gather_object(obj: object) -> list:
     if not is_initialized() or world_size() == 1:
         return [obj]

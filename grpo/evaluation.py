@@ -19,7 +19,7 @@ import torch
 from grpo import dist
 from grpo.config import Config, ConfigError, RewardSpec
 from grpo.data import PromptDataset, PromptSource, Subset, load_eval_source, load_source, prompt_text
-from grpo.rollout import decode_completions, generate
+from grpo.rollout import decode_completions, generate, needs_synced_generation
 from rewards import CombinedReward
 
 
@@ -67,6 +67,7 @@ class Evaluator:
         length = e.max_completion_length or cfg.rollout.max_completion_length
         self.greedy = replace(cfg.rollout, max_completion_length=length, temperature=1.0, top_k=1, top_p=1.0)
         self.sampled = replace(cfg.rollout, max_completion_length=length, temperature=e.temperature)
+        self.synced = needs_synced_generation(cfg.train.zero_stage)
 
     def _score(self, rows: list[int], tokens: list[list[int]], k: int) -> tuple[list[str], dict[str, list[float]]]:
         """Completion texts and per-function values; ``rows`` are dataset indices, each repeated k times in tokens."""
@@ -87,16 +88,21 @@ class Evaluator:
         fmt_name = self.names[1] if len(self.names) > 1 else None
         sums = torch.zeros(7, dtype=torch.float64)  # n, correct, format, length, truncated, sample-correct, pass
         records = []
-        for s in range(0, len(mine), e.batch_size):
-            rows = mine[s : s + e.batch_size]
+        batches = [mine[s : s + e.batch_size] for s in range(0, len(mine), e.batch_size)]
+        if self.synced:  # generation is collective: every rank makes as many calls as the busiest one
+            batches += [[]] * (int(dist.all_reduce_max(torch.tensor([float(len(batches))]))[0]) - len(batches))
+        for rows in batches:
             prompts = [self.dataset.ids[i] for i in rows]
-            comp = generate(model, prompts, self.greedy, self.eos_ids, pad, num_generations=1)
+            comp = generate(model, prompts, self.greedy, self.eos_ids, pad, num_generations=1, synced=self.synced)
+            many = (generate(model, prompts, self.sampled, self.eos_ids, pad, num_generations=e.k, synced=self.synced)
+                    if e.k > 1 else None)
+            if not rows:
+                continue
             texts, vals = self._score(rows, comp.tokens, 1)
             ok = [v >= e.threshold for v in vals[acc_name]]
             fmt = [v > 0 for v in vals[fmt_name]] if fmt_name else [False] * len(rows)
             sample_ok = [[] for _ in rows]
-            if e.k > 1:
-                many = generate(model, prompts, self.sampled, self.eos_ids, pad, num_generations=e.k)
+            if many is not None:
                 _, svals = self._score(rows, many.tokens, e.k)
                 sample_ok = [[v >= e.threshold for v in svals[acc_name][j * e.k : (j + 1) * e.k]] for j in range(len(rows))]
             for j, i in enumerate(rows):

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from grpo import dist
 from grpo.config import RolloutConfig
 
 
@@ -139,6 +140,17 @@ def _make_room(cache: DynamicCache, extra: int) -> None:
             cache.layers[i] = _GrowLayer(layer.keys, layer.values, extra)
 
 
+def needs_synced_generation(zero_stage: int) -> bool:
+    """ZeRO-3 gathers each layer's weights with a collective inside every forward pass, so all ranks
+    must run the same number of forwards: a rank that is done (or has no prompts) keeps joining in."""
+    return zero_stage == 3 and dist.world_size() > 1
+
+
+def _join_forward(model: torch.nn.Module, pad_id: int, device: torch.device) -> None:
+    """A one-token forward whose only purpose is to take part in the other ranks' weight gathers."""
+    model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -147,55 +159,69 @@ def generate(
     eos_ids: list[int],
     pad_id: int,
     num_generations: int | None = None,
+    synced: bool = False,
 ) -> Completions:
-    """G completions per prompt (``num_generations`` overrides cfg's G)."""
+    """G completions per prompt (``num_generations`` overrides cfg's G).
+
+    ``synced`` (see ``needs_synced_generation``): collective; every rank must call it, with or without
+    prompts, and each keeps running forwards until the last row on any rank has finished.
+    """
     G = num_generations or cfg.num_generations
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     # ignore_eos: no token ends a row, every completion is max_completion_length long
     eos = torch.tensor([] if cfg.ignore_eos else sorted(eos_ids), dtype=torch.long, device=device)
-    P, Lp = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((P, Lp), pad_id, dtype=torch.long, device=device)
-    att = torch.zeros((P, Lp), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):  # left padding: every prompt ends at column Lp - 1
-        ids[i, Lp - len(p) :] = torch.tensor(p, dtype=torch.long)
-        att[i, Lp - len(p) :] = 1
-    pos = (att.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    P, Lp = len(prompts), max((len(p) for p in prompts), default=0)
     R, T = P * G, cfg.max_completion_length
-    _make_room(cache, T)
-    cache.batch_repeat_interleave(G)
-    logits = out.logits[:, -1].repeat_interleave(G, dim=0)
-    # The attention mask of every step is a view of one buffer; with no left padding none is needed.
-    padded = any(len(p) != Lp for p in prompts)
-    att_all = torch.cat([att, att.new_ones(P, T)], dim=1).repeat_interleave(G, dim=0) if padded else None
-    next_pos = pos[:, -1].repeat_interleave(G) + 1
-
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     active = torch.arange(R, device=device)
-    for t in range(T):
-        tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k)
-        result[active, t] = tok
-        if eos.numel():
-            done = torch.isin(tok, eos)
-            if done.any():
-                lengths[active[done]] = t + 1
-                keep = ~done
-                if not keep.any():
-                    break
-                idx = keep.nonzero(as_tuple=True)[0]  # finished rows leave the batch and its KV cache
+    if P:
+        ids = torch.full((P, Lp), pad_id, dtype=torch.long, device=device)
+        att = torch.zeros((P, Lp), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at column Lp - 1
+            ids[i, Lp - len(p) :] = torch.tensor(p, dtype=torch.long)
+            att[i, Lp - len(p) :] = 1
+        pos = (att.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        cache = out.past_key_values
+        _make_room(cache, T)
+        cache.batch_repeat_interleave(G)
+        logits = out.logits[:, -1].repeat_interleave(G, dim=0)
+        # The attention mask of every step is a view of one buffer; with no left padding none is needed.
+        padded = any(len(p) != Lp for p in prompts)
+        att_all = torch.cat([att, att.new_ones(P, T)], dim=1).repeat_interleave(G, dim=0) if padded else None
+        next_pos = pos[:, -1].repeat_interleave(G) + 1
+    elif synced:
+        _join_forward(model, pad_id, device)  # the other ranks' prefill
+
+    t = 0
+    while True:
+        if active.numel():
+            tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k)
+            result[active, t] = tok
+            done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
+            lengths[active[done]] = t + 1
+            leave = done if t < T - 1 else torch.ones_like(done)  # at T every row ends (truncated unless EOS)
+            if leave.all():
+                active = active[:0]
+            elif leave.any():
+                idx = (~leave).nonzero(as_tuple=True)[0]  # finished rows leave the batch and its KV cache
                 cache.batch_select_indices(idx)
                 active, tok, next_pos = active[idx], tok[idx], next_pos[idx]
                 if att_all is not None:
                     att_all = att_all[idx]
-        if t == T - 1:
+        t += 1
+        if not (dist.any_rank(active.numel() > 0) if synced else active.numel() > 0):
             break
+        if not active.numel():
+            _join_forward(model, pad_id, device)
+            continue
         out = model(
-            input_ids=tok.unsqueeze(1), attention_mask=None if att_all is None else att_all[:, : Lp + t + 1],
+            input_ids=tok.unsqueeze(1), attention_mask=None if att_all is None else att_all[:, : Lp + t],
             position_ids=next_pos.unsqueeze(1), past_key_values=cache, use_cache=True,
         )
         logits = out.logits[:, -1]
@@ -206,7 +232,7 @@ def generate(
     rows = result.tolist()
     tokens = [row[:n] for row, n in zip(rows, lengths_l)]
     eos_set = set(int(e) for e in eos_ids)
-    truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens])
+    truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
     return Completions(tokens=tokens, truncated=truncated)
 
 

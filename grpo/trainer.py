@@ -30,7 +30,7 @@ from grpo.logprobs import completion_logprobs
 from grpo.metrics import MetricsLogger
 from grpo.modeling import eos_token_ids, load_model, load_tokenizer
 from grpo.reference import make_reference
-from grpo.rollout import decode_completions, generate
+from grpo.rollout import decode_completions, generate, needs_synced_generation
 from rewards import CombinedReward
 
 
@@ -98,6 +98,7 @@ class Trainer:
         atexit.register(dist.release_shm_buffer)
         self.rank, self.world = dist.rank(), dist.world_size()
         _share_cpu_threads()
+        self.synced_generation = needs_synced_generation(cfg.train.zero_stage)
         if cfg.rollout.prompts_per_step % self.world:
             raise ConfigError(
                 f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
@@ -168,7 +169,8 @@ class Trainer:
         G = cfg.rollout.num_generations
         t0 = time.perf_counter()
         prompts = [self.dataset.ids[i] for i in indices]
-        comp = generate(self.model, prompts, cfg.rollout, self.eos_ids, self.tokenizer.pad_token_id)
+        comp = generate(self.model, prompts, cfg.rollout, self.eos_ids, self.tokenizer.pad_token_id,
+                        synced=self.synced_generation)
         t1 = time.perf_counter()
         rows_idx = [i for i in indices for _ in range(G)]
         prompt_ids = [self.dataset.ids[i] for i in rows_idx]
@@ -293,6 +295,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for k, rows in enumerate(chunks):
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
+            self._begin_micro_batch()
             mb = batch.select(rows)
             mb.mask = mb.mask.to(self.device)
             for name in ("advantages", "old_logp", "ref_logp", "entropy"):
@@ -311,6 +314,16 @@ class Trainer:
                 acc[0] += s.double().cpu()
                 acc[1] += c.double().cpu()
         return loss_sum
+
+    def _begin_micro_batch(self) -> None:
+        """What ``DeepSpeedEngine.forward`` does first. Our forwards call ``engine.module`` (the log-prob
+        path needs the hidden states, not the logits), so the ZeRO optimizer is told here that a new
+        micro-batch starts; without it ZeRO-3 overwrites the gradient of the previous micro-batches
+        instead of adding to it."""
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        if isinstance(self.engine.optimizer, ZeROOptimizer):
+            self.engine.optimizer.clear_backward_seen_flag()
 
     def _stage0_grad_norm(self) -> Optional[float]:
         """DeepSpeed reports no norm without ZeRO; the (already reduced) grads give it."""
