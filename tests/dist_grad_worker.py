@@ -20,6 +20,7 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 from grpo import core, dist  # noqa: E402
 from grpo.batch import RolloutBatch  # noqa: E402
 from grpo.config import load_config  # noqa: E402
+import grpo.trainer as trainer_module  # noqa: E402
 from grpo.trainer import Trainer  # noqa: E402
 
 GROUPS, G, WIDTH = 4, 4, 6
@@ -54,7 +55,18 @@ def main() -> None:
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
     ])
+    if args.zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
+        base = trainer_module.deepspeed_config
+
+        def partition_all(c):
+            ds = base(c)
+            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            return ds
+
+        trainer_module.deepspeed_config = partition_all
     trainer = Trainer(cfg)
+    if args.zero == 3:
+        assert all(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()), "weights not partitioned"
     full = global_batch(trainer.model.config.vocab_size)
     per = GROUPS // dist.world_size()
     rows = list(range(dist.rank() * per * G, (dist.rank() + 1) * per * G))
