@@ -6,8 +6,9 @@
 Fetches the model if needed (scripts/fetch_smollm2.py), starts the reference server
 (``ref_client.py``, one for all seeds: the reference is the same frozen model), trains one run
 per seed with configs/smollm2_arith.yaml against it (GRPO with the k3 KL term, held-out greedy
-accuracy on 200 problems at the start, during training and at the end), stops the server, then prints a markdown table (accuracy before / after, the
-problems fixed and broken, a sign test on them), and writes it with a plot to
+accuracy on 200 problems at the start, during training and at the end), stops the server,
+then prints a markdown table (accuracy before / after, the problems fixed and broken, a sign
+test on them, KL, right answers by kind of problem), and writes it with a plot to
 runs/smollm2_arith/summary.md and docs/smollm2_arith.png.
 """
 
