@@ -101,6 +101,18 @@ def ref_grad(fn, logp0):
 
 SPLITS = lambda n: [[list(range(n))], [list(range(0, n, 2)), list(range(1, n, 2))], [[i] for i in range(n)]]  # noqa: E731
 
+
+def loss_on_every_split(algo, batch, logp, want, want_grad, rel=None):
+    """The loss and its gradient equal ``want`` / ``want_grad`` (to 1e-12) however the rows are split into
+    micro-batches; returns each split's (gradient, stats), the whole batch first, one row per micro-batch last."""
+    results = []
+    for splits in SPLITS(len(batch)):
+        got, grad, stats = run_loss(algo, batch, logp, splits)
+        assert got == (pytest.approx(float(want), rel=rel) if rel else pytest.approx(float(want), abs=1e-12))
+        assert torch.allclose(grad, want_grad, atol=1e-12)
+        results.append((grad, stats))
+    return results
+
 # 3 groups of G = 4: mixed, mixed, all-equal; ragged lengths; width 5
 REWARDS = [1.0, 0.0, 0.5, 0.0, 0.2, 0.9, 0.9, 0.1, 0.3, 0.3, 0.3, 0.3]
 LENGTHS = [3, 5, 1, 4, 2, 5, 5, 3, 4, 1, 2, 5]
@@ -183,10 +195,7 @@ def test_dapo_matches_trl_dapo_loss():
     lo_frac = float(((rho < 0.8) & (a < 0))[m].double().mean())
     hi_frac = float(((rho > 1.28) & (a > 0))[m].double().mean())
     assert lo_frac > 0 and hi_frac > 0  # the batch has tokens clipped on both sides, and unclipped ones
-    for splits in SPLITS(len(batch)):
-        got, grad, stats = run_loss(algo, batch, logp, splits)
-        assert got == pytest.approx(float(want), abs=1e-12)
-        assert torch.allclose(grad, want_grad, atol=1e-12)
+    for grad, stats in loss_on_every_split(algo, batch, logp, want, want_grad):
         assert stats["clip_frac_low"] == pytest.approx(lo_frac) and stats["clip_frac_high"] == pytest.approx(hi_frac)
     assert grad[m & ((rho > 1.28) & (a > 0))].abs().max() == 0  # clipped tokens carry no gradient
     assert (grad[m & (rho < 1.2) & (rho > 0.85) & (a != 0)] != 0).all()
@@ -330,10 +339,7 @@ def test_gpg_loss_alpha_and_gradient():
         return -1.5 * (lp * adv.unsqueeze(1) * mask).sum() / mask.sum()
 
     want, want_grad = ref_grad(ref, logp)
-    for splits in SPLITS(len(batch)):
-        got, grad, stats = run_loss(algo, batch, logp, splits)
-        assert got == pytest.approx(float(want), abs=1e-12)
-        assert torch.allclose(grad, want_grad, atol=1e-12)
+    for _, stats in loss_on_every_split(algo, batch, logp, want, want_grad):
         assert stats["clip_frac_low"] == stats["clip_frac_high"] == 0 and stats["ratio_mean"] == pytest.approx(1.0)
     assert not algo.needs_old_logprobs and not algo.needs_reference
 
@@ -421,10 +427,7 @@ def test_two_grpo_advantages_are_plus_minus_one_and_pairs_are_kept():
         return (per.sum(1) / mask.sum(1)).sum() / 12
 
     want, want_grad = ref_grad(ref, logp)
-    for splits in SPLITS(len(batch)):
-        got, grad, _ = run_loss(algo, batch, logp, splits)
-        assert got == pytest.approx(float(want), abs=1e-12)
-        assert torch.allclose(grad, want_grad, atol=1e-12)
+    loss_on_every_split(algo, batch, logp, want, want_grad)
 
 
 # --------------------------------------------------------------------------- cppo
@@ -472,10 +475,7 @@ def test_cppo_loss_on_kept_rows():
         return ref_token_loss(lp, old, adv[rows], mask, 0.2, 0.2, beta=0.04, ref=kept.ref_logp).sum() / mask.sum()
 
     want, want_grad = ref_grad(ref, logp)
-    for splits in SPLITS(len(kept)):
-        got, grad, stats = run_loss(algo, kept, logp, splits)
-        assert got == pytest.approx(float(want), abs=1e-12)
-        assert torch.allclose(grad, want_grad, atol=1e-12)
+    for _, stats in loss_on_every_split(algo, kept, logp, want, want_grad):
         assert "kl" in stats
 
 
@@ -530,10 +530,7 @@ def test_dcpo_loss_dynamic_clip_and_dual_clip():
         return ((-l * mask).sum(1) / mask.sum(1)).sum()  # seq-sum-token-mean
 
     want, want_grad = ref_grad(ref, logp)
-    for splits in SPLITS(len(batch)):
-        got, grad, stats = run_loss(algo, batch, logp, splits)
-        assert got == pytest.approx(float(want), rel=1e-12)
-        assert torch.allclose(grad, want_grad, atol=1e-12)
+    grad, stats = loss_on_every_split(algo, batch, logp, want, want_grad, rel=1e-12)[-1]
     assert grad[1, 0] == 0  # dual-clipped token
     assert stats["clip_frac_low"] > 0 and stats["clip_frac_high"] > 0
 
@@ -611,10 +608,7 @@ def test_edge_grpo_entropy_normalised_advantage_and_loss():
         return (per.sum(1) / mask.sum(1)).sum() / 12
 
     want_loss, want_grad = ref_grad(ref, logp)
-    for splits in SPLITS(len(batch)):
-        got, grad, _ = run_loss(algo, batch, logp, splits)
-        assert got == pytest.approx(float(want_loss), abs=1e-12)
-        assert torch.allclose(grad, want_grad, atol=1e-12)
+    loss_on_every_split(algo, batch, logp, want_loss, want_grad)
 
 
 def test_edge_grpo_correction_probabilities():
