@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config and not args.model:
         print("error: give --config CONFIG.yaml or --model PATH", file=sys.stderr)
         return 2
-    from grpo.config import ConfigError, load_config
+    from grpo.foundation.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, None, [*args.overrides, *flag_overrides(args)])
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cfg.ref, name, getattr(args, name))
     import torch
 
-    from grpo.ref_server import serve
+    from grpo.reference.server.app import serve
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:

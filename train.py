@@ -28,7 +28,7 @@ def list_algos() -> str:
 
     import dataclasses
 
-    from grpo.config import AlgoConfig
+    from grpo.foundation.config import AlgoConfig
 
     def defaults(cls) -> dict:
         fields = [*dataclasses.fields(AlgoConfig), *dataclasses.fields(cls.Options)]
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import yaml
 
-    from grpo.config import ConfigError, load_config, to_dict
+    from grpo.foundation.config import ConfigError, load_config, to_dict
 
     try:
         cfg = load_config(args.config, args.algo, args.overrides)
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
-    from grpo.reference import ReferenceServerError
-    from grpo.trainer import Trainer
+    from grpo.reference.base import ReferenceServerError
+    from grpo.training.trainer import Trainer
 
     try:
         trainer = Trainer(cfg, resume=args.resume)

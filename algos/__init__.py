@@ -34,7 +34,7 @@ _discover()
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
-    from grpo.config import ConfigError
+    from grpo.foundation.config import ConfigError
 
     if name not in ALGORITHMS:
         import difflib

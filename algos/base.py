@@ -3,7 +3,7 @@
 An algorithm declares what it needs (reference, old log-probs, entropy) so the trainer
 computes nothing unused, may change the batch before advantages (``process_batch``),
 computes advantages, and turns per-token log-probs of a micro-batch into its share of the
-step loss (see grpo.core.aggregate for why shares add up exactly).
+step loss (see grpo.foundation.core.aggregate for why shares add up exactly).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from grpo import core
-from grpo.batch import RolloutBatch
-from grpo.config import Config
+from grpo.foundation import core
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import Config
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Algorithm:
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        """Algorithm-specific config checks (raise grpo.config.ConfigError)."""
+        """Algorithm-specific config checks (raise grpo.foundation.config.ConfigError)."""
 
     # ----------------------------------------------------------------- needs
     @property

@@ -24,9 +24,9 @@ import torch
 
 from algos.base import StepContext
 from algos.grpo import GRPO
-from grpo import dist
-from grpo.batch import RolloutBatch
-from grpo.config import Config, ConfigError
+from grpo.foundation import dist
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import Config, ConfigError
 
 
 @dataclass

@@ -20,8 +20,8 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo import core
-from grpo.config import ConfigError
+from grpo.foundation import core
+from grpo.foundation.config import ConfigError
 from rewards.diversity import BLEU_WEIGHTS, equational_diversity, textual_diversity
 
 

@@ -9,7 +9,7 @@ cannot divide by zero). The loss is grpo's with beta = 0.
 
 Guided error correction (option ``guided_correction``; the data needs reference solutions):
 every incorrect completion (reward < ``correct_threshold``) is, with probability
-  0.5   its text + ``reflection_cue``, then continued by the policy (grpo.rollout.generate);
+  0.5   its text + ``reflection_cue``, then continued by the policy (grpo.rollout.hf.generate);
   0.25  its text + ``reflection_cue`` + the correct final answer (``answer_column``) + EOS;
   0.25  replaced by the reference solution (``solution_column``) + EOS;
 then re-scored with the trainer's reward functions, before advantages. Everything stays within
@@ -27,10 +27,10 @@ import torch
 
 from algos.base import StepContext
 from algos.grpo import GRPO
-from grpo import core, dist
-from grpo.batch import RolloutBatch
-from grpo.config import Config, ConfigError
-from grpo.rollout import completion_mask, cut_at_eos, generate
+from grpo.foundation import core, dist
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import Config, ConfigError
+from grpo.rollout.hf import completion_mask, cut_at_eos, generate
 
 CONTINUE, HINT, REPLACE = 0, 1, 2
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, StepContext, masked_stat
-from grpo import core, dist
-from grpo.batch import RolloutBatch
-from grpo.config import Config, ConfigError
+from grpo.foundation import core, dist
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import Config, ConfigError
 
 
 @dataclass

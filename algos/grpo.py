@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from algos.base import Algorithm, LossOutput
-from grpo import core
+from grpo.foundation import core
 
 
 class GRPO(Algorithm):

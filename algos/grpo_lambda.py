@@ -18,8 +18,8 @@ import torch
 
 from algos.base import LossOutput
 from algos.grpo import GRPO
-from grpo import core
-from grpo.config import ConfigError
+from grpo.foundation import core
+from grpo.foundation.config import ConfigError
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo import core
+from grpo.foundation import core
 
 
 @dataclass

@@ -21,8 +21,8 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo import core
-from grpo.config import ConfigError
+from grpo.foundation import core
+from grpo.foundation.config import ConfigError
 
 
 @dataclass
@@ -78,7 +78,7 @@ class GRPOPS(GRPO):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from grpo.modeling import load_tokenizer
+            from grpo.foundation.modeling import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.cfg.model.name_or_path, self.cfg.model.trust_remote_code)
         return self._tokenizer

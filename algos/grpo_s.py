@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, log_mean
-from grpo import core
+from grpo.foundation import core
 
 
 @dataclass

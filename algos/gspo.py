@@ -10,7 +10,7 @@ when the batch is reused (``algo.num_iterations`` > 1).
 from __future__ import annotations
 
 from algos.base import Algorithm, LossOutput
-from grpo import core
+from grpo.foundation import core
 
 
 class GSPO(Algorithm):

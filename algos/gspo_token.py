@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from algos.base import LossOutput
 from algos.gspo import GSPO
-from grpo import core
+from grpo.foundation import core
 
 
 class GSPOToken(GSPO):

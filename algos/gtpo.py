@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from algos.base import Algorithm, LossOutput, log_mean
-from grpo import core
+from grpo.foundation import core
 
 
 @dataclass

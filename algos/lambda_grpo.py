@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from algos.base import LossOutput, masked_stat
 from algos.grpo import GRPO
-from grpo import core
+from grpo.foundation import core
 
 
 class LambdaGRPO(GRPO):

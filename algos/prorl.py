@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from algos.dapo import DAPO, DAPOOptions
-from grpo import dist
-from grpo.checkpoint import export_model
-from grpo.config import Config, ConfigError
-from grpo.reference import InProcessReference
+from grpo.foundation import dist
+from grpo.training.checkpoint import export_model
+from grpo.foundation.config import Config, ConfigError
+from grpo.reference.base import InProcessReference
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo import core
-from grpo.config import ConfigError
+from grpo.foundation import core
+from grpo.foundation.config import ConfigError
 
 
 @dataclass

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from algos.base import Algorithm, LossOutput
-from grpo import core
+from grpo.foundation import core
 
 
 @dataclass

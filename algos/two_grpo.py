@@ -13,7 +13,7 @@ G = 16 with 8x the prompts per step and 8x the learning rate; configs/2-grpo.yam
 from __future__ import annotations
 
 from algos.grpo import GRPO
-from grpo.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError
 
 
 class TwoGRPO(GRPO):

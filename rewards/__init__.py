@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
-from grpo.config import ConfigError, RewardPoolConfig, RewardSpec
+from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from rewards.countdown import countdown
 from rewards.digits import digits_match, digits_step_match
 from rewards.format import format_soft, format_strict
@@ -145,7 +145,7 @@ class CombinedReward:
         """Rows scored 0 by an error / a timeout since the last call, summed over ranks (collective)."""
         import torch
 
-        from grpo import dist
+        from grpo.foundation import dist
 
         keys = [(name, kind) for name in self.counts for kind in ("errors", "timeouts")]
         local = torch.tensor([float(self.counts[n][k]) for n, k in keys], dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Reward of the built-in digits task (grpo/data.py: DigitsTask)."""
+"""Reward of the built-in digits task (grpo/data/sources.py: DigitsTask)."""
 
 from __future__ import annotations
 

@@ -210,8 +210,8 @@ def child_ours(spec: dict) -> dict:
     import torch
 
     from algos import ALGORITHMS
-    from grpo.config import load_config
-    from grpo.trainer import Trainer
+    from grpo.foundation.config import load_config
+    from grpo.training.trainer import Trainer
 
     t_setup = time.perf_counter()
     algo = spec["algo"]

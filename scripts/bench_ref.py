@@ -45,13 +45,13 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from grpo.config import ModelConfig, load_config  # noqa: E402
-from grpo.logprobs import Packed, pack  # noqa: E402
-from grpo.modeling import load_model, load_tokenizer  # noqa: E402
-from grpo.ref_http import HTTPReference  # noqa: E402
-from grpo.ref_launch import ServerProcess, free_port  # noqa: E402
-from grpo.reference import sliced_logprobs  # noqa: E402
-from grpo.tiny import BUILTIN_NAME  # noqa: E402
+from grpo.foundation.config import ModelConfig, load_config  # noqa: E402
+from grpo.foundation.logprobs import Packed, pack  # noqa: E402
+from grpo.foundation.modeling import load_model, load_tokenizer  # noqa: E402
+from grpo.reference.http import HTTPReference  # noqa: E402
+from grpo.reference.launch import ServerProcess, free_port  # noqa: E402
+from grpo.reference.base import sliced_logprobs  # noqa: E402
+from grpo.foundation.tiny import BUILTIN_NAME  # noqa: E402
 
 SMOLLM_DIR = ROOT / "models" / "smollm2-135m-instruct"
 SMOLLM_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

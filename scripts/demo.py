@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo.metrics import read_metrics  # noqa: E402
-from grpo.ref_launch import ServerProcess, free_port, needs_reference  # noqa: E402
+from grpo.training.metrics import read_metrics  # noqa: E402
+from grpo.reference.launch import ServerProcess, free_port, needs_reference  # noqa: E402
 
 
 def launcher() -> list[str]:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. eval.batch_size=16")
     args = p.parse_args(argv)
 
-    from grpo.config import ConfigError, load_config
+    from grpo.foundation.config import ConfigError, load_config
 
     overrides = [f"model.name_or_path={args.model}", *args.overrides]
     if args.limit is not None:
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, None, overrides)
         import torch
 
-        from grpo.evaluation import Evaluator, eval_source, write_records
-        from grpo.modeling import eos_token_ids, load_model, load_tokenizer
+        from grpo.training.evaluation import Evaluator, eval_source, write_records
+        from grpo.foundation.modeling import eos_token_ids, load_model, load_tokenizer
 
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         model = load_model(cfg.model).eval()

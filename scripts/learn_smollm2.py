@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo.metrics import read_metrics  # noqa: E402
-from grpo.ref_launch import ServerProcess, free_port, needs_reference  # noqa: E402
+from grpo.training.metrics import read_metrics  # noqa: E402
+from grpo.reference.launch import ServerProcess, free_port, needs_reference  # noqa: E402
 
 
 def train(seeds: list[int], config: str, out: Path, threads: int, overrides: list[str]) -> dict[int, float]:
@@ -80,7 +80,7 @@ def correct_by_index(path: Path) -> dict[int, bool]:
     return {r["index"]: bool(r["correct"]) for r in map(json.loads, path.read_text().splitlines())}
 
 
-# The arithmetic task's problem kinds (grpo/tasks.py), told apart by their wording; the first match wins.
+# The arithmetic task's problem kinds (grpo/data/tasks.py), told apart by their wording; the first match wins.
 KINDS = [("a + b - c, two steps", "then gives"), ("a + b", "more. How many"), ("a - b", "away. How many"),
          ("a * b", " bags with "), ("a·b / b", " equally among ")]
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo import dist  # noqa: E402
-from grpo.config import load_config  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.foundation import dist  # noqa: E402
+from grpo.foundation.config import load_config  # noqa: E402
+from grpo.training.trainer import Trainer  # noqa: E402
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.dist import free_port
+from grpo.foundation.dist import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +39,6 @@ def run_deepspeed(args: list[str], num_ranks: int = 2, script: str = "train.py",
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny model and tokenizer written as an HF folder."""
-    from grpo.tiny import write_tiny
+    from grpo.foundation.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "model")

@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
-from grpo import core, dist  # noqa: E402
-from grpo.batch import RolloutBatch  # noqa: E402
-from grpo.config import load_config  # noqa: E402
-import grpo.trainer as trainer_module  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.foundation import core, dist  # noqa: E402
+from grpo.foundation.batch import RolloutBatch  # noqa: E402
+from grpo.foundation.config import load_config  # noqa: E402
+import grpo.training.trainer as trainer_module  # noqa: E402
+from grpo.training.trainer import Trainer  # noqa: E402
 
 GROUPS, G, WIDTH = 4, 4, 6
 

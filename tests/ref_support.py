@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.logprobs import Packed, pack
+from grpo.foundation.logprobs import Packed, pack
 
 
 def ragged_batch(seed: int, rows: int, vocab: int, max_prompt: int = 20, max_completion: int = 12,

@@ -20,10 +20,10 @@ from algos.base import StepContext
 from algos.cppo import kept_count
 from algos.dapo import DynamicSamplingError
 from algos.edge_grpo import CONTINUE, HINT, REPLACE, correction_case
-from grpo import core
-from grpo.batch import RolloutBatch
-from grpo.config import ConfigError, load_config
-from grpo.rollout import completion_mask
+from grpo.foundation import core
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import ConfigError, load_config
+from grpo.rollout.hf import completion_mask
 from rewards.length import overlong_penalty
 
 F64 = torch.float64
@@ -642,7 +642,7 @@ def single_rank_env():
 
 
 def make_trainer(algo: str, tmp_path, *overrides: str):
-    from grpo.trainer import Trainer
+    from grpo.training.trainer import Trainer
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", algo, [
         f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false",
@@ -678,7 +678,7 @@ class RecordingServer:
 
 
 def test_prorl_reference_resets(single_rank_env, tmp_path):
-    from grpo.modeling import load_model
+    from grpo.foundation.modeling import load_model
 
     with pytest.raises(ConfigError, match="algo.beta"):
         make_cfg("prorl", "algo.beta=0")

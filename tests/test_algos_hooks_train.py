@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo.metrics import read_metrics
+from grpo.training.metrics import read_metrics
 from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow

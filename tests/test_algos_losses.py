@@ -16,9 +16,9 @@ import torch
 
 from algos import get_algorithm
 from algos.base import StepContext
-from grpo import core
-from grpo.batch import RolloutBatch
-from grpo.config import ConfigError, load_config
+from grpo.foundation import core
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import ConfigError, load_config
 
 G = 4
 LENGTHS = [3, 5, 2, 4, 4, 4, 1, 5, 2, 3, 5, 3]  # ragged, three groups of four
@@ -667,7 +667,7 @@ def test_digits_step_match_by_hand():
 
 
 def ps_batch():
-    from grpo.modeling import load_tokenizer
+    from grpo.foundation.modeling import load_tokenizer
 
     tok = load_tokenizer("builtin:tiny-char")
     texts = ["47\n\n12", "47", "4\n\n7\n\n", "9\n\n12",  # group 0: 2, 1, 2, 2 steps

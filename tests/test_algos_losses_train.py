@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.metrics import read_metrics
+from grpo.training.metrics import read_metrics
 from tests.conftest import run_deepspeed
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from algos import ALGORITHMS
-from grpo.metrics import read_metrics
+from grpo.training.metrics import read_metrics
 from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow

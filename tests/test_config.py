@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from grpo.config import ConfigError, load_config, parse_overrides, to_dict
+from grpo.foundation.config import ConfigError, load_config, parse_overrides, to_dict
 
 
 def write(tmp_path, tree) -> str:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import ArithmeticTaskConfig, ConfigError, CountdownTaskConfig, DataConfig, load_config
-from grpo.data import PromptDataset, load_eval_source, load_source, prompt_ids, prompt_text
-from grpo.tasks import R1_SYSTEM_PROMPT, ArithmeticTask, CountdownTask
-from grpo.tiny import make_char_tokenizer
+from grpo.foundation.config import ArithmeticTaskConfig, ConfigError, CountdownTaskConfig, DataConfig, load_config
+from grpo.data.sources import PromptDataset, load_eval_source, load_source, prompt_ids, prompt_text
+from grpo.data.tasks import R1_SYSTEM_PROMPT, ArithmeticTask, CountdownTask
+from grpo.foundation.tiny import make_char_tokenizer
 from rewards.countdown import check
 from rewards.math_answer import math_correct
 

@@ -1,10 +1,10 @@
-"""grpo.dist: a plain `python train.py` becomes a world of one; launcher and MPI jobs are left alone."""
+"""grpo.foundation.dist: a plain `python train.py` becomes a world of one; launcher and MPI jobs are left alone."""
 
 import socket
 
 import pytest
 
-from grpo import dist
+from grpo.foundation import dist
 
 LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.checkpoint import LATEST
-from grpo.metrics import read_metrics
+from grpo.training.checkpoint import LATEST
+from grpo.training.metrics import read_metrics
 from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo.config import ConfigError, ModelConfig
-from grpo.modeling import load_model
+from grpo.foundation.config import ConfigError, ModelConfig
+from grpo.foundation.modeling import load_model
 
 
 def test_bottom_layers_and_embeddings_are_frozen():

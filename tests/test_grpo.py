@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from algos.grpo import GRPO
-from grpo import core
+from grpo.foundation import core
 from tests.helpers import config, make_batch, policy_logp
 
 LENGTHS = [3, 5, 1, 4, 2, 2, 5, 3]

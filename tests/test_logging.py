@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from grpo.config import ConfigError, load_config
-from grpo.metrics import MetricsLogger, plot_metrics
+from grpo.foundation.config import ConfigError, load_config
+from grpo.training.metrics import MetricsLogger, plot_metrics
 
 
 @pytest.mark.parametrize("target", ["tensorboard", "wandb"])

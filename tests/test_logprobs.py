@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.logprobs import completion_logprobs, pack
-from grpo.tiny import build_tiny
+from grpo.foundation.logprobs import completion_logprobs, pack
+from grpo.foundation.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def naive_head(head, hidden, targets, temperature, softcap):
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_head_equals_naive(chunk_size, temperature, softcap, bias):
     """Values, entropy and the gradients of hidden states, weight and bias, in float64."""
-    from grpo.logprobs import _LinearHeadLogprob, head_logprobs
+    from grpo.foundation.logprobs import _LinearHeadLogprob, head_logprobs
 
     g = torch.Generator().manual_seed(7)
     head = torch.nn.Linear(6, 11, bias=bias).double()
@@ -118,7 +118,7 @@ def test_fused_head_equals_naive(chunk_size, temperature, softcap, bias):
 
 def test_fused_and_checkpointed_paths_agree_on_the_model(model_and_rows):
     """completion_logprobs on the fused path (the default) equals the checkpointed naive path, gradients too."""
-    from grpo import logprobs as L
+    from grpo.foundation import logprobs as L
 
     model, prompts, completions = model_and_rows
     assert L._plain_linear(model.get_output_embeddings())
@@ -142,7 +142,7 @@ def test_fused_and_checkpointed_paths_agree_on_the_model(model_and_rows):
 
 def test_fused_head_bf16_close_to_float32():
     """Half-precision weights: log-probs and gradients within bf16 rounding of the float32 ones."""
-    from grpo.logprobs import head_logprobs
+    from grpo.foundation.logprobs import head_logprobs
 
     g = torch.Generator().manual_seed(3)
     head = torch.nn.Linear(32, 100, bias=False)
@@ -166,7 +166,7 @@ def test_fused_head_bf16_close_to_float32():
 
 def test_fused_head_never_holds_more_than_a_chunk():
     """No [n x vocab] tensor is saved for backward: only the hidden states, targets and one float per token."""
-    from grpo.logprobs import head_logprobs
+    from grpo.foundation.logprobs import head_logprobs
 
     head = torch.nn.Linear(8, 1000, bias=False)
     hidden = torch.randn(64, 8, requires_grad=True)

@@ -9,12 +9,12 @@ import time
 import pytest
 import requests
 
-from grpo.config import ConfigError, load_config
-from grpo.ref_http import BACKOFF_CAP, HTTPReference, backoff
-from grpo.ref_launch import free_port
-from grpo.ref_server import AccessLog, build_server, check_bind
-from grpo.reference import ReferenceServerError, sliced_logprobs
-from grpo.tiny import build_tiny, make_char_tokenizer
+from grpo.foundation.config import ConfigError, load_config
+from grpo.reference.http import BACKOFF_CAP, HTTPReference, backoff
+from grpo.reference.launch import free_port
+from grpo.reference.server.app import AccessLog, build_server, check_bind
+from grpo.reference.base import ReferenceServerError, sliced_logprobs
+from grpo.foundation.tiny import build_tiny, make_char_tokenizer
 from tests.ref_support import assert_same, ragged_batch
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.checkpoint import latest_checkpoint
-from grpo.metrics import read_metrics
-from grpo.ref_launch import ROOT, ServerProcess, free_port
+from grpo.training.checkpoint import latest_checkpoint
+from grpo.training.metrics import read_metrics
+from grpo.reference.launch import ROOT, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 

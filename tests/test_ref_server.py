@@ -12,12 +12,12 @@ import pytest
 import requests
 import torch
 
-from grpo.config import load_config
-from grpo.ref_http import HTTPReference
-from grpo.ref_launch import ServerProcess, free_port
-from grpo.ref_wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
-from grpo.reference import InProcessReference, sliced_logprobs
-from grpo.tiny import make_char_tokenizer, make_tiny_model, write_tiny
+from grpo.foundation.config import load_config
+from grpo.reference.http import HTTPReference
+from grpo.reference.launch import ServerProcess, free_port
+from grpo.reference.wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
+from grpo.reference.base import InProcessReference, sliced_logprobs
+from grpo.foundation.tiny import make_char_tokenizer, make_tiny_model, write_tiny
 from tests.ref_support import assert_same, log_events, ragged_batch
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from grpo.logprobs import pack
-from grpo.ref_wire import (
+from grpo.foundation.logprobs import pack
+from grpo.reference.wire import (
     WireError,
     decode_response,
     encode,
@@ -19,7 +19,7 @@ from grpo.ref_wire import (
     parse_request,
     unflatten,
 )
-from grpo.reference import row_slices
+from grpo.reference.base import row_slices
 from tests.ref_support import ragged_batch
 
 VOCAB = 93

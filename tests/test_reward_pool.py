@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from grpo.config import ConfigError, RewardPoolConfig, RewardSpec
+from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from rewards import CombinedReward, resolve
 
 HANG = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's comparison of this with 5 does not return (sympy in C)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.config import RolloutConfig
-from grpo.rollout import completion_mask, cut_at_eos, generate, sample_next
-from grpo.tiny import build_tiny
+from grpo.foundation.config import RolloutConfig
+from grpo.rollout.hf import completion_mask, cut_at_eos, generate, sample_next
+from grpo.foundation.tiny import build_tiny
 
 EOS = 2
 
@@ -99,7 +99,7 @@ def test_top_k_and_top_p_filtering():
 
 
 def test_sample_categorical_matches_the_distribution_and_skips_zero_mass():
-    from grpo.rollout import sample_categorical
+    from grpo.rollout.hf import sample_categorical
 
     logits = torch.tensor([[0.0, float("-inf"), 1.0, 2.0, float("-inf"), 3.0]]).repeat(100_000, 1)
     torch.manual_seed(1)
@@ -130,7 +130,7 @@ def test_ignore_eos_gives_full_length_completions():
 
 
 def test_ignore_eos_is_a_typed_config_key():
-    from grpo.config import ConfigError, load_config
+    from grpo.foundation.config import ConfigError, load_config
 
     assert load_config().rollout.ignore_eos is False
     assert load_config(overrides=["rollout.ignore_eos=true"]).rollout.ignore_eos is True
@@ -141,7 +141,7 @@ def test_ignore_eos_is_a_typed_config_key():
 def test_cached_decoding_equals_full_recomputation(monkeypatch):
     """The logits of every decode step (shared prefill, in-place KV cache, left padding, rows leaving
     at EOS at different steps) equal those of recomputing the whole sequence without a cache."""
-    import grpo.rollout as R
+    import grpo.rollout.hf as R
 
     model, tok = build_tiny(seed=4)
     model = model.double().eval()

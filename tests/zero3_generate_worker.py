@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import deepspeed  # noqa: E402
 
-from grpo import dist  # noqa: E402
-from grpo.config import load_config  # noqa: E402
-from grpo.evaluation import Evaluator  # noqa: E402
-from grpo.modeling import eos_token_ids  # noqa: E402
-from grpo.rollout import generate, needs_synced_generation  # noqa: E402
-from grpo.tiny import build_tiny  # noqa: E402
+from grpo.foundation import dist  # noqa: E402
+from grpo.foundation.config import load_config  # noqa: E402
+from grpo.training.evaluation import Evaluator  # noqa: E402
+from grpo.foundation.modeling import eos_token_ids  # noqa: E402
+from grpo.rollout.hf import generate, needs_synced_generation  # noqa: E402
+from grpo.foundation.tiny import build_tiny  # noqa: E402
 
 
 def main() -> None:

@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from grpo.config import ConfigError, ModelConfig
-from grpo.modeling import load_model, load_tokenizer, tokenizer_fingerprint
-from grpo.ref_wire import LogprobRequest
-from grpo.reference import sliced_logprobs
+from grpo.foundation.config import ConfigError, ModelConfig
+from grpo.foundation.modeling import load_model, load_tokenizer, tokenizer_fingerprint
+from grpo.reference.wire import LogprobRequest
+from grpo.reference.base import sliced_logprobs
 
 
 class QueueFull(Exception):

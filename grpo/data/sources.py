@@ -16,8 +16,8 @@ from typing import Any, Optional, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo.config import ConfigError, DataConfig, DigitsTaskConfig
-from grpo.tasks import TASKS, ArithmeticTask, CountdownTask, system_prompt
+from grpo.foundation.config import ConfigError, DataConfig, DigitsTaskConfig
+from grpo.data.tasks import TASKS, ArithmeticTask, CountdownTask, system_prompt
 
 
 class PromptSource(Protocol):

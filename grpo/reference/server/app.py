@@ -2,7 +2,7 @@
 
     GET  /health        alive and model loaded (503 while shutting down)
     GET  /v1/info       model, weights hash / version, vocabulary, tokenizer fingerprint, dtype, device, limits
-    POST /v1/logprobs   binary request -> binary answer (grpo/ref_wire.py)
+    POST /v1/logprobs   binary request -> binary answer (grpo/reference/wire.py)
     POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer
 
 Every request needs ``Authorization: Bearer <token>`` when the server has a token; a server
@@ -28,9 +28,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
 
-from grpo.config import Config, ConfigError
-from grpo.ref_wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_response, parse_request
-from grpo.ref_worker import DeviceWorker, QueueFull
+from grpo.foundation.config import Config, ConfigError
+from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_response, parse_request
+from grpo.reference.server.worker import DeviceWorker, QueueFull
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
-from grpo.config import ArithmeticTaskConfig, CountdownTaskConfig
+from grpo.foundation.config import ArithmeticTaskConfig, CountdownTaskConfig
 
 # DeepSeek-R1-Zero's reasoning prompt (arXiv 2501.12948, table 1), as a system prompt.
 R1_SYSTEM_PROMPT = (

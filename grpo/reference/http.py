@@ -22,10 +22,10 @@ import requests
 import torch
 from requests.adapters import HTTPAdapter
 
-from grpo.config import Config, ConfigError
-from grpo.logprobs import Packed
-from grpo.ref_wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
-from grpo.reference import ReferenceServerError
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.logprobs import Packed
+from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
+from grpo.reference.base import ReferenceServerError
 
 BACKOFF_BASE = 0.05  # seconds before the first retry; doubles each time
 BACKOFF_CAP = 2.0
@@ -54,7 +54,7 @@ def _error_text(resp: requests.Response) -> str:
 
 
 class HTTPReference:
-    """Reference log-probs from a server; implements grpo.reference.Reference."""
+    """Reference log-probs from a server; implements grpo.reference.base.Reference."""
 
     def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None):
         r = cfg.ref
@@ -115,7 +115,7 @@ class HTTPReference:
         info = self.server_info
         problems = []
         if tokenizer is not None:
-            from grpo.modeling import tokenizer_fingerprint
+            from grpo.foundation.modeling import tokenizer_fingerprint
 
             mine = tokenizer_fingerprint(tokenizer)
             if info.get("tokenizer_fingerprint") != mine:

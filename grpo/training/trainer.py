@@ -20,17 +20,17 @@ import torch
 
 from algos import get_algorithm
 from algos.base import Algorithm, StepContext
-from grpo import core, dist
-from grpo.batch import RolloutBatch, micro_batches
-from grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from grpo.config import Config, ConfigError, dump_config
-from grpo.data import PromptDataset, PromptSampler, load_source
-from grpo.evaluation import Evaluator
-from grpo.logprobs import completion_logprobs
-from grpo.metrics import MetricsLogger
-from grpo.modeling import eos_token_ids, load_model, load_tokenizer
-from grpo.reference import make_reference
-from grpo.rollout import decode_completions, generate, needs_synced_generation
+from grpo.foundation import core, dist
+from grpo.foundation.batch import RolloutBatch, micro_batches
+from grpo.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.foundation.config import Config, ConfigError, dump_config
+from grpo.data.sources import PromptDataset, PromptSampler, load_source
+from grpo.training.evaluation import Evaluator
+from grpo.foundation.logprobs import completion_logprobs
+from grpo.training.metrics import MetricsLogger
+from grpo.foundation.modeling import eos_token_ids, load_model, load_tokenizer
+from grpo.reference.base import make_reference
+from grpo.rollout.hf import decode_completions, generate, needs_synced_generation
 from rewards import CombinedReward
 
 

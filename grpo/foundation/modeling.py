@@ -8,8 +8,8 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.config import ConfigError, ModelConfig
-from grpo.tiny import BUILTIN_NAME, build_tiny
+from grpo.foundation.config import ConfigError, ModelConfig
+from grpo.foundation.tiny import BUILTIN_NAME, build_tiny
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

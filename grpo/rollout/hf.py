@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpo import dist
-from grpo.config import RolloutConfig
+from grpo.foundation import dist
+from grpo.foundation.config import RolloutConfig
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from grpo.logprobs import Packed
+from grpo.foundation.logprobs import Packed
 
 CONTENT_TYPE = "application/vnd.grpo-ref+safetensors"
 TOKEN_ENV = "GRPO_REF_TOKEN"  # the bearer token, for server and client alike
@@ -102,7 +102,7 @@ def flatten_packed(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def unflatten(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pad_id: int) -> Packed:
-    """The right-padded :class:`Packed` that ``grpo.logprobs.pack`` builds from the same rows."""
+    """The right-padded :class:`Packed` that ``grpo.foundation.logprobs.pack`` builds from the same rows."""
     seq = prompt_lens + completion_lens
     L = int(seq.max())
     keep = torch.arange(L).unsqueeze(0) < seq.unsqueeze(1)  # row-major: the rows' tokens in order

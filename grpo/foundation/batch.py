@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from grpo.logprobs import Packed, pack
+from grpo.foundation.logprobs import Packed, pack
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from grpo import dist
+from grpo.foundation import dist
 
 LATEST = "latest"
 

@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo import dist
-from grpo.config import Config, ConfigError
+from grpo.foundation import dist
+from grpo.foundation.config import Config, ConfigError
 
 
 class MetricsLogger:
@@ -42,7 +42,7 @@ class MetricsLogger:
                     import wandb
                 except ImportError as e:
                     raise ConfigError("logging.report_to includes 'wandb' but it is not installed: pip install wandb") from e
-                from grpo.config import to_dict
+                from grpo.foundation.config import to_dict
 
                 self.wandb = wandb.init(project=cfg.logging.wandb_project, config=to_dict(cfg), dir=str(self.out))
         if cfg.logging.progress_bar:

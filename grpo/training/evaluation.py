@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 import torch
 
-from grpo import dist
-from grpo.config import Config, ConfigError, RewardSpec
-from grpo.data import PromptDataset, PromptSource, Subset, load_eval_source, load_source, prompt_text
-from grpo.rollout import decode_completions, generate, needs_synced_generation
+from grpo.foundation import dist
+from grpo.foundation.config import Config, ConfigError, RewardSpec
+from grpo.data.sources import PromptDataset, PromptSource, Subset, load_eval_source, load_source, prompt_text
+from grpo.rollout.hf import decode_completions, generate, needs_synced_generation
 from rewards import CombinedReward
 
 

@@ -1,7 +1,7 @@
 """A tiny Llama-style model and a character-level tokenizer, built offline in seconds.
 
 Used by the tests and the demo (``model.name_or_path: builtin:tiny-char``) and written to
-a folder with ``python -m grpo.tiny OUT_DIR``. Same seed -> same weights, on every rank.
+a folder with ``python -m grpo.foundation.tiny OUT_DIR``. Same seed -> same weights, on every rank.
 """
 
 from __future__ import annotations
@@ -94,5 +94,5 @@ def write_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m grpo.tiny OUT_DIR")
+        sys.exit("usage: python -m grpo.foundation.tiny OUT_DIR")
     print(write_tiny(sys.argv[1]))

@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 import torch
 
-from grpo import dist
+from grpo.foundation import dist
 
 StdKind = Literal["unbiased", "population", "none"]
 

@@ -41,7 +41,7 @@ class ModelConfig:
 
 @dataclass
 class DigitsTaskConfig:
-    """The built-in procedurally generated task (see grpo/data.py: DigitsTask)."""
+    """The built-in procedurally generated task (see grpo/data/sources.py: DigitsTask)."""
 
     op: Literal["copy", "reverse", "add", "successor"] = "copy"
     digits: int = 2
@@ -50,7 +50,7 @@ class DigitsTaskConfig:
 
 @dataclass
 class CountdownTaskConfig:
-    """The seeded Countdown generator (``data.source: countdown``; see grpo/tasks.py)."""
+    """The seeded Countdown generator (``data.source: countdown``; see grpo/data/tasks.py)."""
 
     num_examples: int = 10000
     min_numbers: int = 3
@@ -61,7 +61,7 @@ class CountdownTaskConfig:
 
 @dataclass
 class ArithmeticTaskConfig:
-    """The seeded arithmetic word-problem generator (``data.source: arithmetic``; see grpo/tasks.py)."""
+    """The seeded arithmetic word-problem generator (``data.source: arithmetic``; see grpo/data/tasks.py)."""
 
     num_examples: int = 5000
     max_value: int = 50  # operands of + and - go up to this; of * and / up to max_value // 4 (at most 12)
@@ -90,7 +90,7 @@ class DataConfig:
     countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
     arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
     chat_template: bool = False  # apply the tokenizer's chat template to prompts (false: plain text)
-    system_prompt: Optional[str] = None  # text, or the name of a ready one: "r1" (grpo/data.py SYSTEM_PROMPTS)
+    system_prompt: Optional[str] = None  # text, or the name of a ready one: "r1" (grpo/data/sources.py SYSTEM_PROMPTS)
     prefill: Optional[str] = None  # text the answer starts with (e.g. "<think>"), appended to every prompt
     shuffle: bool = True
     seed: int = 0  # the data's own seed: Countdown generation and the held-out split (not train.seed)
@@ -201,7 +201,7 @@ class RewardSpec:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation (grpo/evaluation.py): greedy accuracy, and mean@k / pass@k when k > 1.
+    """Held-out evaluation (grpo/training/evaluation.py): greedy accuracy, and mean@k / pass@k when k > 1.
 
     ``correctness`` decides a completion is right when its value >= ``threshold`` (default:
     the first entry of ``rewards``); ``format`` gives the format rate (none: not reported).

@@ -15,15 +15,15 @@ from typing import Optional
 
 import requests
 
-from grpo.dist import free_port  # noqa: F401  (re-exported: scripts and tests start servers on it)
+from grpo.foundation.dist import free_port  # noqa: F401  (re-exported: scripts and tests start servers on it)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def needs_reference(config: str, overrides: list[str]) -> bool:
     """Whether training ``config`` with ``overrides`` uses a reference model (its algorithm with its β)."""
     from algos import get_algorithm
-    from grpo.config import load_config
+    from grpo.foundation.config import load_config
 
     cfg = load_config(config, None, overrides)
     return get_algorithm(cfg.algo.name)(cfg).needs_reference

@@ -12,8 +12,8 @@ from typing import Optional, Protocol
 
 import torch
 
-from grpo.config import Config
-from grpo.logprobs import Packed, completion_logprobs
+from grpo.foundation.config import Config
+from grpo.foundation.logprobs import Packed, completion_logprobs
 
 
 class ReferenceServerError(RuntimeError):
@@ -64,7 +64,7 @@ class InProcessReference:
     """A frozen copy of the reference model on this rank's device."""
 
     def __init__(self, cfg: Config, device: torch.device):
-        from grpo.modeling import load_model
+        from grpo.foundation.modeling import load_model
 
         self.cfg = cfg
         self.model = load_model(cfg.model, cfg.ref.model or cfg.model.name_or_path).to(device).eval()
@@ -85,7 +85,7 @@ class InProcessReference:
         return {"model": self.source, "version": self.version}
 
     def reload(self, checkpoint_dir: str) -> dict:
-        from grpo.modeling import load_model
+        from grpo.foundation.modeling import load_model
 
         device = next(self.model.parameters()).device
         self.model = load_model(self.cfg.model, checkpoint_dir).to(device).eval()
@@ -104,7 +104,7 @@ def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=No
     if not needed:
         return None
     if cfg.ref.url:
-        from grpo.ref_http import HTTPReference  # the server's client (ref_client.py serves it)
+        from grpo.reference.http import HTTPReference  # the server's client (ref_client.py serves it)
 
         return HTTPReference(cfg, tokenizer, vocab_size)
     return InProcessReference(cfg, device)
