@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config and not args.model:
         print("error: give --config CONFIG.yaml or --model PATH", file=sys.stderr)
         return 2
-    from grpo.foundation.config import ConfigError, load_config
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
 
     try:
         cfg = load_config(args.config, None, [*args.overrides, *flag_overrides(args)])

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import yaml
 
-    from grpo.foundation.config import ConfigError, load_config, to_dict
+    from grpo.foundation.config import ConfigError, to_dict
+    from grpo.training.configure import load_config
 
     try:
         cfg = load_config(args.config, args.algo, args.overrides)

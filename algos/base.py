@@ -15,7 +15,7 @@ import torch
 
 from grpo.foundation import core
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config
+from grpo.foundation.config import Config, ConfigError
 
 
 @dataclass
@@ -41,20 +41,66 @@ def log_mean(ctx: "StepContext", name: str, x: torch.Tensor, mask: Optional[torc
 
 
 class StepContext:
-    """What hooks may use: the config, the step number, a way to generate more groups and the trainer.
+    """What an algorithm's hooks see of the run: nothing of the trainer itself.
 
-    ``generate_more(n=None)`` rolls out and scores this rank's share of the next ``n`` prompts
-    of the global stream (default ``rollout.prompts_per_step``; every rank must call it the
-    same number of times, which keeps the prompt sampler in step). ``trainer`` gives hooks
-    that generate or re-score (EDGE-GRPO) the policy, tokenizer and reward combiner.
-    Setting ``skip_update`` skips the optimizer step (it must be set alike on every rank).
+    cfg, step            the config; optimizer steps completed so far (in ``on_step_end``: this one included)
+    rollout              the rollout service (grpo.rollout.service): generate, continue_sequences, score, decode
+    reference            the reference handle (grpo.reference.handle), or None when beta = 0
+    generate_more(n)     rolls out and scores this rank's share of the next ``n`` prompts of the global
+                         stream (default ``rollout.prompts_per_step``); every rank calls it equally often
+    reset_reference()    pi_ref <- pi_theta now (collective); returns (folder holding it, new version)
+    reset_optimizer()    the optimizer state (Adam moments, step counts) starts afresh at the next step
+    metrics              values to log with the step (every rank sets the same keys)
+    skip_update          set alike on every rank: no optimizer step this time
+    scored               the batch the step's reward and advantage metrics describe (default: the batch
+                         ``process_batch`` returns; CPPO points it at the batch before pruning)
     """
 
     def __init__(self, cfg: Config, step: int, generate_more: Optional[Callable[..., RolloutBatch]] = None,
-                 trainer: Any = None):
-        self.cfg, self.step, self.generate_more, self.trainer = cfg, step, generate_more, trainer
+                 rollout: Any = None, reference: Any = None,
+                 reset_reference: Optional[Callable[[], tuple[str, int]]] = None,
+                 reset_optimizer: Optional[Callable[[], None]] = None):
+        self.cfg, self.step, self.generate_more = cfg, step, generate_more
+        self.rollout, self.reference = rollout, reference
+        self._reset_reference, self._reset_optimizer = reset_reference, reset_optimizer
         self.metrics: dict[str, float] = {}
         self.skip_update = False
+        self.scored: Optional[RolloutBatch] = None
+
+    def reset_reference(self) -> tuple[str, int]:
+        if self._reset_reference is None:
+            raise RuntimeError("this context cannot reset the reference (built without a trainer)")
+        return self._reset_reference()
+
+    def reset_optimizer(self) -> None:
+        if self._reset_optimizer is None:
+            raise RuntimeError("this context cannot reset the optimizer (built without a trainer)")
+        self._reset_optimizer()
+
+
+def check_max_gen_batches(value: int) -> None:
+    """The resampling budget of ``resample``: generation batches per step, 0 = unlimited."""
+    if value < 0:
+        raise ConfigError(f"algo.max_gen_batches={value} is invalid: it must be >= 0 (0 = unlimited)")
+
+
+def resample(state: Any, ctx: StepContext, done: Callable[[Any], bool], add: Callable[[Any, RolloutBatch], Any],
+             max_gen_batches: int) -> tuple[Any, int, bool]:
+    """Generate further batches until ``done(state)`` (one resampling loop for every algorithm).
+
+    ``state`` already holds the first generation batch; each further one (``ctx.generate_more()``)
+    is folded in with ``state = add(state, batch)``. At most ``max_gen_batches`` batches in all,
+    the first included (0 = unlimited). Returns (state, batches generated, done). ``done`` and
+    ``add`` must give the same answer on every rank (reduce over ranks inside them), so that all
+    ranks generate equally often.
+    """
+    rounds = 1
+    while not done(state):
+        if max_gen_batches and rounds >= max_gen_batches:
+            return state, rounds, False
+        state = add(state, ctx.generate_more())
+        rounds += 1
+    return state, rounds, True
 
 
 class Algorithm:
@@ -65,7 +111,6 @@ class Algorithm:
     Options: ClassVar[type] = NoOptions
     defaults: ClassVar[dict[str, Any]] = {}  # overrides of AlgoConfig's shared defaults
     knobs: ClassVar[tuple[str, ...]] = ()  # main knobs shown by --list-algos
-    prunes: ClassVar[bool] = False  # True: advantages come before the forward passes, then prune_batch
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -92,17 +137,14 @@ class Algorithm:
 
     # ----------------------------------------------------------------- hooks
     def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
-        """Reward shaping / group filtering / refill, before advantages. Default: unchanged."""
+        """Reward shaping / group filtering / refill / pruning, before any forward pass. Default: unchanged.
+        Advantages are computed after the old-policy pass unless this hook already set ``batch.advantages``."""
         return batch
 
-    def prune_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
-        """Only for ``prunes = True``: drop rows after advantages, before any forward pass (CPPO)."""
-        return batch
+    def attach(self, ctx: StepContext) -> None:
+        """Called once when the run is ready (after a resume restored ``load_state_dict``)."""
 
-    def attach(self, trainer: Any) -> None:
-        """Called once when the trainer is ready (after a resume restored ``load_state_dict``)."""
-
-    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_step_end(self, ctx: StepContext, metrics: dict[str, float]) -> None:
         """Called on every rank after each step, before logging and checkpointing; may add metrics."""
 
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:

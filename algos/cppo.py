@@ -53,7 +53,6 @@ class CPPO(GRPO):
     tag = "code"
     summary = "grpo that keeps only the completions with the largest |A| per group; forward passes on kept rows"
     Options = CPPOOptions
-    prunes = True
     defaults = {**GRPO.defaults, "beta": 0.04, "aggregation": "token-mean", "num_iterations": 2}
     knobs = ("pruning", "scope", "allocation", "beta", "num_iterations")
 
@@ -69,6 +68,14 @@ class CPPO(GRPO):
             )
 
     def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        """Allocation, then advantages on every completion, then pruning: every forward pass of the
+        step runs on the kept rows only; the step's reward and advantage metrics describe them all."""
+        batch = self.allocate(batch, ctx)
+        batch.advantages = self.advantages(batch, ctx)
+        ctx.scored = batch
+        return self.prune_batch(batch, ctx)
+
+    def allocate(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
         if not self.opt.allocation or self.opt.pruning == 0:
             return batch
         b, world = self.cfg.rollout.prompts_per_step, dist.world_size()

@@ -17,12 +17,12 @@ found fewer valid groups than that takes the surplus of the others (in rank orde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
 
-from algos.base import StepContext
+from algos.base import StepContext, check_max_gen_batches, resample
 from algos.grpo import GRPO
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch
@@ -80,8 +80,7 @@ class DAPO(GRPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         o, L = cfg.algo.options, cfg.rollout.max_completion_length
-        if o.max_gen_batches < 0:
-            raise ConfigError(f"algo.max_gen_batches={o.max_gen_batches} is invalid: it must be >= 0 (0 = unlimited)")
+        check_max_gen_batches(o.max_gen_batches)
         if o.overlong_buffer is not None and not 0 <= o.overlong_buffer <= L:
             raise ConfigError(
                 f"algo.overlong_buffer={o.overlong_buffer} is invalid: it must lie in [0, "
@@ -121,31 +120,43 @@ class DAPO(GRPO):
     def dynamic_sampling(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
         """Keep groups with differing rewards; generate more until the step holds its prompts."""
         target = self.cfg.rollout.prompts_per_step
-        quota = target // dist.world_size()
-        kept: list[RolloutBatch] = []
-        found = generated = reward_sum = rows = 0.0
-        rounds = 0
-        while True:
-            rounds += 1
-            signal = batch.extra.get("task_reward", batch.rewards) if self.opt.filter_on == "task_reward" else None
-            groups = core.valid_groups(batch.rewards if signal is None else signal, batch.group_size)
-            if groups:
-                kept.append(batch.select_groups(groups))
-            c = dist.all_reduce_sum(torch.tensor(
-                [len(groups), batch.num_groups, float(batch.rewards.double().sum()), len(batch)], dtype=torch.float64))
-            found, generated = found + float(c[0]), generated + float(c[1])
-            reward_sum, rows = reward_sum + float(c[2]), rows + float(c[3])
-            if found >= target:
-                break
-            if self.opt.max_gen_batches and rounds >= self.opt.max_gen_batches:
-                raise DynamicSamplingError(
-                    f"{self.name} dynamic sampling: after {rounds} generation batches only {int(found)} of the "
-                    f"{target} prompts per step (rollout.prompts_per_step) have completions with differing "
-                    f"rewards ({int(generated)} prompts sampled). The tasks are too easy or too hard for the "
-                    f"policy: raise algo.max_gen_batches (0 = unlimited), or set algo.dynamic_sampling=false"
-                )
-            batch = self.shape_rewards(ctx.generate_more())
-        ctx.metrics["dapo/kept_frac"] = found / generated
-        ctx.metrics["dapo/reward_generated_mean"] = reward_sum / rows  # the policy's reward, before filtering
+        kept, rounds, full = resample(self.keep_valid(KeptGroups(), batch), ctx, lambda k: k.found >= target,
+                                      lambda k, more: self.keep_valid(k, self.shape_rewards(more)),
+                                      self.opt.max_gen_batches)
+        if not full:
+            raise DynamicSamplingError(
+                f"{self.name} dynamic sampling: after {rounds} generation batches only {int(kept.found)} of the "
+                f"{target} prompts per step (rollout.prompts_per_step) have completions with differing "
+                f"rewards ({int(kept.generated)} prompts sampled). The tasks are too easy or too hard for the "
+                f"policy: raise algo.max_gen_batches (0 = unlimited), or set algo.dynamic_sampling=false"
+            )
+        ctx.metrics["dapo/kept_frac"] = kept.found / kept.generated
+        ctx.metrics["dapo/reward_generated_mean"] = kept.reward_sum / kept.rows  # the policy's, before filtering
         ctx.metrics["dapo/gen_batches"] = float(rounds)
-        return balance_groups(RolloutBatch.concat(kept) if kept else None, quota)
+        quota = target // dist.world_size()
+        return balance_groups(RolloutBatch.concat(kept.batches) if kept.batches else None, quota)
+
+    def keep_valid(self, kept: "KeptGroups", batch: RolloutBatch) -> "KeptGroups":
+        """Add ``batch``'s groups with differing rewards to ``kept``; counts are over all ranks."""
+        signal = batch.extra.get("task_reward", batch.rewards) if self.opt.filter_on == "task_reward" else batch.rewards
+        groups = core.valid_groups(signal, batch.group_size)
+        if groups:
+            kept.batches.append(batch.select_groups(groups))
+        c = dist.all_reduce_sum(torch.tensor(
+            [len(groups), batch.num_groups, float(batch.rewards.double().sum()), len(batch)], dtype=torch.float64))
+        kept.found += float(c[0])
+        kept.generated += float(c[1])
+        kept.reward_sum += float(c[2])
+        kept.rows += float(c[3])
+        return kept
+
+
+@dataclass
+class KeptGroups:
+    """Dynamic sampling's harvest so far; the counts are over all ranks."""
+
+    batches: list[RolloutBatch] = field(default_factory=list)
+    found: float = 0.0  # groups with differing rewards
+    generated: float = 0.0  # groups generated
+    reward_sum: float = 0.0
+    rows: float = 0.0

@@ -52,8 +52,8 @@ class DCPO(Algorithm):
     paper = "DCPO (arXiv 2509.02333)"
     summary = "per-token clip bounds from the old probability, dual clip 10, smooth advantages over a prompt's history"
     Options = DCPOOptions
-    defaults = dict(beta=0.0, clip_eps_low=0.16, clip_eps_high=0.2, dual_clip=10.0, aggregation="seq-sum-token-mean",
-                    adv_std="population", adv_eps=0.0, kl_estimator="k3")
+    defaults = {"beta": 0.0, "clip_eps_low": 0.16, "clip_eps_high": 0.2, "dual_clip": 10.0,
+                "aggregation": "seq-sum-token-mean", "adv_std": "population", "adv_eps": 0.0, "kl_estimator": "k3"}
     knobs = ("clip_eps_low", "clip_eps_high", "dual_clip", "max_ratio")
 
     def __init__(self, cfg: Config):

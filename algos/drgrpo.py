@@ -17,5 +17,5 @@ class DrGRPO(GRPO):
     name = "drgrpo"
     paper = "Dr. GRPO, Understanding R1-Zero-Like Training (arXiv 2503.20783)"
     summary = "A = r - mean (no std), token sum / (N * L_max) (no 1/|o|), no KL"
-    defaults = dict(GRPO.defaults, beta=0.0, adv_std="none", aggregation="seq-mean-token-sum-norm")
+    defaults = {**GRPO.defaults, "beta": 0.0, "adv_std": "none", "aggregation": "seq-mean-token-sum-norm"}
     knobs = ("clip_eps_low", "clip_eps_high", "adv_std", "aggregation")

@@ -9,7 +9,7 @@ cannot divide by zero). The loss is grpo's with beta = 0.
 
 Guided error correction (option ``guided_correction``; the data needs reference solutions):
 every incorrect completion (reward < ``correct_threshold``) is, with probability
-  0.5   its text + ``reflection_cue``, then continued by the policy (grpo.rollout.hf.generate);
+  0.5   its text + ``reflection_cue``, then continued by the policy (the rollout service's continue_sequences);
   0.25  its text + ``reflection_cue`` + the correct final answer (``answer_column``) + EOS;
   0.25  replaced by the reference solution (``solution_column``) + EOS;
 then re-scored with the trainer's reward functions, before advantages. Everything stays within
@@ -20,7 +20,6 @@ and a reference solution that is too long is truncated.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,6 @@ from algos.grpo import GRPO
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
-from grpo.rollout.hf import completion_mask, cut_at_eos, generate
 
 CONTINUE, HINT, REPLACE = 0, 1, 2
 
@@ -77,16 +75,16 @@ class EdgeGRPO(GRPO):
         if not self.opt.guided_correction:
             return batch
         wrong = (batch.rewards < self.opt.correct_threshold).nonzero(as_tuple=True)[0].tolist()
-        if wrong or ctx.trainer.synced_generation:  # correction generates: collective under ZeRO-3
-            self.correct(batch, wrong, ctx)
+        self.correct(batch, wrong, ctx)  # on every rank, with or without rows: continuing is collective under ZeRO-3
         c = dist.all_reduce_sum(torch.tensor([len(wrong), len(batch)], dtype=torch.float64))
         ctx.metrics["edge/corrected_frac"] = float(c[0] / c[1])
         return batch
 
     def correct(self, batch: RolloutBatch, rows: list[int], ctx: StepContext) -> None:
         """Rewrite the incorrect ``rows`` of ``batch`` in place and re-score them."""
-        tr, o, L = ctx.trainer, self.opt, batch.width
-        tok, eos = tr.tokenizer, tr.eos_ids[0]
+        ro, o, L = ctx.rollout, self.opt, batch.width
+        tok, eos_ids = ro.tokenizer, ro.eos_ids
+        eos, eos_set = eos_ids[0], set(eos_ids)
         for col in {o.solution_column, o.answer_column}:
             if any(col not in batch.items[i] for i in rows):
                 raise ConfigError(
@@ -97,7 +95,6 @@ class EdgeGRPO(GRPO):
         cue = encode(o.reflection_cue)
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + ctx.step * 1009 + dist.rank())
         u = torch.rand(len(rows), generator=gen).tolist()
-        eos_set = set(tr.eos_ids)
         new: dict[int, tuple[list[int], bool]] = {}
         to_continue: list[tuple[int, list[int]]] = []
         for i, ui in zip(rows, u):
@@ -117,29 +114,9 @@ class EdgeGRPO(GRPO):
                 new[i] = (prefix, False)
             else:
                 to_continue.append((i, prefix))
-        if to_continue or tr.synced_generation:  # under ZeRO-3 every rank joins, with or without rows
-            budget = max((L - len(p) for _, p in to_continue), default=0)
-            cont = generate(tr.model, [batch.prompt_ids[i] + p for i, p in to_continue],
-                            dataclasses.replace(self.cfg.rollout, max_completion_length=budget), tr.eos_ids,
-                            tok.pad_token_id, num_generations=1, synced=tr.synced_generation)
-            for (i, p), toks in zip(to_continue, cont.tokens):
-                toks, truncated = cut_at_eos(toks, eos_set, L - len(p))
-                new[i] = (p + toks, truncated)
-        if not new:
-            return
+        cont = ro.continue_sequences([batch.prompt_ids[i] for i, _ in to_continue], [p for _, p in to_continue],
+                                     [L - len(p) for _, p in to_continue])
+        for (i, p), (toks, truncated) in zip(to_continue, cont):
+            new[i] = (p + toks, truncated)
         changed = sorted(new)
-        for i in changed:
-            batch.completion_ids[i] = new[i][0]
-            batch.truncated[i] = new[i][1]
-        batch.mask = completion_mask([len(c) for c in batch.completion_ids], L)
-        texts = tr.decode_completions([batch.completion_ids[i] for i in changed])
-        for i, t in zip(changed, texts):
-            batch.completion_text[i] = t
-        sub = batch.select(changed)
-        tr.score(sub)
-        idx = torch.tensor(changed)
-        batch.rewards = batch.rewards.clone()
-        batch.rewards[idx] = sub.rewards
-        for k, v in sub.reward_terms.items():
-            batch.reward_terms[k] = batch.reward_terms[k].clone()
-            batch.reward_terms[k][idx] = v
+        ro.rewrite(batch, changed, [new[i] for i in changed])

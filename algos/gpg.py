@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.base import Algorithm, LossOutput, StepContext, masked_stat
+from algos.base import Algorithm, LossOutput, StepContext, check_max_gen_batches, masked_stat, resample
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
@@ -35,7 +35,7 @@ class GPG(Algorithm):
     tag = "code"
     summary = "plain policy gradient on r - mean_g r, scaled by alpha = B/(B-M); no ratio, clip or reference"
     Options = GPGOptions
-    defaults = dict(beta=0.0, adv_std="none", adv_eps=1e-4, aggregation="token-mean")
+    defaults = {"beta": 0.0, "adv_std": "none", "adv_eps": 1e-4, "aggregation": "token-mean"}
     knobs = ("adv_std", "threshold", "max_gen_batches")
 
     def __init__(self, cfg: Config):
@@ -51,8 +51,7 @@ class GPG(Algorithm):
             )
         if not 0 <= o.threshold <= 1:
             raise ConfigError(f"algo.threshold={o.threshold} is invalid: it must lie in [0, 1] (paper: 0.6, 0 = off)")
-        if o.max_gen_batches < 0:
-            raise ConfigError(f"algo.max_gen_batches={o.max_gen_batches} is invalid: it must be >= 0 (0 = unlimited)")
+        check_max_gen_batches(o.max_gen_batches)
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -66,13 +65,14 @@ class GPG(Algorithm):
         return float(c[0]), float(c[1])
 
     def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        def enough(b: RolloutBatch) -> bool:
+            if self.opt.threshold <= 0:
+                return True
+            B, M = self.group_counts(b)
+            return (B - M) / B >= self.opt.threshold
+
+        batch, rounds, _ = resample(batch, ctx, enough, self.replace_uniform_groups, self.opt.max_gen_batches)
         B, M = self.group_counts(batch)
-        rounds = 1
-        while (self.opt.threshold > 0 and (B - M) / B < self.opt.threshold
-               and (not self.opt.max_gen_batches or rounds < self.opt.max_gen_batches)):
-            batch = self.replace_uniform_groups(batch, ctx.generate_more())
-            rounds += 1
-            B, M = self.group_counts(batch)
         ctx.metrics["gpg/gen_batches"] = float(rounds)
         ctx.metrics["gpg/valid_group_frac"] = (B - M) / B
         if B == M:  # no group carries a signal on any rank: skip the step everywhere

@@ -15,8 +15,8 @@ class GRPO(Algorithm):
     name = "grpo"
     paper = "DeepSeekMath (arXiv 2402.03300)"
     summary = "group-normalised advantage, token ratio, symmetric clip, k3 KL, seq-mean-token-mean"
-    defaults = dict(beta=0.04, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="seq-mean-token-mean",
-                    adv_std="unbiased", adv_eps=1e-4, kl_estimator="k3")
+    defaults = {"beta": 0.04, "clip_eps_low": 0.2, "clip_eps_high": 0.2, "aggregation": "seq-mean-token-mean",
+                "adv_std": "unbiased", "adv_eps": 1e-4, "kl_estimator": "k3"}
     knobs = ("beta", "clip_eps_low", "clip_eps_high", "num_iterations")
 
     def loss(self, logp, mb, norms):

@@ -38,7 +38,7 @@ class GRPOLead(GRPO):
     tag = "code"
     summary = "length-penalised correct rewards, -1 for wrong, advantages reweighted by difficulty"
     Options = GRPOLeadOptions
-    defaults = dict(GRPO.defaults, adv_eps=1e-6)
+    defaults = {**GRPO.defaults, "adv_eps": 1e-6}
     knobs = ("alpha", "correct_threshold", "weight_a", "weight_b", "weight_k", "weight_rho0")
 
     def weight(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ H^_k = 1/|o_k| sum_t H_{k,t} (the old policy's mean token entropy). Per group, O
 with r >= success_threshold (n of them), O- the rest (m):
     r^+_i = beta1 r_i + beta2 H^_i / sum_{k in O+} H^_k * n                    i in O+
     r^-_j = -beta1 - beta2 (1/H^_j) / sum_{k in O-} (1/H^_k) * m               j in O-
-A = GRPO's group advantage of r^; sequence ratio s_i (geometric mean, the paper's Algorithm 1);
+A = GRPO's group advantage of r^; then gspo's loss: sequence ratio s_i (geometric mean, the paper's
+Algorithm 1);
 J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); beta = 0, eps 0.2 / 0.28.
 """
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.base import Algorithm, LossOutput, log_mean
+from algos.base import log_mean
+from algos.gspo import GSPO
 from grpo.foundation import core
 
 
@@ -25,13 +27,12 @@ class GRPOSOptions:
     success_threshold: float = 1.0  # r >= this is a success (the maximum of a 0/1 reward)
 
 
-class GRPOS(Algorithm):
+class GRPOS(GSPO):
     name = "grpo-s"
     paper = "GRPO-S, entropy-shaped sequence rewards (arXiv 2508.04349 v5)"
     summary = "sequence rewards shaped by mean entropy, group advantage, sequence ratio and clip"
     Options = GRPOSOptions
-    defaults = dict(beta=0.0, clip_eps_low=0.2, clip_eps_high=0.28, aggregation="seq-mean-token-mean",
-                    adv_std="unbiased", adv_eps=1e-4)
+    defaults = {**GSPO.defaults, "clip_eps_low": 0.2, "clip_eps_high": 0.28}
     knobs = ("beta1", "beta2", "success_threshold")
 
     @property
@@ -48,7 +49,3 @@ class GRPOS(Algorithm):
         log_mean(ctx, "grpo_s/success_frac", success.double())
         log_mean(ctx, "grpo_s/shaped_reward", shaped)
         return core.group_advantages(shaped, G, self.a.adv_std, self.a.adv_eps, self.a.adv_scope).to(batch.rewards.dtype)
-
-    def loss(self, logp, mb, norms) -> LossOutput:
-        ratio = core.sequence_ratio(logp, self.old_logp(logp, mb), mb.mask)
-        return self.sequence_ppo_loss(ratio, logp, mb, norms)

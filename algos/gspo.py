@@ -17,8 +17,8 @@ class GSPO(Algorithm):
     name = "gspo"
     paper = "GSPO (arXiv 2507.18071)"
     summary = "sequence ratio s_i (geometric mean), sequence-level clip 3e-4/4e-4, no KL"
-    defaults = dict(beta=0.0, clip_eps_low=3e-4, clip_eps_high=4e-4, aggregation="seq-mean-token-mean",
-                    adv_std="unbiased", adv_eps=1e-4)
+    defaults = {"beta": 0.0, "clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "aggregation": "seq-mean-token-mean",
+                "adv_std": "unbiased", "adv_eps": 1e-4}
     knobs = ("clip_eps_low", "clip_eps_high", "num_iterations")
 
     def loss(self, logp, mb, norms) -> LossOutput:

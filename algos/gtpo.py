@@ -6,7 +6,7 @@ Per group, O+ = completions with r >= success_threshold (n of them), O- the rest
     r-_{j,t} = -alpha1 - alpha2 (1/H_{j,t}) / sum_{k in O-} (1/H_{k,t}) * h_t       j in O-, else 0
     A+ = (r+ - mean R+) / std R+,  A- likewise, over ALL completion tokens in scope, zeros included
     (Decision: without the zeros the outcome signal cancels); scope = batch (paper) or group.
-Loss: clipped surrogate with A+ on O+ tokens and A- on O- tokens, token-mean, eps 0.2 / 0.28,
+Loss: grpo's clipped surrogate with A+ on O+ tokens and A- on O- tokens, token-mean, eps 0.2 / 0.28,
 beta = 0. H is the old policy's full-vocabulary entropy (detached); 1/H uses max(H, 1e-6). The
 std kind and its eps are ``algo.adv_std`` / ``algo.adv_eps``.
 """
@@ -18,7 +18,8 @@ from typing import Literal
 
 import torch
 
-from algos.base import Algorithm, LossOutput, log_mean
+from algos.base import log_mean
+from algos.grpo import GRPO
 from grpo.foundation import core
 
 
@@ -30,13 +31,12 @@ class GTPOOptions:
     scope: Literal["batch", "group"] = "batch"  # tokens the shaped rewards are standardised over
 
 
-class GTPO(Algorithm):
+class GTPO(GRPO):
     name = "gtpo"
     paper = "GTPO, entropy-shaped token rewards (arXiv 2508.04349 v5)"
     summary = "token rewards shaped by the old policy's entropy, standardised per side, token-mean"
     Options = GTPOOptions
-    defaults = dict(beta=0.0, clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token-mean",
-                    adv_std="unbiased", adv_eps=1e-4)
+    defaults = {**GRPO.defaults, "beta": 0.0, "clip_eps_high": 0.28, "aggregation": "token-mean"}
     knobs = ("alpha1", "alpha2", "success_threshold", "scope")
 
     @property
@@ -55,7 +55,3 @@ class GTPO(Algorithm):
         log_mean(ctx, "gtpo/shaped_reward_neg", neg, mask * (~success).unsqueeze(-1))
         adv = torch.where(success.unsqueeze(-1), adv_pos, adv_neg) * mask
         return adv.to(batch.rewards.dtype)
-
-    def loss(self, logp, mb, norms) -> LossOutput:
-        per_token, stats = self.ppo_token_loss(logp, mb)
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

@@ -26,6 +26,6 @@ class LambdaGRPO(GRPO):
 
     def loss(self, logp, mb, norms) -> LossOutput:
         per_token, stats = self.ppo_token_loss(logp, mb)
-        counts = mb.extra["prefix_count"].to(device=logp.device, dtype=logp.dtype).clamp(min=1)
+        counts = mb.extra["prefix_count"].to(logp.dtype).clamp(min=1)
         stats["prefix_count_mean"] = masked_stat(counts, mb.mask)
         return LossOutput(core.aggregate(per_token / counts, mb.mask, self.a.aggregation, norms), stats)

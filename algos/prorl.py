@@ -11,22 +11,20 @@ and when ``reset_metric`` (a logged metric, higher is better; e.g. an eval metri
 improved for ``reset_patience`` consecutive steps that logged it. Both triggers are off (0)
 by default: the paper resets by hand when validation stalls (configs/prorl.yaml sets one).
 
-At a reset the policy is written to ``OUT/reference/step-N`` (an HF folder). An in-process
-reference copies the policy's weights (from that folder under ZeRO-3); a reference server is
-told to load the folder through its ``reload`` call, made once, from rank 0. The folder and the
-reference version go into checkpoints, so a resumed run restores the reset reference.
+A reset asks the run for it (``ctx.reset_reference()``): the policy is written to
+``OUT/reference/step-N`` (an HF folder) and the reference takes it, whatever kind it is (an
+in-process copy, or a server told to reload the folder). The folder and the reference version go
+into checkpoints, so a resumed run restores the reset reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
+from algos.base import StepContext
 from algos.dapo import DAPO, DAPOOptions
-from grpo.foundation import dist
-from grpo.training.checkpoint import export_model
 from grpo.foundation.config import Config, ConfigError
-from grpo.reference.base import InProcessReference
 
 
 @dataclass
@@ -67,21 +65,16 @@ class ProRL(DAPO):
                 raise ConfigError(f"algo.{key}={getattr(o, key)} is invalid: it must be >= 0 (0 = off)")
 
     # ----------------------------------------------------------------- hooks
-    def attach(self, trainer: Any) -> None:
-        ref = trainer.reference
+    def attach(self, ctx: StepContext) -> None:
         if self.ref_dir is not None:  # resumed after a reset: bring the reference back to it
-            version = self.ref_version
-            self._load_reference(trainer, self.ref_dir)
-            if isinstance(ref, InProcessReference) and version is not None:
-                ref.version = self.ref_version = version
+            self.ref_version = ctx.reference.restore(self.ref_dir, self.ref_version)
         elif self.ref_version is None:
-            self.ref_version = ref.info().get("version", 0) if dist.is_main() else None
-            self.ref_version = dist.broadcast_object(self.ref_version)
+            self.ref_version = ctx.reference.version
 
-    def on_step_end(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def on_step_end(self, ctx: StepContext, metrics: dict[str, float]) -> None:
         o = self.opt
         metrics["prorl/ref_version"] = float(self.ref_version or 0)
-        trigger = bool(o.reset_every) and trainer.step % o.reset_every == 0
+        trigger = bool(o.reset_every) and ctx.step % o.reset_every == 0
         value = metrics.get(o.reset_metric)
         if o.reset_patience and value is not None:
             if self.best is None or value > self.best:
@@ -91,36 +84,16 @@ class ProRL(DAPO):
                 trigger = trigger or self.since_best >= o.reset_patience
         metrics["prorl/reset"] = float(trigger)
         if trigger:
-            self.reset(trainer)
+            self.reset(ctx)
         metrics["prorl/resets"] = float(self.resets)
 
-    def reset(self, trainer: Any) -> None:
+    def reset(self, ctx: StepContext) -> None:
         """pi_ref <- pi_theta (collective: every rank calls it); optionally reset the optimizer."""
-        folder = export_model(trainer.engine, trainer.tokenizer, trainer.out / "reference" / f"step-{trainer.step}")
-        ref = trainer.reference
-        if isinstance(ref, InProcessReference) and not trainer.engine.zero_optimization_partition_weights():
-            ref.model.load_state_dict(trainer.model.state_dict())
-            ref.version += 1
-            ref.source = str(folder)
-            self.ref_version = ref.version
-        else:
-            self._load_reference(trainer, str(folder))
-        self.ref_dir = str(folder)
+        self.ref_dir, self.ref_version = ctx.reset_reference()
         if self.opt.reset_optimizer:
-            opt = trainer.engine.optimizer
-            base = getattr(opt, "optimizer", opt)  # ZeRO wraps the torch optimizer
-            base.state.clear()  # Adam moments and step counts start afresh at the next step
+            ctx.reset_optimizer()  # Adam moments and step counts start afresh at the next step
         self.best, self.since_best = None, 0
         self.resets += 1
-
-    def _load_reference(self, trainer: Any, folder: str) -> None:
-        ref = trainer.reference
-        if isinstance(ref, InProcessReference):
-            info = ref.reload(folder)
-        else:  # a reference server: one (admin) reload call, from rank 0
-            info = ref.reload(folder) if dist.is_main() else None
-            info = dist.broadcast_object(info)
-        self.ref_version = int(info.get("version", 0)) if isinstance(info, dict) else self.ref_version
 
     # ----------------------------------------------------------------- state (checkpointed)
     def state_dict(self) -> dict:

@@ -28,7 +28,7 @@ class PSPO(Algorithm):
     tag = "unverified"
     summary = "ratio smoothed toward 1: (1 - alpha) rho + alpha, no clipping"
     Options = PSPOOptions
-    defaults = dict(beta=0.04, aggregation="seq-mean-token-mean", adv_std="unbiased", adv_eps=1e-4)
+    defaults = {"beta": 0.04, "aggregation": "seq-mean-token-mean", "adv_std": "unbiased", "adv_eps": 1e-4}
     knobs = ("alpha", "beta", "num_iterations")
 
     @classmethod

@@ -28,7 +28,7 @@ class TICGRPO(Algorithm):
     tag = "unverified"
     summary = "trajectory ratio exp(sum Delta) (clamped at +-20), sequence-level clip"
     Options = TICOptions
-    defaults = dict(beta=0.0, clip_eps_low=0.2, clip_eps_high=0.2, aggregation="seq-mean-token-mean")
+    defaults = {"beta": 0.0, "clip_eps_low": 0.2, "clip_eps_high": 0.2, "aggregation": "seq-mean-token-mean"}
     knobs = ("clip_eps_low", "clip_eps_high", "upper_only_clip", "length_corrected")
 
     def loss(self, logp, mb, norms) -> LossOutput:

@@ -210,7 +210,7 @@ def child_ours(spec: dict) -> dict:
     import torch
 
     from algos import ALGORITHMS
-    from grpo.foundation.config import load_config
+    from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
 
     t_setup = time.perf_counter()

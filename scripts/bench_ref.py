@@ -45,7 +45,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from grpo.foundation.config import ModelConfig, load_config  # noqa: E402
+from grpo.foundation.config import ModelConfig  # noqa: E402
+from grpo.training.configure import load_config  # noqa: E402
 from grpo.foundation.logprobs import Packed, pack  # noqa: E402
 from grpo.foundation.modeling import load_model, load_tokenizer  # noqa: E402
 from grpo.reference.http import HTTPReference  # noqa: E402

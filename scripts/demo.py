@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.training.metrics import read_metrics  # noqa: E402
-from grpo.reference.launch import ServerProcess, free_port, needs_reference  # noqa: E402
+from grpo.reference.launch import ServerProcess, free_port  # noqa: E402
+from grpo.training.configure import needs_reference  # noqa: E402
 
 
 def launcher() -> list[str]:

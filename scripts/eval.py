@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. eval.batch_size=16")
     args = p.parse_args(argv)
 
-    from grpo.foundation.config import ConfigError, load_config
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
 
     overrides = [f"model.name_or_path={args.model}", *args.overrides]
     if args.limit is not None:
@@ -52,18 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, None, overrides)
         import torch
 
-        from grpo.training.evaluation import Evaluator, eval_source, write_records
         from grpo.foundation.modeling import eos_token_ids, load_model, load_tokenizer
+        from grpo.rollout.service import RolloutService
+        from grpo.training.evaluation import Evaluator, eval_source, write_records
 
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         model = load_model(cfg.model).eval()
-        evaluator = Evaluator(cfg, tokenizer, eos_token_ids(model, tokenizer), eval_source(cfg, split))
+        rollout = RolloutService.build(cfg, model, tokenizer, eos_token_ids(model, tokenizer))
+        evaluator = Evaluator(cfg, rollout, eval_source(cfg, split))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
     torch.manual_seed(cfg.train.seed)
-    result = evaluator.run(model)
+    result = evaluator.run()
     evaluator.close()
     m = result.metrics
 

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grpo.foundation import dist  # noqa: E402
-from grpo.foundation.config import load_config  # noqa: E402
+from grpo.training.configure import load_config  # noqa: E402
 from grpo.training.trainer import Trainer  # noqa: E402
 
 

@@ -19,8 +19,8 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 from grpo.foundation import core, dist  # noqa: E402
 from grpo.foundation.batch import RolloutBatch  # noqa: E402
-from grpo.foundation.config import load_config  # noqa: E402
-import grpo.training.trainer as trainer_module  # noqa: E402
+from grpo.training.configure import load_config  # noqa: E402
+import grpo.training.deepspeed_engine as ds_module  # noqa: E402
 from grpo.training.trainer import Trainer  # noqa: E402
 
 GROUPS, G, WIDTH = 4, 4, 6
@@ -56,14 +56,14 @@ def main() -> None:
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
     ])
     if args.zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
-        base = trainer_module.deepspeed_config
+        base = ds_module.deepspeed_config
 
         def partition_all(c):
             ds = base(c)
             ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
             return ds
 
-        trainer_module.deepspeed_config = partition_all
+        ds_module.deepspeed_config = partition_all
     trainer = Trainer(cfg)
     if args.zero == 3:
         assert all(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()), "weights not partitioned"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import load_config
+from grpo.training.configure import load_config
 
 
 def make_batch(lengths: list[int], rewards: list[float], group_size: int, width: int, seed: int = 0,

@@ -22,8 +22,10 @@ from algos.dapo import DynamicSamplingError
 from algos.edge_grpo import CONTINUE, HINT, REPLACE, correction_case
 from grpo.foundation import core
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import ConfigError, load_config
-from grpo.rollout.hf import completion_mask
+from grpo.foundation.config import ConfigError
+from grpo.reference.handle import ReferenceHandle
+from grpo.training.configure import load_config
+from grpo.rollout.engine import completion_mask
 from rewards.length import overlong_penalty
 
 F64 = torch.float64
@@ -436,7 +438,7 @@ def test_two_grpo_advantages_are_plus_minus_one_and_pairs_are_kept():
 def test_cppo_prunes_largest_abs_advantage_per_group_lowest_index_on_ties():
     cfg = make_cfg("cppo")
     algo = get_algorithm("cppo")(cfg)
-    assert algo.prunes and cfg.algo.num_iterations == 2 and cfg.algo.beta == 0.04 and cfg.algo.options.pruning == 0.5
+    assert cfg.algo.num_iterations == 2 and cfg.algo.beta == 0.04 and cfg.algo.options.pruning == 0.5
     batch = make_batch(REWARDS, LENGTHS, 4)
     batch.advantages = torch.tensor([0.5, -0.5, 0.9, -0.2, 0.1, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=F64)
     ctx = StepContext(cfg, 0)
@@ -692,7 +694,7 @@ def test_prorl_reference_resets(single_rank_env, tmp_path):
         for p in tr.model.parameters():
             p.add_(0.01)
     policy = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    ref_w = tr.reference.model.state_dict()
+    ref_w = tr.reference.impl.model.state_dict()
     assert any(not torch.equal(policy[k], ref_w[k]) for k in policy)  # one update moved the policy
     assert len(tr.engine.optimizer.state) > 0
 
@@ -700,11 +702,11 @@ def test_prorl_reference_resets(single_rank_env, tmp_path):
     for step, value in [(1, 0.1), (2, 0.2), (3, 0.15), (4, 0.1), (5, 0.3), (6, 0.2), (7, 0.25)]:
         tr.step = step
         m = {"reward/mean": value}
-        algo.on_step_end(tr, m)
+        algo.on_step_end(tr.context(), m)
         events.append((m["prorl/reset"], m["prorl/ref_version"]))
     # step 4: every 4 steps; step 7: two values without improvement on the best since that reset
     assert events == [(0, 0), (0, 0), (0, 0), (1, 0), (0, 1), (0, 1), (1, 1)]
-    ref_w = tr.reference.model.state_dict()
+    ref_w = tr.reference.impl.model.state_dict()
     assert all(torch.equal(policy[k], ref_w[k]) for k in policy)  # pi_ref <- pi_theta
     assert tr.reference.version == 2 and algo.resets == 2
     assert len(tr.engine.optimizer.state) == 0  # optimizer state reset
@@ -716,19 +718,19 @@ def test_prorl_reference_resets(single_rank_env, tmp_path):
     state = algo.state_dict()
     tr2 = make_trainer("prorl", tmp_path / "resumed", "algo.beta=0.001")
     tr2.algo.load_state_dict(state)
-    tr2.algo.attach(tr2)
-    ref2 = tr2.reference.model.state_dict()
+    tr2.algo.attach(tr2.context())
+    ref2 = tr2.reference.impl.model.state_dict()
     assert all(torch.equal(policy[k], ref2[k]) for k in policy) and tr2.reference.version == 2
 
     # with a reference server: the policy is saved and the server's reload is called once
     server = RecordingServer()
-    tr2.reference = server
+    tr2.reference = ReferenceHandle(server)
     tr2.step = 7
-    tr2.algo.reset(tr2)
+    tr2.algo.reset(tr2.context())
     assert server.loaded == [str(tmp_path / "resumed" / "reference" / "step-7")]
     assert (Path(server.loaded[0]) / "config.json").is_file() and tr2.algo.ref_version == 1
     m = {}
-    tr2.algo.on_step_end(tr2, m)
+    tr2.algo.on_step_end(tr2.context(), m)
     assert m["prorl/ref_version"] == 1
 
 
@@ -737,11 +739,11 @@ def test_edge_grpo_guided_error_correction(single_rank_env, tmp_path):
 
     tr = make_trainer("edge-grpo", tmp_path, "algo.guided_correction=true", "algo.solution_column=answer",
                       "rollout.max_completion_length=12", "algo.reflection_cue=' ?'", "rollout.prompts_per_step=8")
-    batch = tr.rollout(tr._rank_indices(), {})
+    batch = tr.generate(tr._rank_indices())
     before = [list(c) for c in batch.completion_ids]
     wrong = [i for i in range(len(batch)) if float(batch.rewards[i]) < 1.0]
     assert len(wrong) > 8  # the untrained policy gets most answers wrong
-    ctx = StepContext(tr.cfg, 0, trainer=tr)
+    ctx = tr.context()
     out = tr.algo.process_batch(batch, ctx)
     tok, eos = tr.tokenizer, tr.eos_ids[0]
     cue = tok(" ?", add_special_tokens=False).input_ids
@@ -759,7 +761,7 @@ def test_edge_grpo_guided_error_correction(single_rank_env, tmp_path):
         else:
             assert new[: len(cont)] == cont and len(cont) < len(new) <= 12
             kinds[CONTINUE] += 1
-        text = tr.decode_completions([new])[0]
+        text = tr.rollout.decode([new])[0]
         assert out.completion_text[i] == text
         assert float(out.rewards[i]) == pytest.approx(digits_match([""], [text], [out.items[i]["answer"]])[0])
         assert out.mask[i].sum() == len(new)

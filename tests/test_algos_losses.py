@@ -18,7 +18,8 @@ from algos import get_algorithm
 from algos.base import StepContext
 from grpo.foundation import core
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import ConfigError, load_config
+from grpo.foundation.config import ConfigError
+from grpo.training.configure import load_config
 
 G = 4
 LENGTHS = [3, 5, 2, 4, 4, 4, 1, 5, 2, 3, 5, 3]  # ragged, three groups of four

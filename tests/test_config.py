@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from grpo.foundation.config import ConfigError, load_config, parse_overrides, to_dict
+from grpo.foundation.config import ConfigError, parse_overrides, to_dict
+from grpo.training.configure import load_config
 
 
 def write(tmp_path, tree) -> str:

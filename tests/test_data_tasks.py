@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.foundation.config import ArithmeticTaskConfig, ConfigError, CountdownTaskConfig, DataConfig, load_config
+from grpo.foundation.config import ArithmeticTaskConfig, ConfigError, CountdownTaskConfig, DataConfig
+from grpo.training.configure import load_config
 from grpo.data.sources import PromptDataset, load_eval_source, load_source, prompt_ids, prompt_text
 from grpo.data.tasks import R1_SYSTEM_PROMPT, ArithmeticTask, CountdownTask
 from grpo.foundation.tiny import make_char_tokenizer

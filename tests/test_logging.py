@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from grpo.foundation.config import ConfigError, load_config
+from grpo.foundation.config import ConfigError
+from grpo.training.configure import load_config
 from grpo.training.metrics import MetricsLogger, plot_metrics
 
 

@@ -235,7 +235,11 @@ def test_shared_prefix_equals_unshared(grouped_rows, attn):
     finally:
         model.config._attn_implementation = old
     assert not a.isnan().any()
-    torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    # transformers' eager attention takes its softmax in float32 even in a float64 model, and the two
+    # layouts pad to different widths, so they agree to float32 rounding there (seen: 4e-8 with
+    # transformers 5.23); sdpa stays in float64
+    tol = 1e-6 if attn == "eager" else 1e-10
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def test_shared_prefix_runs_each_prompt_once(grouped_rows, monkeypatch):

@@ -9,7 +9,8 @@ import time
 import pytest
 import requests
 
-from grpo.foundation.config import ConfigError, load_config
+from grpo.foundation.config import ConfigError
+from grpo.training.configure import load_config
 from grpo.reference.http import BACKOFF_CAP, HTTPReference, backoff
 from grpo.reference.launch import free_port
 from grpo.reference.server.app import AccessLog, build_server, check_bind

@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from grpo.foundation.config import load_config
+from grpo.training.configure import load_config
 from grpo.reference.http import HTTPReference
 from grpo.reference.launch import ServerProcess, free_port
 from grpo.reference.wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.foundation.config import RolloutConfig
-from grpo.rollout.hf import completion_mask, cut_at_eos, generate, sample_next
+from grpo.rollout.engine import SamplingParams, completion_mask, cut_at_eos
+from grpo.rollout.hf import generate, sample_next
 from grpo.foundation.tiny import build_tiny
 
 EOS = 2
@@ -37,8 +37,8 @@ def test_generate_masks_and_flags_are_consistent():
     model, tok = build_tiny(seed=1)
     torch.manual_seed(0)
     prompts = [tok("12=").input_ids, tok("3456=").input_ids]
-    cfg = RolloutConfig(num_generations=6, max_completion_length=5)
-    comp = generate(model, prompts, cfg, [tok.eos_token_id], tok.pad_token_id)
+    cfg = SamplingParams(max_tokens=5)
+    comp = generate(model, prompts, cfg, [tok.eos_token_id], tok.pad_token_id, n=6)
     assert len(comp.tokens) == 12
     for tokens, truncated in zip(comp.tokens, comp.truncated.tolist()):
         assert 1 <= len(tokens) <= 5
@@ -65,8 +65,8 @@ def test_generate_stops_finished_rows_and_matches_forced_eos():
         return out
 
     model.forward = forward
-    comp = generate(model, [tok("1=").input_ids], RolloutConfig(num_generations=4, max_completion_length=6),
-                    [tok.eos_token_id], tok.pad_token_id)
+    comp = generate(model, [tok("1=").input_ids], SamplingParams(max_tokens=6), [tok.eos_token_id],
+                    tok.pad_token_id, n=4)
     assert all(len(t) == 2 and t[-1] == tok.eos_token_id for t in comp.tokens)
     assert not comp.truncated.any()
     assert calls["n"] == 2  # one prefill for the group, one decode step, then every row left
@@ -82,8 +82,8 @@ def test_generation_reuses_one_prefill_per_prompt():
         return orig(*args, **kwargs)
 
     model.forward = forward
-    generate(model, [tok("12=").input_ids, tok("7=").input_ids], RolloutConfig(num_generations=8, max_completion_length=3),
-             [tok.eos_token_id], tok.pad_token_id)
+    generate(model, [tok("12=").input_ids, tok("7=").input_ids], SamplingParams(max_tokens=3), [tok.eos_token_id],
+             tok.pad_token_id, n=8)
     assert seen[0] == (2, 3)  # the prefill: 2 prompts, not 16 rows
     assert all(s[1] == 1 for s in seen[1:])  # then one token per active row
 
@@ -123,14 +123,15 @@ def test_ignore_eos_gives_full_length_completions():
         return out
 
     model.forward = forward
-    cfg = RolloutConfig(num_generations=3, max_completion_length=5, ignore_eos=True)
-    comp = generate(model, [tok("1=").input_ids, tok("234=").input_ids], cfg, [tok.eos_token_id], tok.pad_token_id)
+    cfg = SamplingParams(max_tokens=5, ignore_eos=True)
+    comp = generate(model, [tok("1=").input_ids, tok("234=").input_ids], cfg, [tok.eos_token_id], tok.pad_token_id, n=3)
     assert [len(t) for t in comp.tokens] == [5] * 6
     assert all(t == [tok.eos_token_id] * 5 for t in comp.tokens)
 
 
 def test_ignore_eos_is_a_typed_config_key():
-    from grpo.foundation.config import ConfigError, load_config
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
 
     assert load_config().rollout.ignore_eos is False
     assert load_config(overrides=["rollout.ignore_eos=true"]).rollout.ignore_eos is True
@@ -159,7 +160,7 @@ def test_cached_decoding_equals_full_recomputation(monkeypatch):
         return torch.tensor(out)
 
     monkeypatch.setattr(R, "sample_next", scripted)
-    comp = R.generate(model, prompts, RolloutConfig(num_generations=G, max_completion_length=T), [eos], tok.pad_token_id)
+    comp = R.generate(model, prompts, SamplingParams(max_tokens=T), [eos], tok.pad_token_id, n=G)
     assert [len(c) for c in comp.tokens] == [3, 7, 1, 7, 5, 4]
     for t, (rows, logits) in enumerate(seen):
         assert logits.shape[0] == len(rows)

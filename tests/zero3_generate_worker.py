@@ -24,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deepspeed  # noqa: E402
 
 from grpo.foundation import dist  # noqa: E402
-from grpo.foundation.config import load_config  # noqa: E402
+from grpo.training.configure import load_config  # noqa: E402
 from grpo.training.evaluation import Evaluator  # noqa: E402
 from grpo.foundation.modeling import eos_token_ids  # noqa: E402
+from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
 from grpo.rollout.hf import generate, needs_synced_generation  # noqa: E402
+from grpo.rollout.service import RolloutService  # noqa: E402
 from grpo.foundation.tiny import build_tiny  # noqa: E402
 
 
@@ -50,7 +52,7 @@ def main() -> None:
     checks["weights partitioned"] = all(q.ds_tensor.numel() < q.ds_numel for q in engine.module.parameters())
     checks["synced under ZeRO-3 with 2 ranks"] = needs_synced_generation(cfg.train.zero_stage)
     eos = eos_token_ids(plain, tok)
-    greedy = replace(cfg.rollout, temperature=1.0, top_k=1, top_p=1.0)
+    greedy = SamplingParams.from_rollout(cfg.rollout).greedy()
     vocab = len(tok)
     g = torch.Generator().manual_seed(7 + rank)
     cases = {  # rank 0, rank 1: (number of prompts, completion budget)
@@ -61,17 +63,16 @@ def main() -> None:
         n, budget = per_rank[rank]
         prompts = [torch.randint(4, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(n)]
-        c = replace(greedy, max_completion_length=budget)
-        got = generate(engine.module, prompts, c, eos, tok.pad_token_id, num_generations=2, synced=True)
-        want = generate(plain, prompts, c, eos, tok.pad_token_id, num_generations=2)
+        c = replace(greedy, max_tokens=budget)
+        got = generate(engine.module, prompts, c, eos, tok.pad_token_id, n=2, synced=True)
+        want = generate(plain, prompts, c, eos, tok.pad_token_id, n=2)
         checks[f"{name}: rank {rank} equals the plain model"] = (
             got.tokens == want.tokens and torch.equal(got.truncated, want.truncated))
     # Evaluation: 5 held-out problems, batches of 2 -> rank 0 makes 2 generate calls, rank 1 one.
-    ev_zero3 = Evaluator(cfg, tok, eos)
-    on_engine = ev_zero3.run(engine.module).metrics
-    ev_plain = Evaluator(cfg, tok, eos)
-    ev_plain.synced = False
-    on_plain = ev_plain.run(plain).metrics
+    ev_zero3 = Evaluator(cfg, RolloutService.build(cfg, engine.module, tok, eos))
+    on_engine = ev_zero3.run().metrics
+    ev_plain = Evaluator(cfg, RolloutService(EngineSetup(cfg, plain, tok, eos, tok.pad_token_id, synced=False)))
+    on_plain = ev_plain.run().metrics
     keys = ("eval/accuracy", "eval/length_mean", "eval/truncated_frac", "eval/num_problems")
     checks[f"evaluation: rank {rank} equals the plain model"] = all(on_engine[k] == on_plain[k] for k in keys)
     checks["evaluation counted 5 problems"] = on_engine["eval/num_problems"] == 5

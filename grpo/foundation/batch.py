@@ -33,6 +33,7 @@ class RolloutBatch:
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None  # old policy's, detached
+    sampler_logp: Optional[torch.Tensor] = None  # the generation engine's per-token log-probs, when it has them
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row algorithm tensors
 
     def __len__(self) -> int:
@@ -69,6 +70,16 @@ class RolloutBatch:
             else:
                 out[f.name] = v
         return RolloutBatch(**out)
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """Every tensor field (those in ``reward_terms`` and ``extra`` too) on ``device``, in place."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(self, f.name, v.to(device))
+            elif isinstance(v, dict):
+                setattr(self, f.name, {k: t.to(device) if isinstance(t, torch.Tensor) else t for k, t in v.items()})
+        return self
 
     def select_groups(self, groups: list[int]) -> "RolloutBatch":
         """A new batch holding whole groups (in that order)."""

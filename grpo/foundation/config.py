@@ -115,6 +115,9 @@ class RolloutConfig:
     # Benchmarking / profiling only: EOS does not end a completion, so every completion is exactly
     # max_completion_length tokens (as vLLM's ignore_eos). Never use it for real training.
     ignore_eos: bool = False
+    # The generation engine (grpo/rollout/): a registered name ("hf": the training model itself) or
+    # "package.module:Class" implementing grpo.rollout.engine.GenerationEngine.
+    engine: str = "hf"
 
 
 @dataclass
@@ -258,6 +261,8 @@ def validate(cfg: Config) -> None:
     _positive("rollout.max_completion_length", r.max_completion_length)
     _positive("rollout.max_prompt_length", r.max_prompt_length)
     _positive("rollout.temperature", r.temperature)
+    if not r.engine.strip():
+        raise ConfigError("rollout.engine is empty: name an engine ('hf') or give 'package.module:Class'")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p!r} is invalid: it must be in (0, 1]")
     _positive("rollout.top_k", r.top_k, allow_zero=True)
@@ -524,14 +529,12 @@ def to_dict(cfg: Config) -> dict:
     return tree
 
 
-def load_config(
+def read_user_tree(
     path: Optional[str | Path] = None,
     algo: Optional[str] = None,
     overrides: Optional[list[str]] = None,
-) -> Config:
-    """Resolve the configuration: defaults < algorithm defaults < YAML < --algo < overrides."""
-    from algos import get_algorithm  # the registry; imported lazily to avoid a cycle
-
+) -> tuple[dict, str]:
+    """The user's settings as a tree (YAML < --algo < key=value overrides) and the algorithm's name."""
     file_tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -556,9 +559,15 @@ def load_config(
     algo_tree = user_tree.get("algo", {}) or {}
     if not isinstance(algo_tree, dict):
         raise ConfigError(f"algo must be a mapping, got {algo_tree!r}")
-    name = str(algo_tree.get("name", AlgoConfig.name))
-    algorithm = get_algorithm(name)  # raises ConfigError with the valid names
+    return user_tree, str(algo_tree.get("name", AlgoConfig.name))
 
+
+def build_config(user_tree: dict, algorithm: Any) -> Config:
+    """The validated config: defaults < the algorithm's defaults < the user's tree. ``algorithm`` is the
+    chosen algorithm's class (its ``Options`` dataclass, ``defaults`` and ``validate``); the registry
+    that finds it by name is in algos/ (grpo/training/configure.py puts the two together)."""
+    algo_tree = user_tree.get("algo", {}) or {}
+    name = str(algo_tree.get("name", AlgoConfig.name))
     common = {f.name for f in dataclasses.fields(AlgoConfig)} - {"options"}
     option_names = [f.name for f in dataclasses.fields(algorithm.Options)]
     common_user = {k: v for k, v in algo_tree.items() if k in common}

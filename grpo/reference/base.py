@@ -1,8 +1,8 @@
-"""Reference log-probs: a frozen in-process copy, or (ref.url set) the HTTP reference server.
+"""Reference log-probs: a frozen in-process copy here; the HTTP server's client is in http.py.
 
-Both implement :class:`Reference`. ``submit`` starts the work and returns a handle whose
-``result()`` gives [rows, width] log-probs, so a remote request can run while the trainer
-scores rewards and computes old log-probs.
+Both implement :class:`Reference`; grpo/reference/handle.py wraps either for the trainer and the
+algorithms. ``submit`` starts the work and returns a future whose ``result()`` gives [rows, width]
+log-probs, so a remote request can run while the trainer scores rewards and computes old log-probs.
 """
 
 from __future__ import annotations
@@ -93,18 +93,3 @@ class InProcessReference:
         self.version += 1
         self.source = checkpoint_dir
         return self.info()
-
-
-def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None,
-                   vocab_size: Optional[int] = None) -> Optional[Reference]:
-    """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried.
-
-    ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both.
-    """
-    if not needed:
-        return None
-    if cfg.ref.url:
-        from grpo.reference.http import HTTPReference  # the server's client (ref_client.py serves it)
-
-        return HTTPReference(cfg, tokenizer, vocab_size)
-    return InProcessReference(cfg, device)

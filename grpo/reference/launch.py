@@ -20,15 +20,6 @@ from grpo.foundation.dist import free_port  # noqa: F401  (re-exported: scripts 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def needs_reference(config: str, overrides: list[str]) -> bool:
-    """Whether training ``config`` with ``overrides`` uses a reference model (its algorithm with its β)."""
-    from algos import get_algorithm
-    from grpo.foundation.config import load_config
-
-    cfg = load_config(config, None, overrides)
-    return get_algorithm(cfg.algo.name)(cfg).needs_reference
-
-
 class ServerProcess:
     """``python ref_client.py ARGS --host HOST --port PORT`` with its log in ``log_path``."""
 

@@ -1,43 +1,18 @@
-"""Sampling G completions per prompt.
+"""The ``hf`` engine: sampling G completions per prompt with the training model itself.
 
 Each prompt is prefilled once; its KV cache is repeated for the G samples of its group,
 and sequences that have emitted EOS leave the decode batch, so they stop costing compute.
+Under ZeRO-3 with more than one rank, generation is collective (``needs_synced_generation``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo.foundation import dist
-from grpo.foundation.config import RolloutConfig
-
-
-@dataclass
-class Completions:
-    """Rows are group-major: row i belongs to prompt i // G."""
-
-    tokens: list[list[int]]  # completion tokens up to and including EOS (or L_max tokens)
-    truncated: torch.Tensor  # [R] bool: no EOS within max_completion_length
-
-    def mask(self, width: int) -> torch.Tensor:
-        return completion_mask([len(t) for t in self.tokens], width)
-
-
-def completion_mask(lengths: list[int], width: int) -> torch.Tensor:
-    """[R, width] float mask, 1 on the first ``lengths[i]`` columns."""
-    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
-
-
-def cut_at_eos(tokens: list[int], eos_ids: set[int], max_len: int) -> tuple[list[int], bool]:
-    """Keep tokens up to and including the first EOS; truncated when none within ``max_len``."""
-    for i, t in enumerate(tokens[:max_len]):
-        if t in eos_ids:
-            return tokens[: i + 1], False
-    return tokens[:max_len], True
+from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
@@ -155,25 +130,25 @@ def _join_forward(model: torch.nn.Module, pad_id: int, device: torch.device) -> 
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
-    cfg: RolloutConfig,
+    params: SamplingParams,
     eos_ids: list[int],
     pad_id: int,
-    num_generations: int | None = None,
+    n: int = 1,
     synced: bool = False,
 ) -> Completions:
-    """G completions per prompt (``num_generations`` overrides cfg's G).
+    """``n`` completions per prompt, group-major.
 
     ``synced`` (see ``needs_synced_generation``): collective; every rank must call it, with or without
     prompts, and each keeps running forwards until the last row on any rank has finished.
     """
-    G = num_generations or cfg.num_generations
+    G, cfg = n, params
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     # ignore_eos: no token ends a row, every completion is max_completion_length long
     eos = torch.tensor([] if cfg.ignore_eos else sorted(eos_ids), dtype=torch.long, device=device)
     P, Lp = len(prompts), max((len(p) for p in prompts), default=0)
-    R, T = P * G, cfg.max_completion_length
+    R, T = P * G, cfg.max_tokens
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     active = torch.arange(R, device=device)
@@ -236,8 +211,15 @@ def generate(
     return Completions(tokens=tokens, truncated=truncated)
 
 
-def decode_completions(tokenizer, tokens: list[list[int]], eos_ids: list[int]) -> list[str]:
-    """Text the rewards see: everything the model wrote except the final EOS (special tokens stay
-    visible, so a policy cannot hide filler in tokens that decoding would skip)."""
-    eos = set(eos_ids)
-    return tokenizer.batch_decode([t[:-1] if t and t[-1] in eos else t for t in tokens])
+class HFEngine:
+    """The training model generates (``rollout.engine: hf``, the default): nothing to sync, it *is* the policy."""
+
+    def __init__(self, setup: EngineSetup):
+        self.setup = setup
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+        s = self.setup
+        return generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced)
+
+    def sync_weights(self) -> None:
+        pass

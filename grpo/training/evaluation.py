@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,7 +19,8 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError, RewardSpec
 from grpo.data.sources import PromptDataset, PromptSource, Subset, load_eval_source, load_source, prompt_text
-from grpo.rollout.hf import decode_completions, generate, needs_synced_generation
+from grpo.rollout.engine import SamplingParams
+from grpo.rollout.service import RolloutService
 from rewards import CombinedReward
 
 
@@ -55,47 +56,43 @@ def write_records(records: list[dict[str, Any]], path: Path) -> Path:
 class Evaluator:
     """Scores a model on a fixed set of prompts with the configured correctness (and format) reward."""
 
-    def __init__(self, cfg: Config, tokenizer, eos_ids: list[int], source: Optional[PromptSource] = None):
-        self.cfg, self.tokenizer, self.eos_ids = cfg, tokenizer, eos_ids
+    def __init__(self, cfg: Config, rollout: RolloutService, source: Optional[PromptSource] = None):
+        self.cfg, self.rollout, self.tokenizer = cfg, rollout, rollout.tokenizer
         source = eval_source(cfg) if source is None else source
-        self.dataset = PromptDataset.build(source, tokenizer, cfg.data, cfg.rollout.max_prompt_length)
+        self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.correct_spec: RewardSpec = cfg.eval.correctness or cfg.rewards[0]
         specs = [self.correct_spec] + ([cfg.eval.format] if cfg.eval.format else [])
         self.scorer = CombinedReward(specs, cfg.reward_pool)
         self.names = [t.name for t in self.scorer.terms]
         e = cfg.eval
         length = e.max_completion_length or cfg.rollout.max_completion_length
-        self.greedy = replace(cfg.rollout, max_completion_length=length, temperature=1.0, top_k=1, top_p=1.0)
-        self.sampled = replace(cfg.rollout, max_completion_length=length, temperature=e.temperature)
-        self.synced = needs_synced_generation(cfg.train.zero_stage)
+        self.sampled = SamplingParams.from_rollout(cfg.rollout, max_tokens=length, temperature=e.temperature)
+        self.greedy = self.sampled.greedy()
 
     def _score(self, rows: list[int], tokens: list[list[int]], k: int) -> tuple[list[str], dict[str, list[float]]]:
         """Completion texts and per-function values; ``rows`` are dataset indices, each repeated k times in tokens."""
         items = [self.dataset.items[i] for i in rows for _ in range(k)]
         prompts = self.tokenizer.batch_decode([self.dataset.ids[i] for i in rows for _ in range(k)])
-        texts = decode_completions(self.tokenizer, tokens, self.eos_ids)
+        texts = self.rollout.decode(tokens)
         keys = [c for c in items[0] if c != "prompt"]
         _, per_fn = self.scorer(prompts, texts, {c: [it.get(c) for it in items] for c in keys})
         return texts, per_fn
 
     @torch.no_grad()
-    def run(self, model: torch.nn.Module) -> EvalResult:
+    def run(self) -> EvalResult:
         cfg, e = self.cfg, self.cfg.eval
         t0 = time.perf_counter()
         mine = list(range(dist.rank(), len(self.dataset), dist.world_size()))
-        pad = self.tokenizer.pad_token_id
         acc_name = self.names[0]
         fmt_name = self.names[1] if len(self.names) > 1 else None
         sums = torch.zeros(7, dtype=torch.float64)  # n, correct, format, length, truncated, sample-correct, pass
         records = []
         batches = [mine[s : s + e.batch_size] for s in range(0, len(mine), e.batch_size)]
-        if self.synced:  # generation is collective: every rank makes as many calls as the busiest one
-            batches += [[]] * (int(dist.all_reduce_max(torch.tensor([float(len(batches))]))[0]) - len(batches))
+        batches += [[]] * (self.rollout.collective_rounds(len(batches)) - len(batches))  # ZeRO-3: as many as any rank
         for rows in batches:
             prompts = [self.dataset.ids[i] for i in rows]
-            comp = generate(model, prompts, self.greedy, self.eos_ids, pad, num_generations=1, synced=self.synced)
-            many = (generate(model, prompts, self.sampled, self.eos_ids, pad, num_generations=e.k, synced=self.synced)
-                    if e.k > 1 else None)
+            comp = self.rollout.generate(prompts, self.greedy, n=1)
+            many = self.rollout.generate(prompts, self.sampled, n=e.k) if e.k > 1 else None
             if not rows:
                 continue
             texts, vals = self._score(rows, comp.tokens, 1)
@@ -132,9 +129,10 @@ class Evaluator:
         metrics["eval/time"] = time.perf_counter() - t0
         return EvalResult(metrics, records)
 
-    def __call__(self, model: torch.nn.Module, step: int, out_dir: Optional[Path] = None) -> dict[str, float]:
-        """Evaluate (collective); rank 0 writes every problem's record to ``out_dir/eval/step-N.jsonl``."""
-        result = self.run(model)
+    def __call__(self, step: int, out_dir: Optional[Path] = None) -> dict[str, float]:
+        """Evaluate the rollout service's policy (collective); rank 0 writes every problem's record to
+        ``out_dir/eval/step-N.jsonl``."""
+        result = self.run()
         records = [r for part in dist.all_gather_object(result.records) for r in part]
         if out_dir is not None and dist.is_main():
             write_records(sorted(records, key=lambda r: r["index"]), Path(out_dir) / "eval" / f"step-{step}.jsonl")

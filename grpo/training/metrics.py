@@ -1,4 +1,5 @@
-"""What the user sees: progress bar, metrics.jsonl, samples.jsonl, TensorBoard / W&B, final plot."""
+"""What the user sees: a step's metrics reduced over ranks (``step_metrics``), the progress bar,
+metrics.jsonl, samples.jsonl, TensorBoard / W&B, and the final plot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.foundation import dist
+import torch
+
+from grpo.foundation import core, dist
+from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -135,3 +139,55 @@ def plot_metrics(metrics_path: Path, png: Path) -> Optional[Path]:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss_sum: torch.Tensor,
+                 grad_norm: float, lr: float, hook_metrics: dict[str, float], timings: dict[str, float],
+                 entropy: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """One step's metrics, reduced over ranks (collective: every rank calls it).
+
+    ``batch`` is the scored batch (rewards, advantages); ``stats`` the loss's (sum, count) pairs;
+    ``hook_metrics`` what the algorithm's hooks logged; timings are the slowest rank's.
+    """
+    m: dict[str, float] = {}
+
+    def moments(prefix: str, x: torch.Tensor, with_range: bool = False) -> None:
+        mean, std = core.global_mean_std(x.reshape(-1), "population")
+        m[f"{prefix}/mean"], m[f"{prefix}/std"] = float(mean), float(std)
+        if with_range:
+            m[f"{prefix}/max"] = float(dist.all_reduce_max(x.max().double().reshape(1)))
+            m[f"{prefix}/min"] = -float(dist.all_reduce_max((-x.min()).double().reshape(1)))
+
+    moments("reward", batch.rewards)
+    for name, vals in batch.reward_terms.items():
+        moments(f"reward/{name}", vals)
+    adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[batch.mask.bool()]
+    moments("advantage", adv, with_range=True)
+    zero = core.uniform_groups(batch.rewards, batch.group_size).double()
+    zs = dist.all_reduce_sum(torch.stack([zero.sum(), torch.tensor(float(zero.numel()), dtype=torch.float64)]))
+    m["advantage/zero_group_frac"] = float(zs[0] / zs[1])
+    # lengths as generated (DAPO's overlong filter zeroes the masks of truncated completions)
+    lengths = torch.tensor([float(len(c)) for c in batch.completion_ids], dtype=torch.float64)
+    m["completion/length_mean"] = float(core.global_mean_std(lengths)[0])
+    m["completion/length_max"] = float(dist.all_reduce_max(lengths.max().reshape(1)))
+    m["completion/truncated_frac"] = float(core.global_mean_std(batch.truncated.double())[0])
+    if entropy is not None:
+        m["entropy"] = float(core.global_mean_std(entropy, mask=mask)[0])
+    if stats:
+        names = sorted(stats)
+        red = dist.all_reduce_sum(torch.stack([torch.stack(stats[n]) for n in names]))
+        for i, n in enumerate(names):
+            m[n] = float(red[i, 0] / red[i, 1].clamp(min=1))
+    m["loss"] = float(dist.all_reduce_sum(loss_sum.reshape(1)))
+    m["grad_norm"] = grad_norm
+    m["lr"] = lr
+    for k, v in hook_metrics.items():
+        m[k] = float(v)
+    names = sorted(timings)  # the slowest rank sets the pace
+    t = dist.all_reduce_max(torch.tensor([timings[n] for n in names], dtype=torch.float64))
+    for i, n in enumerate(names):
+        m[f"time/{n}"] = float(t[i])
+    tokens = dist.all_reduce_sum(torch.tensor(float(batch.mask.sum()) + sum(len(p) for p in batch.prompt_ids),
+                                              dtype=torch.float64))
+    m["tokens_per_sec"] = float(tokens) / max(m["time/step"], 1e-9)
+    return m

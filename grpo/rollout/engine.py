@@ -1,0 +1,96 @@
+"""The generation-engine protocol: what the rollout service needs from whatever samples tokens.
+
+An engine turns prompts (token ids) into G completions each with given sampling settings,
+and is told after every optimizer step that the policy's weights changed (``sync_weights``).
+Today's engine is ``hf`` (grpo/rollout/hf.py: the training model itself, through transformers);
+``rollout.engine`` names a registered engine or any ``package.module:Class`` with this shape.
+
+Everything an engine returns is in :class:`Completions`: tokens up to and including EOS,
+whether each row was truncated, and, when the engine has them, the sampler's log-prob of each
+token it drew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+from grpo.foundation.config import Config, RolloutConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one generation call samples (the rollout's settings, or evaluation's greedy ones)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    ignore_eos: bool = False  # benchmarks only: EOS does not end a completion
+
+    @classmethod
+    def from_rollout(cls, cfg: RolloutConfig, **changes: Any) -> "SamplingParams":
+        base = cls(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                   top_k=cfg.top_k, ignore_eos=cfg.ignore_eos)
+        return dataclasses.replace(base, **changes)
+
+    def greedy(self) -> "SamplingParams":
+        return dataclasses.replace(self, temperature=1.0, top_k=1, top_p=1.0)
+
+
+@dataclass
+class Completions:
+    """Rows are group-major: row i belongs to prompt i // n."""
+
+    tokens: list[list[int]]  # completion tokens up to and including EOS (or max_tokens tokens)
+    truncated: torch.Tensor  # [R] bool: no EOS within max_tokens
+    logprobs: Optional[list[list[float]]] = None  # the sampler's log-prob of each drawn token, if it has them
+
+    def mask(self, width: int) -> torch.Tensor:
+        return completion_mask([len(t) for t in self.tokens], width)
+
+    @classmethod
+    def empty(cls) -> "Completions":
+        return cls(tokens=[], truncated=torch.zeros(0, dtype=torch.bool))
+
+
+def completion_mask(lengths: list[int], width: int) -> torch.Tensor:
+    """[R, width] float mask, 1 on the first ``lengths[i]`` columns."""
+    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths, dtype=torch.long).reshape(-1, 1)).float()
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int], max_len: int) -> tuple[list[int], bool]:
+    """Keep tokens up to and including the first EOS; truncated when none within ``max_len``."""
+    for i, t in enumerate(tokens[:max_len]):
+        if t in eos_ids:
+            return tokens[: i + 1], False
+    return tokens[:max_len], True
+
+
+@dataclass
+class EngineSetup:
+    """What an engine is built from."""
+
+    cfg: Config
+    model: torch.nn.Module  # the policy being trained (under DeepSpeed: the engine's module)
+    tokenizer: Any
+    eos_ids: list[int]
+    pad_id: int
+    synced: bool = False  # ZeRO-3 over > 1 rank: every generation call is collective (see hf.needs_synced_generation)
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """One file per engine; constructed as ``Engine(setup: EngineSetup)``."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+        """``n`` completions for each prompt, group-major. Collective when ``setup.synced``: every rank
+        calls it the same number of times, with or without prompts."""
+        ...
+
+    def sync_weights(self) -> None:
+        """The policy's weights changed (after every optimizer step, a resume, a reference reset)."""
+        ...

@@ -1,0 +1,194 @@
+"""The rollout service: the one door to generation, used by the trainer, evaluation and algorithms.
+
+    generate(prompts, params, n)           n completions per prompt (ids, truncation, sampler log-probs)
+    continue_sequences(prompts, prefixes)  extend partial completions (guided correction; multi-turn)
+    rollout(prompts, items, index)         the step's groups as a scored RolloutBatch
+    score(batch)                           the reward functions on a batch's texts
+    sync_weights()                         after every optimizer step (a no-op for the ``hf`` engine)
+
+Behind it sits a :class:`~grpo.rollout.engine.GenerationEngine` chosen by ``rollout.engine``.
+ZeRO-3's collective generation is handled here and in the engine, nowhere else: callers make
+the same calls on every rank (``collective_rounds`` says how many when their work is uneven).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from grpo.foundation import dist
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import ConfigError
+from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, SamplingParams, completion_mask, cut_at_eos
+from grpo.rollout.hf import HFEngine, needs_synced_generation
+
+# name -> engine class; ``rollout.engine`` may also be any ``package.module:Class``
+ENGINES: dict[str, type] = {"hf": HFEngine}
+
+# (prompt texts, completion texts, dataset columns) -> (total reward per row, {function: values})
+Scorer = Callable[[list[str], list[str], dict[str, list]], tuple[list[float], dict[str, list[float]]]]
+
+
+def engine_class(name: str) -> type:
+    """The engine class that ``rollout.engine`` names (a registered name or ``package.module:Class``)."""
+    if name in ENGINES:
+        return ENGINES[name]
+    if ":" not in name:
+        raise ConfigError(
+            f"rollout.engine={name!r} is unknown: choose from {sorted(ENGINES)} or give 'package.module:Class'"
+        )
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.engine={name!r} cannot be imported: {e}") from e
+    missing = [m for m in ("generate", "sync_weights") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"rollout.engine={name!r} lacks {missing}: an engine implements "
+                          "grpo.rollout.engine.GenerationEngine (generate, sync_weights)")
+    return cls
+
+
+def decode_completions(tokenizer, tokens: list[list[int]], eos_ids: list[int]) -> list[str]:
+    """Text the rewards see: everything the model wrote except the final EOS (special tokens stay
+    visible, so a policy cannot hide filler in tokens that decoding would skip)."""
+    eos = set(eos_ids)
+    return tokenizer.batch_decode([t[:-1] if t and t[-1] in eos else t for t in tokens])
+
+
+class RolloutService:
+    def __init__(self, setup: EngineSetup, scorer: Optional[Scorer] = None,
+                 engine: Optional[GenerationEngine] = None):
+        self.setup, self.scorer = setup, scorer
+        self.cfg = setup.cfg.rollout
+        self.engine = engine if engine is not None else engine_class(self.cfg.engine)(setup)
+        self.timings: dict[str, float] = {}
+
+    @classmethod
+    def build(cls, cfg, model: torch.nn.Module, tokenizer, eos_ids: list[int],
+              scorer: Optional[Scorer] = None) -> "RolloutService":
+        setup = EngineSetup(cfg=cfg, model=model, tokenizer=tokenizer, eos_ids=list(eos_ids),
+                            pad_id=tokenizer.pad_token_id, synced=needs_synced_generation(cfg.train.zero_stage))
+        return cls(setup, scorer)
+
+    @property
+    def tokenizer(self):
+        return self.setup.tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return self.setup.eos_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        """The rollout's sampling settings."""
+        return SamplingParams.from_rollout(self.cfg)
+
+    def _time(self, name: str, t0: float) -> None:
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop_timings(self) -> dict[str, float]:
+        out, self.timings = self.timings, {}
+        return out
+
+    # ----------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: Optional[SamplingParams] = None,
+                 n: Optional[int] = None) -> Completions:
+        """``n`` (default G) completions per prompt. Collective under ZeRO-3: call it on every rank."""
+        if not prompts and not self.setup.synced:
+            return Completions.empty()
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, params or self.params, self.cfg.num_generations if n is None else n)
+        self._time("generation", t0)
+        return out
+
+    def continue_sequences(self, prompts: list[list[int]], prefixes: list[list[int]],
+                           room: list[int]) -> list[tuple[list[int], bool]]:
+        """Continue ``prompts[i] + prefixes[i]`` by at most ``room[i]`` tokens (one sample each, the
+        rollout's sampling settings); returns (new tokens up to and including EOS, truncated).
+        Collective under ZeRO-3 like ``generate`` (call it on every rank, with or without rows)."""
+        budget = max(room, default=0)
+        comp = self.generate([p + x for p, x in zip(prompts, prefixes)],
+                             dataclasses.replace(self.params, max_tokens=budget), n=1)
+        eos = set(self.setup.eos_ids)
+        return [cut_at_eos(toks, eos, r) for toks, r in zip(comp.tokens, room)]
+
+    def collective_rounds(self, n: int) -> int:
+        """How many generation calls this rank must make when it has work for ``n``: under ZeRO-3 every
+        rank makes as many as the busiest one (the extra ones with no prompts)."""
+        if not self.setup.synced:
+            return n
+        return int(dist.all_reduce_max(torch.tensor([float(n)], dtype=torch.float64))[0])
+
+    def sync_weights(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.sync_weights()
+        self._time("weight_sync", t0)
+
+    # ----------------------------------------------------------------- text and rewards
+    def decode(self, tokens: list[list[int]]) -> list[str]:
+        return decode_completions(self.setup.tokenizer, tokens, self.setup.eos_ids)
+
+    def rollout(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int],
+                n: Optional[int] = None) -> RolloutBatch:
+        """G completions for each prompt, scored: the rows of one step (group-major)."""
+        G = self.cfg.num_generations if n is None else n
+        comp = self.generate(prompts, n=G)
+        rows = [i for i in range(len(prompts)) for _ in range(G)]
+        prompt_ids = [prompts[i] for i in rows]
+        batch = RolloutBatch(
+            prompt_ids=prompt_ids,
+            completion_ids=comp.tokens,
+            mask=comp.mask(self.cfg.max_completion_length),
+            truncated=comp.truncated,
+            group_size=G,
+            prompt_index=[prompt_index[i] for i in rows],
+            items=[items[i] for i in rows],
+            prompt_text=self.setup.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False),
+            completion_text=self.decode(comp.tokens),
+        )
+        if comp.logprobs is not None:
+            batch.sampler_logp = completion_logp_tensor(comp.logprobs, batch.width)
+        self.score(batch)
+        return batch
+
+    def score(self, batch: RolloutBatch) -> None:
+        """Set ``batch.rewards`` and ``batch.reward_terms`` from the reward functions (texts and columns)."""
+        if self.scorer is None:
+            raise RuntimeError("this rollout service has no reward functions (built without a scorer)")
+        t0 = time.perf_counter()
+        total, per_fn = self.scorer(batch.prompt_text, batch.completion_text, batch.columns())
+        batch.rewards = torch.tensor(total, dtype=torch.float32)
+        batch.reward_terms = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_fn.items()}
+        self._time("reward", t0)
+
+    def rewrite(self, batch: RolloutBatch, rows: list[int], completions: list[tuple[list[int], bool]]) -> None:
+        """Replace the completions of ``rows`` (tokens, truncated) in place, then decode and re-score them."""
+        if not rows:
+            return
+        for i, (toks, truncated) in zip(rows, completions):
+            batch.completion_ids[i] = toks
+            batch.truncated[i] = truncated
+        batch.mask = completion_mask([len(c) for c in batch.completion_ids], batch.width)
+        for i, t in zip(rows, self.decode([batch.completion_ids[i] for i in rows])):
+            batch.completion_text[i] = t
+        sub = batch.select(rows)
+        self.score(sub)
+        idx = torch.tensor(rows)
+        batch.rewards = batch.rewards.clone()
+        batch.rewards[idx] = sub.rewards
+        for k, v in sub.reward_terms.items():
+            batch.reward_terms[k] = batch.reward_terms[k].clone()
+            batch.reward_terms[k][idx] = v
+
+
+def completion_logp_tensor(logprobs: list[list[float]], width: int) -> torch.Tensor:
+    """[R, width] float32 sampler log-probs, 0 past each row's end."""
+    out = torch.zeros(len(logprobs), width)
+    for i, row in enumerate(logprobs):
+        out[i, : len(row)] = torch.tensor(row[:width], dtype=torch.float32)
+    return out

@@ -1,0 +1,138 @@
+"""The policy on a DeepSpeed engine: its config, optimizer and schedule, and every DeepSpeed workaround.
+
+The trainer calls only what is here to touch DeepSpeed:
+    build_engine(cfg, model)       -> (engine, scheduler)
+    begin_micro_batch(engine)      before each micro-batch's forward (ZeRO's gradient accumulation)
+    grad_norm(engine, cfg)         the step's global gradient norm (DeepSpeed reports none without ZeRO)
+    reset_optimizer_state(engine)  Adam moments and step counts start afresh
+    partitions_weights(engine)     ZeRO-3: no rank holds the whole model
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from typing import Optional
+
+import torch
+
+from grpo.foundation import dist
+from grpo.foundation.config import Config
+
+
+def lr_lambda(cfg: Config):
+    warm, total, kind = cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.lr_schedule
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_adamw(params, **kwargs) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where it exists (CPU and GPU): one pass over each tensor, no
+    per-parameter temporaries (0.1 s instead of 0.6 s a step for 135M parameters on one CPU core);
+    the same update as the default implementation."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
+def deepspeed_config(cfg: Config) -> dict:
+    t = cfg.train
+    ds = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": 1,  # we mark the boundary ourselves (any number of micro-batches)
+        "zero_optimization": {"stage": t.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if t.grad_clip > 0:
+        ds["gradient_clipping"] = t.grad_clip
+    if cfg.model.dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif cfg.model.dtype == "fp16":
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    return ds
+
+
+def init_distributed() -> None:
+    """The process group (a world of one without the launcher), and the CPU all-reduce buffer's cleanup."""
+    import deepspeed
+
+    dist.default_single_process_env()
+    deepspeed.init_distributed(dist_backend=None)
+    atexit.register(dist.release_shm_buffer)
+
+
+def share_cpu_threads() -> None:
+    """Ranks on one CPU machine split its cores instead of each grabbing all of them."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+
+
+def build_engine(cfg: Config, model: torch.nn.Module):
+    """(engine, lr scheduler) for ``model`` with AdamW and the configured schedule."""
+    import deepspeed
+
+    t = cfg.train
+    optimizer = make_adamw(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                           weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=deepspeed_config(cfg))
+    if dist.world_size() == 1 and t.zero_stage == 0 and cfg.model.dtype == "fp32":
+        # One rank has nothing to all-reduce, but DeepSpeed would still copy every gradient into a
+        # flat bucket and back at each step (one more model-sized buffer at the memory peak).
+        engine.enable_backward_allreduce = False
+    return engine, scheduler
+
+
+def begin_micro_batch(engine) -> None:
+    """What ``DeepSpeedEngine.forward`` does first. Our forwards call ``engine.module`` (the log-prob
+    path needs the hidden states, not the logits), so the ZeRO optimizer is told here that a new
+    micro-batch starts; without it ZeRO-3 overwrites the gradient of the previous micro-batches
+    instead of adding to it."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        engine.optimizer.clear_backward_seen_flag()
+
+
+def stage0_grad_norm(engine, zero_stage: int) -> Optional[float]:
+    """DeepSpeed reports no norm without ZeRO; the (already reduced) grads give it. Call it before
+    ``engine.step()``, which clears them."""
+    if zero_stage != 0:
+        return None
+    sq = [p.grad.detach().float().pow(2).sum() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+def grad_norm(engine, stage0_norm: Optional[float]) -> float:
+    """The last step's global gradient norm (DeepSpeed's, or ``stage0_grad_norm``'s without ZeRO)."""
+    gn = engine.get_global_grad_norm()
+    gn = stage0_norm if gn is None else gn
+    return float(gn) if gn is not None else float("nan")
+
+
+def reset_optimizer_state(engine) -> None:
+    """Adam moments and step counts start afresh at the next step (ZeRO wraps the torch optimizer)."""
+    opt = engine.optimizer
+    getattr(opt, "optimizer", opt).state.clear()
+
+
+def partitions_weights(engine) -> bool:
+    return bool(engine.zero_optimization_partition_weights())
