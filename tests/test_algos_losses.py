@@ -1,7 +1,7 @@
 """The loss family (drgrpo, gtpo, grpo-s, gspo, gspo-token, tic-grpo, pspo, lambda-grpo, grpo-lambda,
 grpo-lead, diver, grpo-ps, and grpo itself) against independent float64 computations.
 
-Every reference below is written plainly from ALGORITHMS.md (or TRL's documented formulas) with
+Every reference below is written plainly from docs/algorithms.md (or TRL's documented formulas) with
 Python loops over completions and tokens; gradients of the references come from autograd on those
 float64 loops. The batches are hand-made: ragged lengths, an all-equal group, positive and negative
 advantages, ratios inside and outside the clip range.
