@@ -1,12 +1,22 @@
 """GRPO-lambda: eligibility-trace credit assignment (arXiv 2510.00194). [unverified]
 
-Implemented as written in ALGORITHMS.md, not checked against the paper or code:
+Implemented from the specification (docs/algorithms.md, "grpo-lambda"), not checked against
+the paper's method section (not readable) or code:
     log rho~_{i,t} = sum_{k<=t} w_{t,k} m_{i,k} (l_{i,k} - l^old_{i,k})
     w_{t,k} = (gamma lambda)^(t-k)                                   trace = "recent" (default)
             = max((gamma lambda)^(t-k), (gamma lambda)^(k-1))         trace = "both" (k 1-based)
     A <- max(A, neg_adv_clamp) (-0.1), then GRPO's clipped surrogate with rho~.
 lambda = 0.99, gamma = 1; the rest as GRPO. Even on-policy (rho~ = 1) the gradient of token t
 carries the trace of the earlier tokens' log-probs.
+
+From reviews and notes on the paper:
+- "both" is written max((gamma lambda)^l, (gamma lambda)^(t-l)) with the lag l = t - k, i.e.
+  (gamma lambda)^k with k counted from 0: the same weights as our 1-based (gamma lambda)^(k-1)
+  (core.eligibility_weights works 0-based).
+- Reviewers report "both" did better than "recent"; gamma = 1 and which style is the paper's
+  default are not confirmed. We keep trace = "recent" as the default, as the specification says.
+- The paper's "epsilon-trace" and "epsilon-weight" variants are not implemented.
+- The paper runs an SFT step before RL; this trainer does not (start from an SFT'd model).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""PSPO: probability-smoothing policy optimisation (arXiv 2509.21282). [unverified]
+"""PSPO: probability-smoothing policy optimisation (arXiv 2509.21282). [code]
 
-Implemented as written in ALGORITHMS.md, not checked against the paper or code. The ratio is
-smoothed toward the old policy instead of clipped:
+Checked against the authors' code (their TRL patch and training script); docs/algorithms.md, "pspo".
+The token ratio is smoothed toward the old policy and used in place of rho, with no clipping
+and no min:
     r~_{i,t} = (1 - alpha) rho_{i,t} + alpha
-    J = 1/G sum_i 1/|o_i| sum_t r~_{i,t} A_i  (- beta KL)          no clipping
-With alpha = 0 it is GRPO without clipping (a test shows it). No clipping happens, so no clip
-fractions are logged; ``smoothed_ratio_mean`` is.
+    L_{i,t}  = -r~_{i,t} A_i  (+ beta KL when beta > 0)       dL/dl_{i,t} = -(1 - alpha) rho_{i,t} A_i
+Defaults as the authors' runs: alpha = 0.1, token-mean over the step's tokens (TRL's "dapo" loss
+type), beta = 0, mu = num_iterations = 2 (with mu = 1 on-policy rho = 1 and the gradient is
+GRPO's scaled by 1 - alpha), group-std advantages. With alpha = 0 it is GRPO without clipping
+(a test shows it). No clipping happens, so no clip fractions are logged; ``smoothed_ratio_mean`` is.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ class PSPOOptions:
 class PSPO(Algorithm):
     name = "pspo"
     paper = "PSPO, probability smoothing (arXiv 2509.21282)"
-    tag = "unverified"
+    tag = "code"
     summary = "ratio smoothed toward 1: (1 - alpha) rho + alpha, no clipping"
     Options = PSPOOptions
-    defaults = {"beta": 0.04, "aggregation": "seq-mean-token-mean", "adv_std": "unbiased", "adv_eps": 1e-4}
+    defaults = {"beta": 0.0, "aggregation": "token-mean", "adv_std": "unbiased", "adv_eps": 1e-4, "num_iterations": 2}
     knobs = ("alpha", "beta", "num_iterations")
 
     @classmethod

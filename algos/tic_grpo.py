@@ -1,10 +1,18 @@
 """TIC-GRPO: trajectory-level importance-corrected GRPO (arXiv 2508.02833). [unverified]
 
-Implemented as written in ALGORITHMS.md, not checked against the paper or code:
-    w_i = exp(clamp(sum_t (l - l_old), -20, 20))          no length normalisation
+Implemented from the specification (docs/algorithms.md, "tic-grpo"), not checked against the
+paper (its method section was not readable); reviews confirm both options below exist:
+    w_i = exp(clamp(sum_t m (l - l_old), -20, 20))          no length normalisation
     J   = 1/G sum_i min(w_i A_i, clip(w_i, 1 - eps_low, 1 + eps_high) A_i)
-Options: ``upper_only_clip`` uses w~_i = min(w_i, 1 + eps_high) in place of the two-sided clip
-(so J_i = min(w_i A_i, w~_i A_i)); ``length_corrected`` divides trajectory i's term by |o_i|.
+Options: ``upper_only_clip`` caps w from above only; ``length_corrected`` divides trajectory i's
+term by |o_i|.
+
+Decision (``upper_only_clip``, ambiguous in the paper): w~_i = min(w_i, 1 + eps_high) goes in
+place of clip(w_i) *inside* the PPO min, J_i = min(w_i A_i, w~_i A_i), so for A_i < 0 the
+unclipped w_i stays (as in the one public implementation). The other reading, replacing w_i by
+w~_i (J_i = w~_i A_i), is not offered. Here ``sequence_ppo_loss`` gets eps_low = inf.
+Known difference from that public implementation: it clamps each token's Delta before summing
+and spreads w_i over the tokens with a token mean; ours clamps the sum and keeps 1/G sum_i.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from grpo.foundation import core
 
 @dataclass
 class TICOptions:
-    upper_only_clip: bool = False  # w~ = min(w, 1 + eps_high) instead of clip(w, 1 - eps_low, 1 + eps_high)
+    upper_only_clip: bool = False  # min(w A, min(w, 1 + eps_high) A): upper cap only, inside the PPO min
     length_corrected: bool = False  # divide trajectory i's term by |o_i|
 
 

@@ -1,7 +1,7 @@
 """dapo, gpg, 2-grpo, cppo, prorl, dcpo, edge-grpo on small hand-made batches.
 
 Every expected value is computed independently here, in float64, from the formulas of
-ALGORITHMS.md (TRL's documented "dapo" loss for dapo); losses are also checked to add up
+docs/algorithms.md (TRL's documented "dapo" loss for dapo); losses are also checked to add up
 over micro-batch splits with the same gradient.
 """
 

@@ -1,7 +1,7 @@
 """The loss family (drgrpo, gtpo, grpo-s, gspo, gspo-token, tic-grpo, pspo, lambda-grpo, grpo-lambda,
 grpo-lead, diver, grpo-ps, and grpo itself) against independent float64 computations.
 
-Every reference below is written plainly from ALGORITHMS.md (or TRL's documented formulas) with
+Every reference below is written plainly from docs/algorithms.md (or TRL's documented formulas) with
 Python loops over completions and tokens; gradients of the references come from autograd on those
 float64 loops. The batches are hand-made: ragged lengths, an all-equal group, positive and negative
 advantages, ratios inside and outside the clip range.
@@ -349,10 +349,38 @@ def test_tic_grpo_clamps_the_log_ratio_at_20():
 # --------------------------------------------------------------------------- pspo
 
 
-def test_pspo_against_plain_loops():
+def test_pspo_defaults_follow_the_authors_runs():
+    """alpha 0.1, token-mean, beta 0, mu 2, group-std advantages: class defaults and the preset."""
+    for cfg in (make_cfg("pspo"), load_config("configs/pspo.yaml")):
+        a = cfg.algo
+        assert (a.options.alpha, a.aggregation, a.beta, a.num_iterations) == (0.1, "token-mean", 0.0, 2)
+        assert (a.adv_std, a.adv_scope) == ("unbiased", "group")
+    assert get_algorithm("pspo").tag == "code"
+
+
+def test_pspo_with_its_defaults_against_plain_loops():
+    """Token-mean over the step's tokens, beta = 0: -sum_i sum_t ((1 - a) rho + a) A_i / sum_i |o_i|."""
     batch = make_batch()
     logp = policy_logp(batch)
     adv, loss, grad, algo, batch, out, _ = run_algo("pspo", batch, logp)
+    close(adv, ref_group_adv(REWARDS))
+    assert "kl" not in out.stats
+    x = lp64(logp)
+    total = 0.0
+    for i, L in enumerate(LENGTHS):
+        for t in range(L):
+            rho = torch.exp(x[i, t] - float(batch.old_logp[i, t]))
+            total = total + (0.9 * rho + 0.1) * float(adv[i])
+    expected = -total / sum(LENGTHS)
+    assert_loss_and_grad(loss, grad, x, expected)
+    assert_split_invariant(algo, batch, logp)
+
+
+def test_pspo_against_plain_loops():
+    """With a KL term and the GRPO paper's aggregation, passed explicitly (the defaults are token-mean, beta 0)."""
+    batch = make_batch()
+    logp = policy_logp(batch)
+    adv, loss, grad, algo, batch, out, _ = run_algo("pspo", batch, logp, beta=0.04, aggregation="seq-mean-token-mean")
     close(adv, ref_group_adv(REWARDS))
     x = lp64(logp)
     total = 0.0
@@ -371,7 +399,7 @@ def test_pspo_against_plain_loops():
 def test_pspo_alpha_zero_equals_unclipped_grpo():
     batch = make_batch()
     logp = policy_logp(batch)
-    _, loss_p, grad_p, *_ = run_algo("pspo", batch, logp, alpha=0.0)
+    _, loss_p, grad_p, *_ = run_algo("pspo", batch, logp, alpha=0.0, beta=0.04, aggregation="seq-mean-token-mean")
     # GRPO whose clip never binds (the ratios here lie in (0.3, 3))
     _, loss_g, grad_g, _, _, out, _ = run_algo("grpo", make_batch(), logp, clip_eps_low=0.9, clip_eps_high=100.0)
     assert float(out.stats["clip_frac_low"][0]) == 0 and float(out.stats["clip_frac_high"][0]) == 0

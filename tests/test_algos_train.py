@@ -3,7 +3,7 @@
 One deepspeed launch runs them all in turn (tests/algo_smoke_worker.py, with
 ``configs/demo.yaml`` + ``--algo NAME`` + the overrides below): starting the launcher costs
 more than the steps. The test is parametrised over the registry and checks each
-algorithm's status, the metrics every algorithm must log (ALGORITHMS.md, "What every
+algorithm's status, the metrics every algorithm must log (docs/algorithms.md, "What every
 algorithm must log") and each algorithm's own quantity.
 """
 

@@ -1,4 +1,4 @@
-"""Shared building blocks of the GRPO family (ALGORITHMS.md, "Shared building blocks").
+"""Shared building blocks of the GRPO family (docs/algorithms.md, "Shared building blocks").
 
 Every algorithm in ``algos/`` composes these; each exists exactly once. Tensors are
 [rows, T] for per-token quantities and [rows] for per-sequence ones; ``mask`` is 1 on
