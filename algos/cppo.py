@@ -12,6 +12,8 @@ authors' code, which prunes each process's slice; ranks keep equal row counts).
 Dynamic allocation (option): sample ceil(b / (1 - P)) prompts instead of b (rounded up to a
 multiple of the rank count) so that the update batch keeps about b * G rows.
 Defaults (paper): G = 16, P = 0.5, beta = 0.04, mu = 2.
+
+Formulas, defaults and decisions: docs/algorithms.md, section cppo.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@
 
 Rows per rank stay equal: every rank keeps ``prompts_per_step / world`` groups; a rank that
 found fewer valid groups than that takes the surplus of the others (in rank order).
+
+Formulas, defaults and decisions: docs/algorithms.md, section dapo.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ statistics of all G * i rewards are pooled (population variances, for which this
 
 The per-prompt statistics (keyed by dataset index) are kept identical on every rank and saved
 in checkpoints. Loss ``seq-sum-token-mean``; beta = 0.
+
+Formulas, defaults and decisions: docs/algorithms.md, section dcpo.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ D = td: TD(o_i) = 1/(G-1) sum_{j != i} (1 - BLEU_sym(o_i, o_j))      sigma = 0.9
 see rewards/diversity.py). Decision: lambda = 0.1 (the paper sweeps 0.001-1). ``decay_steps`` > 0
 gives the bonus only for the first that many steps (the authors' code: 100). The spec names no
 default measure: ``td`` here. ``reward/*`` metrics keep the task reward; the bonus is logged.
+
+Formulas, defaults and decisions: docs/algorithms.md, section diver.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ GRPO without its two normalisations that bias the optimisation:
     J   = 1/(G L_max) sum_i sum_t min(rho A_i, clip(rho, 1-eps, 1+eps) A_i)   no 1/|o_i|
 i.e. ``seq-mean-token-sum-norm`` with L_max = rollout.max_completion_length; beta = 0, eps = 0.2.
 Same as TRL's ``loss_type="dr_grpo"`` with ``scale_rewards="none"``.
+
+Formulas, defaults and decisions: docs/algorithms.md, section drgrpo.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ then re-scored with the trainer's reward functions, before advantages. Everythin
 ``rollout.max_completion_length`` tokens: the original text is cut from its end to make room
 for what is appended (a completion is left as it is when even the appended part cannot fit),
 and a reference solution that is too long is truncated.
+
+Formulas, defaults and decisions: docs/algorithms.md, section edge-grpo.
 """
 
 from __future__ import annotations

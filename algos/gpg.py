@@ -9,6 +9,8 @@ The step is skipped (on every rank alike) when B = M. Threshold resampling (opti
 beta_th = 0.6): while (B - M) / B < ``threshold``, generate further batches and put their
 valid groups in place of this rank's uniform ones (at most ``max_gen_batches`` batches, the
 first included; 0 = unlimited); then go on with what there is.
+
+Formulas, defaults and decisions: docs/algorithms.md, section gpg.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
     A_i   = (r_i - mean(r)) / (std(r) + eps)                      group advantage
     l_i,t = min(rho A, clip(rho, 1 - eps, 1 + eps) A)             rho = pi / pi_old
     J     = 1/G sum_i 1/|o_i| sum_t [l_i,t - beta KL_k3]          seq-mean-token-mean
+
+Formulas, defaults and decisions: docs/algorithms.md, section grpo.
 """
 
 from __future__ import annotations

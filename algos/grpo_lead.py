@@ -9,6 +9,8 @@ Per group, with "correct" = r >= correct_threshold:
     w(x) = A + (B - A) / (1 + exp(k (x - rho0)))                     A=0.4, B=1.5, k=10, rho0=0.75
     A = A~ w(rho_q) if A~ > 0, else A~ w(1 - rho_q)
 The rest as GRPO. ``reward/*`` metrics keep the task reward; R is logged as ``grpo_lead/shaped_reward``.
+
+Formulas, defaults and decisions: docs/algorithms.md, section grpo-lead.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ EOS included) with reward r_i^j. Over all step rewards R of the group:
     A_{i,t} = sum_{j: index(j) >= t} r~_i^j         the sum of the normalised rewards of later steps
 The rest is GRPO (clip 0.2, k3 KL beta 0.04, seq-mean-token-mean). The outcome rewards still run
 and are logged, but the advantages come from the step rewards only.
+
+Formulas, defaults and decisions: docs/algorithms.md, section grpo-ps.
 """
 
 from __future__ import annotations

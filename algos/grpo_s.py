@@ -7,6 +7,8 @@ with r >= success_threshold (n of them), O- the rest (m):
 A = GRPO's group advantage of r^; then gspo's loss: sequence ratio s_i (geometric mean, the paper's
 Algorithm 1);
 J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i); beta = 0, eps 0.2 / 0.28.
+
+Formulas, defaults and decisions: docs/algorithms.md, section grpo-s.
 """
 
 from __future__ import annotations

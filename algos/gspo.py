@@ -5,6 +5,8 @@
 A_i is GRPO's group advantage. Equal to TRL's ``importance_sampling_level="sequence"`` with
 ``loss_type="grpo"``. With mu = 1 and on-policy data s_i = 1 and the clip never binds; it acts
 when the batch is reused (``algo.num_iterations`` > 1).
+
+Formulas, defaults and decisions: docs/algorithms.md, section gspo.
 """
 
 from __future__ import annotations

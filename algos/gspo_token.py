@@ -4,6 +4,8 @@
     J = 1/G sum_i 1/|o_i| sum_t min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})     seq-mean-token-mean
 s_{i,t} has the value of s_i and the gradient of a token; with A_{i,t} = A_i it equals GSPO in
 value and gradient (tests/test_algos_losses.py shows it), and it accepts token-level advantages.
+
+Formulas, defaults and decisions: docs/algorithms.md, section gspo-token.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ Per group, O+ = completions with r >= success_threshold (n of them), O- the rest
 Loss: grpo's clipped surrogate with A+ on O+ tokens and A- on O- tokens, token-mean, eps 0.2 / 0.28,
 beta = 0. H is the old policy's full-vocabulary entropy (detached); 1/H uses max(H, 1e-6). The
 std kind and its eps are ``algo.adv_std`` / ``algo.adv_eps``.
+
+Formulas, defaults and decisions: docs/algorithms.md, section gtpo.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ prefix lambda is counted |lambda| times. lambda-GRPO divides it out:
     L_{i,t} / |lambda(i,t)|,  |lambda(i,t)| = #completions in the group whose first t tokens equal o_{i,<=t}
 (duplicates count, i included). The aggregation's denominators stay token counts; the rest is
 GRPO (group advantage, clip 0.2, k3 KL beta 0.04, seq-mean-token-mean).
+
+Formulas, defaults and decisions: docs/algorithms.md, section lambda-grpo.
 """
 
 from __future__ import annotations

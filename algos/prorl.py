@@ -15,6 +15,8 @@ A reset asks the run for it (``ctx.reset_reference()``): the policy is written t
 ``OUT/reference/step-N`` (an HF folder) and the reference takes it, whatever kind it is (an
 in-process copy, or a server told to reload the folder). The folder and the reference version go
 into checkpoints, so a resumed run restores the reset reference.
+
+Formulas, defaults and decisions: docs/algorithms.md, section prorl.
 """
 
 from __future__ import annotations

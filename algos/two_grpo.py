@@ -8,6 +8,8 @@ GRPO with G = 2 completions per prompt and the population std, so that
 group advantage). Equal pairs are kept: they count in the 1/N of ``seq-mean-token-mean``.
 The rest is grpo (token ratio, clip 0.2, k3 KL with beta 0.04). The paper compares against
 G = 16 with 8x the prompts per step and 8x the learning rate; configs/2-grpo.yaml says so.
+
+Formulas, defaults and decisions: docs/algorithms.md, section 2-grpo.
 """
 
 from __future__ import annotations

@@ -42,3 +42,18 @@ def tiny_dir(tmp_path_factory) -> Path:
     from grpo.foundation.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def single_rank_env():
+    """The environment of a one-rank DeepSpeed world, for a Trainer built inside the test process."""
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

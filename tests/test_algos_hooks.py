@@ -626,23 +626,6 @@ def test_edge_grpo_correction_probabilities():
 # --------------------------------------------------------------------------- with a real (single-rank) trainer
 
 
-@pytest.fixture(scope="module")
-def single_rank_env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def make_trainer(algo: str, tmp_path, *overrides: str):
     from grpo.training.trainer import Trainer
 

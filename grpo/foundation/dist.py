@@ -52,21 +52,22 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (a copy; the input is left alone). Identity in one process."""
+def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
     if not is_initialized() or world_size() == 1:
         return x.clone()
     y = x.detach().clone()
-    tdist.all_reduce(y, op=tdist.ReduceOp.SUM)
+    tdist.all_reduce(y, op=op)
     return y
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; the input is left alone). Identity in one process."""
+    return _all_reduce(x, tdist.ReduceOp.SUM)
 
 
 def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    if not is_initialized() or world_size() == 1:
-        return x.clone()
-    y = x.detach().clone()
-    tdist.all_reduce(y, op=tdist.ReduceOp.MAX)
-    return y
+    """Maximum over ranks (a copy). Identity in one process."""
+    return _all_reduce(x, tdist.ReduceOp.MAX)
 
 
 def any_rank(flag: bool) -> bool:
