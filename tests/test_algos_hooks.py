@@ -676,9 +676,9 @@ def test_prorl_reference_resets(single_rank_env, tmp_path):
     with torch.no_grad():  # make sure the policy differs from the reference, whatever the step's rewards were
         for p in tr.model.parameters():
             p.add_(0.01)
-    policy = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    policy = {k: v.detach().cpu().clone() for k, v in tr.model.state_dict().items()}  # on CPU: GPU runs too
     ref_w = tr.reference.impl.model.state_dict()
-    assert any(not torch.equal(policy[k], ref_w[k]) for k in policy)  # one update moved the policy
+    assert any(not torch.equal(policy[k], ref_w[k].cpu()) for k in policy)  # one update moved the policy
     assert len(tr.engine.optimizer.state) > 0
 
     events = []
@@ -690,12 +690,12 @@ def test_prorl_reference_resets(single_rank_env, tmp_path):
     # step 4: every 4 steps; step 7: two values without improvement on the best since that reset
     assert events == [(0, 0), (0, 0), (0, 0), (1, 0), (0, 1), (0, 1), (1, 1)]
     ref_w = tr.reference.impl.model.state_dict()
-    assert all(torch.equal(policy[k], ref_w[k]) for k in policy)  # pi_ref <- pi_theta
+    assert all(torch.equal(policy[k], ref_w[k].cpu()) for k in policy)  # pi_ref <- pi_theta
     assert tr.reference.version == 2 and algo.resets == 2
     assert len(tr.engine.optimizer.state) == 0  # optimizer state reset
     folder = tmp_path / "reference" / "step-7"
     saved = load_model(tr.cfg.model, str(folder)).state_dict()
-    assert all(torch.equal(policy[k], saved[k]) for k in policy)
+    assert all(torch.equal(policy[k], saved[k].cpu()) for k in policy)
 
     # resume: a fresh reference (the initial model) is brought back to the reset one
     state = algo.state_dict()
@@ -703,7 +703,7 @@ def test_prorl_reference_resets(single_rank_env, tmp_path):
     tr2.algo.load_state_dict(state)
     tr2.algo.attach(tr2.context())
     ref2 = tr2.reference.impl.model.state_dict()
-    assert all(torch.equal(policy[k], ref2[k]) for k in policy) and tr2.reference.version == 2
+    assert all(torch.equal(policy[k], ref2[k].cpu()) for k in policy) and tr2.reference.version == 2
 
     # with a reference server: the policy is saved and the server's reload is called once
     server = RecordingServer()
