@@ -11,9 +11,10 @@ and when ``reset_metric`` (a logged metric, higher is better; e.g. an eval metri
 improved for ``reset_patience`` consecutive steps that logged it. Both triggers are off (0)
 by default: the paper resets by hand when validation stalls (configs/prorl.yaml sets one).
 
-A reset asks the run for it (``ctx.reset_reference()``): the policy is written to
-``OUT/reference/step-N`` (an HF folder) and the reference takes it, whatever kind it is (an
-in-process copy, or a server told to reload the folder). The folder and the reference version go
+A reset asks the run for it (``ctx.reset_reference()``, the same mechanism as ``ref.sync_every``
+with alpha = 1): the policy is written to ``OUT/reference/step-N`` (an HF folder) and the reference
+takes it, whatever kind it is (an in-process copy, a server told to reload the folder, or with LoRA
+the policy's base, into which the adapter is merged). The folder and the reference version go
 into checkpoints, so a resumed run restores the reset reference.
 
 Formulas, defaults and decisions: docs/algorithms.md, section prorl.
@@ -68,7 +69,7 @@ class ProRL(DAPO):
 
     # ----------------------------------------------------------------- hooks
     def attach(self, ctx: StepContext) -> None:
-        if self.ref_dir is not None:  # resumed after a reset: bring the reference back to it
+        if self.ref_dir is not None and ctx.reference.folder != self.ref_dir:  # resumed after a reset: bring it back
             self.ref_version = ctx.reference.restore(self.ref_dir, self.ref_version)
         elif self.ref_version is None:
             self.ref_version = ctx.reference.version

@@ -60,7 +60,8 @@ def deepspeed_config(cfg: Config) -> dict:
     }
     if t.grad_clip > 0:
         ds["gradient_clipping"] = t.grad_clip
-    if cfg.model.dtype == "bf16":
+    if cfg.model.dtype == "bf16" and cfg.model.lora is None:
+        # (with LoRA the base stays bf16 and the fp32 adapters train in DeepSpeed's fp32 mode)
         ds["bf16"] = {"enabled": True}
     elif cfg.model.dtype == "fp16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
@@ -89,12 +90,15 @@ def build_engine(cfg: Config, model: torch.nn.Module):
     import deepspeed
 
     t = cfg.train
-    optimizer = make_adamw(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+    # Only what trains reaches the optimizer (LoRA: the adapters; frozen layers have no state to keep).
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(trainable, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                            weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    ds_config = deepspeed_config(cfg)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                   config=deepspeed_config(cfg))
-    if dist.world_size() == 1 and t.zero_stage == 0 and cfg.model.dtype == "fp32":
+                                                   config=ds_config)
+    if dist.world_size() == 1 and t.zero_stage == 0 and "bf16" not in ds_config and "fp16" not in ds_config:
         # One rank has nothing to all-reduce, but DeepSpeed would still copy every gradient into a
         # flat bucket and back at each step (one more model-sized buffer at the memory peak).
         engine.enable_backward_allreduce = False
