@@ -6,6 +6,7 @@ The trainer calls only what is here to touch DeepSpeed:
     grad_norm(engine, cfg)         the step's global gradient norm (DeepSpeed reports none without ZeRO)
     reset_optimizer_state(engine)  Adam moments and step counts start afresh
     partitions_weights(engine)     ZeRO-3: no rank holds the whole model
+    (with frozen weights, e.g. LoRA's base, checkpoints leave every one of them out: see build_engine)
 """
 
 from __future__ import annotations
@@ -98,11 +99,30 @@ def build_engine(cfg: Config, model: torch.nn.Module):
     ds_config = deepspeed_config(cfg)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=ds_config)
+    if len(trainable) < sum(1 for _ in model.parameters()):
+        _exclude_tied_frozen_weights(engine)
     if dist.world_size() == 1 and t.zero_stage == 0 and "bf16" not in ds_config and "fp16" not in ds_config:
         # One rank has nothing to all-reduce, but DeepSpeed would still copy every gradient into a
         # flat bucket and back at each step (one more model-sized buffer at the memory peak).
         engine.enable_backward_allreduce = False
     return engine, scheduler
+
+
+def _exclude_tied_frozen_weights(engine) -> None:
+    """``save_checkpoint(exclude_frozen_parameters=True)`` drops frozen weights by their ``named_parameters`` names,
+    which list a tied weight once: its other name (``lm_head.weight`` tied to the embeddings) stayed in every
+    checkpoint, a vocabulary-sized matrix (113 MB for SmolLM2-135M) beside a LoRA adapter of a few MB."""
+    plain = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        sd = plain(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for n, p in engine.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    sd.pop(n, None)
+        return sd
+
+    engine.module_state_dict = module_state_dict
 
 
 def begin_micro_batch(engine) -> None:
