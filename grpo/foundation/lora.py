@@ -101,10 +101,14 @@ def set_base_name(model, base_name: str) -> None:
 
 
 def _adapter_modules(model):
+    """What PeftModel.disable_adapter switches: adapter layers and wrapped (modules_to_save) modules."""
     from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper
 
-    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper as Wrapper  # peft >= 0.15
+    except ImportError:  # pragma: no cover
+        from peft.utils import ModulesToSaveWrapper as Wrapper
+    return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, Wrapper))]
 
 
 @contextmanager
