@@ -25,7 +25,7 @@ def merge(adapter_dir: str | Path, out_dir: str | Path, base: str | None = None,
     from peft import PeftModel
 
     from grpo.foundation.config import ConfigError, ModelConfig
-    from grpo.foundation.lora import ADAPTER_CONFIG, adapter_base_name
+    from grpo.foundation.lora import ADAPTER_CONFIG, adapter_base_name, mark_untied_if_needed
     from grpo.foundation.modeling import load_model, load_tokenizer
 
     adapter_dir, out = Path(adapter_dir), Path(out_dir)
@@ -35,6 +35,7 @@ def merge(adapter_dir: str | Path, out_dir: str | Path, base: str | None = None,
     base = base or adapter_base_name(adapter_dir)
     cfg = ModelConfig(name_or_path=base, dtype=dtype)
     merged = PeftModel.from_pretrained(load_model(cfg), str(adapter_dir)).merge_and_unload()
+    mark_untied_if_needed(merged)  # a trained output head (modules_to_save) is not the embeddings any more
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(out), safe_serialization=True)
     has_tokenizer = any((adapter_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))

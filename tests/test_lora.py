@@ -18,6 +18,8 @@ from grpo.training.configure import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj]}"
+# the tiny model ties lm_head to the input embeddings: the head trains as a copy, the embeddings stay frozen
+LORA_HEAD = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj], modules_to_save: [lm_head]}"
 
 
 # --------------------------------------------------------------------------- config
@@ -82,15 +84,17 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 
 def is_adapter_key(key: str) -> bool:
-    return ".lora_" in key
+    """A trained weight: an adapter's, or a modules_to_save copy's."""
+    return ".lora_" in key or ".modules_to_save." in key
 
 
 def perturb_adapters(model, seed: int = 0, scale: float = 0.05) -> None:
-    """Non-zero B (LoRA starts at B = 0, where the adapted model is the base): the checks below see a real adapter."""
+    """Non-zero B (LoRA starts at B = 0, where the adapted model is the base) and a moved head copy: the checks
+    below see a real adapter."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "lora_B" in n:
+            if "lora_B" in n or ".modules_to_save." in n:
                 p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
 
 
@@ -124,13 +128,16 @@ def policy_logprobs(tr, packed) -> torch.Tensor:
 # --------------------------------------------------------------------------- training: only adapters
 
 
-def test_only_adapters_train_the_base_stays_bit_identical_and_the_reference_is_the_base(single_rank_env, tmp_path):
+@pytest.mark.parametrize("lora_cfg", [LORA, LORA_HEAD], ids=["adapters", "adapters+head"])
+def test_only_adapters_train_the_base_stays_bit_identical_and_the_reference_is_the_base(single_rank_env, tmp_path,
+                                                                                       lora_cfg):
     from grpo.foundation.modeling import load_model
 
-    tr = make_trainer(tmp_path, LORA, "algo.beta=0.04", "train.lr=1e-2")
+    tr = make_trainer(tmp_path, lora_cfg, "algo.beta=0.04", "train.lr=1e-2")
     trainable = {n for n, p in tr.model.named_parameters() if p.requires_grad}
     assert trainable and all(is_adapter_key(n) for n in trainable)
-    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable} == {"q_proj", "v_proj", "up_proj"}
+    adapted = {n.split(".lora_")[0].split(".modules_to_save")[0].rsplit(".", 1)[-1] for n in trainable}
+    assert adapted == ({"q_proj", "v_proj", "up_proj"} | ({"lm_head"} if lora_cfg == LORA_HEAD else set()))
     opt = getattr(tr.engine.optimizer, "optimizer", tr.engine.optimizer)
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     assert in_opt == {id(p) for p in tr.model.parameters() if p.requires_grad}  # only the adapters reach it
@@ -146,7 +153,7 @@ def test_only_adapters_train_the_base_stays_bit_identical_and_the_reference_is_t
     after = snapshot(tr.model)
     base = [k for k in before if not is_adapter_key(k)]
     assert base and all(torch.equal(before[k], after[k]) for k in base)  # bit-identical
-    for part in ("lora_A", "lora_B"):
+    for part in ("lora_A", "lora_B") + ((".modules_to_save.",) if lora_cfg == LORA_HEAD else ()):
         assert any(not torch.equal(before[k], after[k]) for k in before if part in k), part
     assert len(opt.state) == len(in_opt)
 
@@ -200,8 +207,12 @@ def test_reference_kind_with_lora(single_rank_env, monkeypatch):
     assert make_reference(other, True, torch.device("cpu"), policy=policy).kind == "in-process"
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: \['nope'\] match no linear layer"):
         load_policy(load_config(None, "grpo", ["model.lora.target_modules=[nope]"]).model)
-    with pytest.raises(ConfigError, match=r"names \['lm_head'\], whose weight this model ties"):
+    with pytest.raises(ConfigError, match=r"names \['lm_head'\], whose weight this model ties.*modules_to_save"):
         load_policy(load_config(None, "grpo", ["model.lora.target_modules=[q_proj, lm_head]"]).model)
+    with pytest.raises(ConfigError, match=r"names the input embeddings \['model.embed_tokens'\].*lm_head"):
+        load_policy(load_config(None, "grpo", ["model.lora.modules_to_save=[embed_tokens]"]).model)
+    with pytest.raises(ConfigError, match=r"modules_to_save=\['lm_head'\] with a torch.bfloat16 base"):
+        load_policy(load_config(None, "grpo", [LORA_HEAD, "model.dtype=bf16"]).model)
 
 
 # --------------------------------------------------------------------------- checkpoints, resume, merge, eval
@@ -218,14 +229,15 @@ def load_script(name: str):
     return module
 
 
-def test_checkpoint_resume_merge_and_eval_round_trip(single_rank_env, tmp_path, capsys):
+@pytest.mark.parametrize("lora_cfg", [LORA, LORA_HEAD], ids=["adapters", "adapters+head"])
+def test_checkpoint_resume_merge_and_eval_round_trip(single_rank_env, tmp_path, capsys, lora_cfg):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from grpo.foundation.modeling import load_model
 
     out = tmp_path / "run"
-    args = (LORA, "algo.beta=0.04", "train.lr=1e-2")
+    args = (lora_cfg, "algo.beta=0.04", "train.lr=1e-2")
     tr = make_trainer(out, *args)
     perturb_adapters(tr.model)
     for _ in range(2):
@@ -256,6 +268,7 @@ def test_checkpoint_resume_merge_and_eval_round_trip(single_rank_env, tmp_path, 
         assert load_script("merge_lora").main([str(ckpt), str(merged_dir)]) == 0
         merged = AutoModelForCausalLM.from_pretrained(merged_dir)
         assert not any("lora" in k for k in merged.state_dict())
+        assert merged.config.tie_word_embeddings == (lora_cfg == LORA)  # a trained head: untied
         diff = (plain_logprobs(merged, packed, tr.cfg) - adapted).abs().max().item()
         assert diff <= MERGE_BOUND, diff
         assert (adapted - plain_logprobs(load_model(tr.cfg.model), packed, tr.cfg)).abs().max() > 1e-3  # not the base
@@ -408,12 +421,13 @@ def test_sync_through_the_server_writes_the_mixed_weights_and_reloads(single_ran
     tr.close()
 
 
-@pytest.mark.parametrize("alpha", [0.3, 1.0])
-def test_sync_with_lora_merges_into_the_base_and_keeps_the_policy(single_rank_env, tmp_path, alpha):
+@pytest.mark.parametrize("alpha, lora_cfg", [(0.3, LORA), (1.0, LORA), (0.3, LORA_HEAD)],
+                         ids=["0.3", "1.0", "0.3-head"])
+def test_sync_with_lora_merges_into_the_base_and_keeps_the_policy(single_rank_env, tmp_path, alpha, lora_cfg):
     from grpo.foundation import lora
     from grpo.foundation.modeling import load_model
 
-    tr = make_trainer(tmp_path, LORA, "algo.beta=0.04", "train.lr=1e-2")
+    tr = make_trainer(tmp_path, lora_cfg, "algo.beta=0.04", "train.lr=1e-2")
     perturb_adapters(tr.model)
     tr.train_step()
     tr.step = 1
@@ -423,6 +437,9 @@ def test_sync_with_lora_merges_into_the_base_and_keeps_the_policy(single_rank_en
     layers = dict(lora._lora_layers(tr.model))
     delta = {f"{n}.weight": m.get_delta_weight(lora.ADAPTER).detach().clone() for n, m in layers.items()}
     b0 = {n: m.lora_B[lora.ADAPTER].weight.detach().clone() for n, m in layers.items()}
+    heads = {f"{n}.{k}": v.detach().clone() for n, w in lora._saved_modules(tr.model)
+             for k, v in w.modules_to_save[lora.ADAPTER].state_dict().items()}
+    assert bool(heads) == (lora_cfg == LORA_HEAD)
 
     folder, version = tr.sync_reference(alpha)
     assert version == 1 and tr.reference.kind == "adapters-off" and tr.reference.impl.model is tr.model
@@ -431,6 +448,9 @@ def test_sync_with_lora_merges_into_the_base_and_keeps_the_policy(single_rank_en
         if k in delta:  # the reference: alpha (W + D) + (1 - alpha) W = W + alpha D
             assert torch.equal(base1[k], w0 + alpha * delta[k]), k
             assert within_rounding(base1[k], w0 + delta[k], w0, alpha), k
+        elif k in heads:  # a trained head T: alpha T + (1 - alpha) W (the embeddings it was tied to stay W)
+            assert torch.equal(base1[k], heads[k] * alpha + w0 * (1.0 - alpha)), k
+            assert within_rounding(base1[k], heads[k], w0, alpha), k
         else:
             assert torch.equal(base1[k], w0), k  # layers without adapters: pi_theta = pi_ref there already
     for n, m in layers.items():  # the adapter keeps (1 - alpha) D
@@ -443,13 +463,14 @@ def test_sync_with_lora_merges_into_the_base_and_keeps_the_policy(single_rank_en
         assert torch.equal(ref, policy_logprobs(tr, packed)) or (ref - policy_before).abs().max() <= MERGE_BOUND
 
     # an adapter saved now names its new base; a resumed run puts that base back under the adapter
+    tr.step = 1
     ckpt = tr.save()
     assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == folder
     merged = load_model(tr.cfg.model, str(ckpt))
     assert (plain_logprobs(merged, packed, tr.cfg) - policy_before).abs().max() <= 2 * MERGE_BOUND
     weights = snapshot(tr.model)
     tr.close()
-    tr2 = make_trainer(tmp_path, LORA, "algo.beta=0.04", "train.lr=1e-2", resume=True)
+    tr2 = make_trainer(tmp_path, lora_cfg, "algo.beta=0.04", "train.lr=1e-2", resume=True)
     assert tr2.reference.version == 1 and tr2.reference.folder == folder
     got = snapshot(tr2.model)
     assert all(torch.equal(weights[k], got[k]) for k in weights)

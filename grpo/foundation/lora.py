@@ -45,12 +45,17 @@ def has_lora(model: torch.nn.Module) -> bool:
     return isinstance(getattr(model, "peft_config", None), dict) and ADAPTER in model.peft_config
 
 
-def _tied_names(model) -> set[str]:
-    """Names of the embedding modules whose weights the model ties together (tie_word_embeddings)."""
+def _tied_embeddings(model) -> tuple[set[str], set[str]]:
+    """(input, output) embedding module names when the model ties their weights (tie_word_embeddings), else empty."""
     if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
-        return set()
-    tied = [model.get_input_embeddings(), model.get_output_embeddings()]
-    return {n for n, m in model.named_modules() if any(m is t for t in tied if t is not None)}
+        return set(), set()
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    names = dict(model.named_modules())
+    return ({n for n, m in names.items() if m is inp}, {n for n, m in names.items() if out is not None and m is out})
+
+
+def _names(cfg_names: list[str], modules: set[str]) -> list[str]:
+    return sorted({n for n in modules for t in cfg_names if n == t or n.endswith("." + t)})
 
 
 def apply_lora(model, cfg: LoraConfig, base_name: str, freeze_bottom_layers: int = 0):
@@ -60,16 +65,25 @@ def apply_lora(model, cfg: LoraConfig, base_name: str, freeze_bottom_layers: int
     the base's dtype (PEFT's ``autocast_adapter_dtype``). With ``freeze_bottom_layers = n`` only the
     layers above n get adapters (the backward pass stops there, as without LoRA). ``base_name`` is written
     into the adapter's config (``base_model_name_or_path``), so a saved adapter names its base.
+
+    Tied embeddings (``tie_word_embeddings``): adapters on either embedding are refused (one update would
+    change both ends); ``modules_to_save: [lm_head]`` trains a copy of the output head while the input
+    embeddings stay the frozen original, so the adapted model is untied from then on (merged and exported
+    models are saved with ``tie_word_embeddings: false``).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    tied = _tied_names(model)
-    for key in ("target_modules", "modules_to_save"):
-        clash = sorted({n for n in tied for t in getattr(cfg, key) if n == t or n.endswith("." + t)})
-        if clash:
-            raise ConfigError(f"model.lora.{key}={getattr(cfg, key)} names {clash}, whose weight this model ties to "
-                              "another module (tie_word_embeddings): leave it out (adapt the layers inside instead)")
+    tied_in, tied_out = _tied_embeddings(model)
+    clash = _names(cfg.target_modules, tied_in | tied_out)
+    if clash:
+        raise ConfigError(f"model.lora.target_modules={cfg.target_modules} names {clash}, whose weight this model ties "
+                          "to the other embedding (tie_word_embeddings): leave it out; to train the output head, "
+                          "name it in model.lora.modules_to_save")
+    clash = _names(cfg.modules_to_save, tied_in)
+    if clash:
+        raise ConfigError(f"model.lora.modules_to_save={cfg.modules_to_save} names the input embeddings {clash}, which "
+                          "this model ties to its output head: name the head (e.g. lm_head) instead")
     if cfg.modules_to_save and next(model.parameters()).dtype != torch.float32:
         raise ConfigError(f"model.lora.modules_to_save={cfg.modules_to_save} with a {next(model.parameters()).dtype} "
                           "base is not supported: those modules would train in that dtype; use model.dtype=fp32")
@@ -92,7 +106,21 @@ def apply_lora(model, cfg: LoraConfig, base_name: str, freeze_bottom_layers: int
     wrapped = get_peft_model(model, peft_cfg, autocast_adapter_dtype=True)
     inner = wrapped.get_base_model()
     inner.peft_config[ADAPTER].base_model_name_or_path = base_name
+    if _names(cfg.modules_to_save, tied_out):
+        set_untied(inner)  # the head trains apart from the embeddings (its original is still shared: see sync_base)
     return inner
+
+
+def state_dict_for_save(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` ready for ``save_pretrained``: when the config says the embeddings are not tied, tensors
+    that still share storage (a frozen original head and the embeddings) are saved as separate copies."""
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return state_dict
+    seen, out = set(), {}
+    for k, v in state_dict.items():
+        out[k] = v.clone() if v.data_ptr() in seen else v
+        seen.add(v.data_ptr())
+    return out
 
 
 def set_base_name(model, base_name: str) -> None:
@@ -207,6 +235,29 @@ def adapter_base_name(folder: str | Path) -> str:
     return str(base)
 
 
+def untie_saved_modules(model) -> None:
+    """Give the frozen original of every ``modules_to_save`` module weights of its own where they are tied to
+    another module's (lm_head <-> embed_tokens): the original can then change (a reference sync) without
+    moving the policy's input embeddings. The model is untied from then on (its config says so)."""
+    prefixes = tuple(f"{n}." for n, _ in _saved_modules(model))
+    others = {p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(prefixes)}
+    changed = False
+    for _, wrapper in _saved_modules(model):
+        for name, mod in list(wrapper.original_module.named_modules()):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                if p.data_ptr() in others:
+                    setattr(mod, pname, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+                    changed = True
+    if changed:
+        set_untied(model)
+
+
+def set_untied(model) -> None:
+    """The model's config says its embeddings are not tied (an output head trained apart from them)."""
+    for c in {id(model.config): model.config, id(model.config.get_text_config()): model.config.get_text_config()}.values():
+        c.tie_word_embeddings = False
+
+
 @torch.no_grad()
 def sync_base(model, alpha: float = 1.0) -> None:
     """pi_ref <- alpha pi_theta + (1 - alpha) pi_ref for the free reference (the base), keeping the policy.
@@ -216,9 +267,11 @@ def sync_base(model, alpha: float = 1.0) -> None:
     (1 - alpha), so the adapter adds the remaining (1 - alpha) D and the policy stays W + D (up to the
     rounding of the base's dtype). alpha = 1 merges the adapter into the base and zeroes B: the
     reference becomes the policy, and the adapter starts again from B = 0 with A as it is (as
-    LoRA starts). A ``modules_to_save`` module's frozen original is mixed with its trained copy.
-    Every rank calls it (the same arithmetic on the same weights everywhere).
+    LoRA starts). A ``modules_to_save`` module's frozen original is mixed with its trained copy (an output
+    head tied to the input embeddings is untied first: the embeddings, the same in policy and reference,
+    stay as they are). Every rank calls it (the same arithmetic on the same weights everywhere).
     """
+    untie_saved_modules(model)
     for _, layer in _lora_layers(model):
         w = layer.get_base_layer().weight
         w.copy_((w.float() + alpha * layer.get_delta_weight(ADAPTER).float()).to(w.dtype))
@@ -236,6 +289,7 @@ def sync_base(model, alpha: float = 1.0) -> None:
 @torch.no_grad()
 def load_base(model, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy base weights (transformers' names, as ``base_state_dict`` gives) into the frozen base."""
+    untie_saved_modules(model)  # a synced base's head may differ from its embeddings
     targets = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = _plain_name(key)
@@ -260,5 +314,15 @@ def load_adapter_folder(folder: str | Path, load_base_model) -> torch.nn.Module:
     from peft import PeftModel
 
     base = load_base_model(adapter_base_name(folder))
-    model = PeftModel.from_pretrained(base, str(folder))
-    return model.merge_and_unload()
+    model = PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    mark_untied_if_needed(model)
+    return model
+
+
+def mark_untied_if_needed(model) -> None:
+    """After ``merge_and_unload``: a trained output head (modules_to_save) is its own module now; if the config
+    still says the embeddings are tied, saving and loading would tie them back. Say they are not."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if tied and out is not None and out.weight.data_ptr() != inp.weight.data_ptr():
+        set_untied(model)

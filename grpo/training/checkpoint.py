@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from grpo.foundation import dist
-from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter
+from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter, state_dict_for_save
 
 LATEST = "latest"
 
@@ -116,7 +116,7 @@ def _write_hf(engine, tokenizer, folder: Path) -> None:
 def write_weights(model, state_dict: dict, tokenizer, folder: str | Path) -> None:
     """An HF folder (``from_pretrained`` loads it) with ``model``'s config and these weights (transformers'
     names, e.g. a mixed reference's). Call it on one rank."""
-    model.save_pretrained(str(folder), state_dict=state_dict, safe_serialization=True)
+    model.save_pretrained(str(folder), state_dict=state_dict_for_save(model, state_dict), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
 
 
