@@ -20,6 +20,7 @@ DeepSpeed all see the same module as without LoRA, and everything LoRA needs is 
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -103,7 +104,12 @@ def apply_lora(model, cfg: LoraConfig, base_name: str, freeze_bottom_layers: int
     peft_cfg = PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                               target_modules=list(cfg.target_modules), modules_to_save=list(cfg.modules_to_save) or None,
                               layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
-    wrapped = get_peft_model(model, peft_cfg, autocast_adapter_dtype=True)
+    with warnings.catch_warnings():
+        # PEFT warns that a tied head is part of the adapter: handled here (the head trains untied, see above)
+        warnings.filterwarnings("ignore", message=r".*tie_word_embeddings=True. and a tied layer is part of the adapter")
+        # PEFT reads transformers' deprecated is_gradient_checkpointing (a FutureWarning on every run)
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
+        wrapped = get_peft_model(model, peft_cfg, autocast_adapter_dtype=True)
     inner = wrapped.get_base_model()
     inner.peft_config[ADAPTER].base_model_name_or_path = base_name
     if _names(cfg.modules_to_save, tied_out):
