@@ -4,13 +4,15 @@ Precedence (lowest to highest): dataclass defaults < the chosen algorithm's
 defaults < YAML file < ``--algo NAME`` (picks the algorithm) < ``key=value``
 overrides on the command line. Any unknown key, wrong type or invalid value
 raises :class:`ConfigError` naming the key and the valid choices, before any
-model is loaded.
+model is loaded. Every float-typed value, algorithm options included, must be finite:
+nan and inf are refused where the value is read, before any range check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +24,10 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message says how to fix it."""
+
+
+class _NotFiniteError(ConfigError):
+    """A float-typed key got nan or inf (raised by the coercion, whatever else the annotation allows)."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -247,7 +253,16 @@ class Config:
 # --------------------------------------------------------------------------- validation
 
 
+def _not_finite(path: str, value: float) -> ConfigError:
+    return _NotFiniteError(
+        f"{path}={value!r} is invalid: it must be a finite number (nan and inf are not allowed); "
+        f"set a finite value or leave {path} out to use its default"
+    )
+
+
 def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):
+        raise _not_finite(path, value)
     if value < 0 or (value == 0 and not allow_zero):
         need = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{path}={value!r} is invalid: it must be {need}")
@@ -394,6 +409,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 continue
             try:
                 return _coerce(path, value, a)
+            except _NotFiniteError:
+                raise  # the type fits; the value does not
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
@@ -434,14 +451,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"{path}={value!r} has the wrong type: expected an integer")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}={value!r} has the wrong type: expected a number")
+        number = _to_float(path, value)
+        if not math.isfinite(number):  # every float in the config, algorithm options included
+            raise _not_finite(path, number)
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -449,6 +462,20 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{path}={value!r} has the wrong type: expected a string")
     raise ConfigError(f"{path}: unsupported type {tp!r}")
+
+
+def _to_float(path: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float
+            return math.inf
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{path}={value!r} has the wrong type: expected a number")
 
 
 def _field_names(cls: type) -> str:
