@@ -170,6 +170,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     save_every: int = 0  # 0 = only at the end
     logprob_chunk_size: int = 256  # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer)
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a NaN/inf loss or gradient norm
 
 
 @dataclass
@@ -197,6 +198,7 @@ class LoggingConfig:
     progress_bar: bool = True
     plot: bool = True
     wandb_project: str = "grpo"
+    health_patience: int = 5  # warn when a run looks stuck (truncation, all-equal groups, zero gradient) this many steps in a row
 
 
 @dataclass
@@ -288,6 +290,7 @@ def validate(cfg: Config) -> None:
     _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive("train.save_every", t.save_every, allow_zero=True)
     _positive("train.logprob_chunk_size", t.logprob_chunk_size)
+    _positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
     _positive("algo.beta", a.beta, allow_zero=True)
     _positive("algo.clip_eps_low", a.clip_eps_low, allow_zero=True)
     _positive("algo.clip_eps_high", a.clip_eps_high, allow_zero=True)
@@ -299,6 +302,7 @@ def validate(cfg: Config) -> None:
     _positive("algo.num_iterations", a.num_iterations)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.samples_per_log", cfg.logging.samples_per_log, allow_zero=True)
+    _positive("logging.health_patience", cfg.logging.health_patience)
     for i, target in enumerate(cfg.logging.report_to):
         if target not in ("tensorboard", "wandb"):
             raise ConfigError(
@@ -612,6 +616,12 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
     cfg = build_dataclass(Config, tree)
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
     validate(cfg)
+    if getattr(algorithm, "group_relative", False) and cfg.rollout.num_generations < 2:
+        raise ConfigError(
+            f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
+            f"compare the completions of one prompt, so with fewer than 2 every advantage is 0. Set "
+            f"rollout.num_generations >= 2 (papers use 8 to 64)"
+        )
     algorithm.validate(cfg)
     return cfg
 
