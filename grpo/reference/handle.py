@@ -2,6 +2,7 @@
 
     logprobs / submit(packed, temperature)   reference log-probs (a future: a server works meanwhile)
     version                                  bumped by every reload or reset
+    weights_hash()                           a server's hash of its weights (checked on --resume)
     reload(folder)                           load weights from an HF folder (collective: every rank calls it)
     load_policy(folder, model)               pi_ref <- pi_theta (the folder holds the policy's export)
     restore(folder, version)                 a resumed run's reference: the folder it had, at its version
@@ -45,6 +46,14 @@ class ReferenceHandle:
             info = self.impl.info() if dist.is_main() else None
             self._version = int(dist.broadcast_object(info).get("version", 0))
         return self._version
+
+    def weights_hash(self) -> Optional[str]:
+        """A server's hash of the weights it serves (None in-process: the copy is the one this run loaded
+        or reset). Collective."""
+        if not self.remote:
+            return None
+        info = self.impl.info() if dist.is_main() else None
+        return dist.broadcast_object(info).get("weights_hash")
 
     @property
     def source(self) -> str:

@@ -101,7 +101,8 @@ class Trainer:
     def reset_reference(self) -> tuple[str, int]:
         """pi_ref <- pi_theta (collective): the policy is exported to OUT/reference/step-N and the
         reference takes it; returns (that folder, the reference's new version)."""
-        folder = export_model(self.engine, self.tokenizer, self.out / "reference" / f"step-{self.step}")
+        # absolute: a reference server resolves the folder on its side, not in this run's working directory
+        folder = export_model(self.engine, self.tokenizer, (self.out / "reference" / f"step-{self.step}").resolve())
         whole = None if ds.partitions_weights(self.engine) else self.model
         return str(folder), self.reference.load_policy(str(folder), whole)
 
