@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
+from safetensors.torch import save as st_save
 
 from grpo.foundation.config import load_config
 from grpo.reference.http import HTTPReference
@@ -181,6 +182,9 @@ def _bad_bodies(p):
         ("rows disagree", encode({**good, "prompt_lens": plen[:-1]}, header), 400, "completion_lens"),
         ("out-of-vocabulary id", encode({**good, "input_ids": oov}, header), 400, "input_ids"),
         ("bad temperature", encode(good, {"temperature": -1}), 400, "temperature"),
+        ("lengths that wrap int64", encode({"input_ids": ids[:2], "prompt_lens": torch.tensor([2**62, 2**62, 1, 1]),
+                                            "completion_lens": torch.tensor([2**62, 2**62, 0, 0])}, header), 400, "prompt_lens"),
+        ("deeply nested header", st_save(good, metadata={"header": "[" * 10_000 + "]" * 10_000}), 400, "header"),
         ("oversized body", b"\x00" * int(MAX_REQUEST_MB * 2**20 + 1000), 413, "body"),
     ]
 

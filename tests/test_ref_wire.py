@@ -144,3 +144,54 @@ def test_truncated_payload_is_refused():
 def test_row_slices(rows, row_tokens, max_rows, max_tokens, sizes):
     slices = row_slices(rows, row_tokens, max_rows, max_tokens)
     assert [len(range(rows)[s]) for s in slices] == sizes
+
+
+# --------------------------------------------------------------------------- hostile values (400, never 500)
+
+
+def _lengths_request(prompt_lens: list[int], completion_lens: list[int], tokens: int):
+    return {"input_ids": torch.full((tokens,), 5, dtype=torch.int64),
+            "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
+            "completion_lens": torch.tensor(completion_lens, dtype=torch.int64)}
+
+
+@pytest.mark.parametrize(
+    "prompt_lens, completion_lens, tokens, field",
+    [
+        # 2**62 + 2**62 wraps to -2**63 in int64: two such rows sum to 0, so the sum and max checks saw 2 tokens
+        ([2**62, 2**62, 1, 1], [2**62, 2**62, 0, 0], 2, "prompt_lens"),
+        ([1, 1], [2**63 - 1, 2**63 - 1], 0, "completion_lens"),
+        ([2**63 - 1, 2], [0, 2**63 - 1], 1, "prompt_lens"),
+    ],
+)
+def test_row_lengths_that_would_wrap_int64_are_refused(prompt_lens, completion_lens, tokens, field):
+    body = encode(_lengths_request(prompt_lens, completion_lens, tokens), {"temperature": 1.0})
+    with pytest.raises(WireError) as e:
+        parse_request(body, VOCAB, 16384)
+    assert e.value.field == field and "max_batch_tokens=16384" in e.value.message
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("where", ["header", "safetensors header"])
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(where):
+    tensors, header = _request()
+    if where == "header":
+        body = st_save(tensors, metadata={"header": json.dumps({**header, "pad_id": None}).replace("null", _nested(100_000))})
+        field = "header"
+    else:  # the outer safetensors JSON, parsed before safetensors sees it
+        raw = json.dumps({"x": None}).replace("null", _nested(100_000)).encode()
+        body = len(raw).to_bytes(8, "little") + raw
+        field = "body"
+    with pytest.raises(WireError) as e:
+        parse_request(body, VOCAB, 16384)
+    assert e.value.field == field and "nested" in e.value.message
+
+
+def test_a_temperature_too_large_for_a_float_is_refused():
+    tensors, header = _request(temperature=10**400)
+    with pytest.raises(WireError) as e:
+        parse_request(encode(tensors, header), VOCAB, 16384)
+    assert e.value.field == "temperature" and "finite number" in e.value.message

@@ -54,6 +54,16 @@ def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> bytes:
     return st_save(contiguous, metadata={"header": json.dumps(header)})
 
 
+def _json(raw: bytes | str, field: str, what: str) -> Any:
+    """``raw`` parsed as JSON; invalid or absurdly nested JSON raises :class:`WireError` (``field``)."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError(field, f"{what} is not valid JSON ({e})") from None
+    except RecursionError:  # "[[[[..." thousands deep: Python's parser gives up; that is the client's fault
+        raise WireError(field, f"{what} is nested too deeply to parse; send a flat JSON object") from None
+
+
 def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and header of a payload; a malformed body raises :class:`WireError` ('body'/'header')."""
     if len(body) < 8:
@@ -61,10 +71,7 @@ def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     n = int.from_bytes(body[:8], "little")
     if n > len(body) - 8:
         raise WireError("body", f"declares a {n}-byte safetensors header but only {len(body) - 8} bytes follow")
-    try:
-        st_header = json.loads(body[8 : 8 + n])
-    except (UnicodeDecodeError, ValueError) as e:
-        raise WireError("body", f"the safetensors header is not valid JSON ({e})") from None
+    st_header = _json(body[8 : 8 + n], "body", "the safetensors header")
     if not isinstance(st_header, dict):
         raise WireError("body", "the safetensors header is not a JSON object")
     try:
@@ -77,10 +84,7 @@ def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     raw = meta.get("header") if isinstance(meta, dict) else None
     if raw is None:
         raise WireError("header", 'missing: put the JSON header in the safetensors metadata under "header"')
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise WireError("header", f"not valid JSON ({e})") from None
+    header = _json(raw, "header", "the header")
     if not isinstance(header, dict):
         raise WireError("header", f"must be a JSON object, got {type(header).__name__}")
     return tensors, header
@@ -180,6 +184,42 @@ def _int_vector(tensors: dict, name: str) -> torch.Tensor:
     return t.long()
 
 
+def _row_lengths(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, max_row_tokens: int) -> torch.Tensor:
+    """Each row's tokens (prompt + completion), every length checked before anything is added up.
+
+    Each part is bounded by ``max_row_tokens`` first, so no sum can wrap around int64 (2**62 + 2**62
+    would be negative and slip past the later checks).
+    """
+    if bool((prompt_lens < 1).any()):
+        i = int((prompt_lens < 1).nonzero()[0])
+        raise WireError("prompt_lens", f"prompt_lens[{i}]={int(prompt_lens[i])}: every row needs a prompt of >= 1 token")
+    if bool((completion_lens < 0).any()):
+        i = int((completion_lens < 0).nonzero()[0])
+        raise WireError("completion_lens", f"completion_lens[{i}]={int(completion_lens[i])} is negative")
+    for name, lens in (("prompt_lens", prompt_lens), ("completion_lens", completion_lens)):
+        if bool((lens > max_row_tokens).any()):
+            i = int((lens > max_row_tokens).nonzero()[0])
+            raise WireError(name, f"{name}[{i}]={int(lens[i])}: row {i} is longer than this server's "
+                                  f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
+    seq = prompt_lens + completion_lens
+    if int(seq.max()) > max_row_tokens:
+        i = int(seq.argmax())
+        raise WireError("completion_lens", f"row {i} has {int(seq[i])} tokens, more than this server's "
+                                           f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
+    return seq
+
+
+def _temperature(header: dict) -> float:
+    t = header.get("temperature")
+    try:
+        value = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else math.nan
+    except OverflowError:  # an integer beyond float's range, e.g. 10**400
+        value = math.inf
+    if not math.isfinite(value) or value <= 0:
+        raise WireError("temperature", f"must be a finite number > 0, got {t!r}")
+    return value
+
+
 def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobRequest:
     """Decode and validate a request; any problem raises :class:`WireError` naming the field."""
     tensors, header = decode(body)
@@ -195,27 +235,15 @@ def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobR
         raise WireError("prompt_lens", "is empty: send at least one row")
     if completion_lens.shape != prompt_lens.shape:
         raise WireError("completion_lens", f"has {completion_lens.numel()} rows but prompt_lens has {prompt_lens.numel()}")
-    if bool((prompt_lens < 1).any()):
-        i = int((prompt_lens < 1).nonzero()[0])
-        raise WireError("prompt_lens", f"prompt_lens[{i}]={int(prompt_lens[i])}: every row needs a prompt of >= 1 token")
-    if bool((completion_lens < 0).any()):
-        i = int((completion_lens < 0).nonzero()[0])
-        raise WireError("completion_lens", f"completion_lens[{i}]={int(completion_lens[i])} is negative")
-    seq = prompt_lens + completion_lens
+    seq = _row_lengths(prompt_lens, completion_lens, max_row_tokens)
     if int(seq.sum()) != ids.numel():
         raise WireError("input_ids", f"has {ids.numel()} tokens but prompt_lens + completion_lens sum to {int(seq.sum())}")
-    if int(seq.max()) > max_row_tokens:
-        i = int(seq.argmax())
-        raise WireError("completion_lens", f"row {i} has {int(seq[i])} tokens, more than this server's "
-                                           f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
     bad = (ids < 0) | (ids >= vocab_size)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise WireError("input_ids", f"input_ids[{i}]={int(ids[i])} is outside the vocabulary [0, {vocab_size})")
 
-    t = header.get("temperature")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise WireError("temperature", f"must be a finite number > 0, got {t!r}")
+    t = _temperature(header)
     with_entropy = header.get("with_entropy", False)
     if not isinstance(with_entropy, bool):
         raise WireError("with_entropy", f"must be true or false, got {with_entropy!r}")
@@ -224,7 +252,7 @@ def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobR
         raise WireError("pad_id", f"{pad_id} is outside the vocabulary [0, {vocab_size})")
     rows_per_pass = _int_field(header, "rows_per_pass", None, 1)
     packed = unflatten(ids, prompt_lens, completion_lens, pad_id)
-    return LogprobRequest(packed, float(t), with_entropy, rows_per_pass)
+    return LogprobRequest(packed, t, with_entropy, rows_per_pass)
 
 
 # --------------------------------------------------------------------------- response
