@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import socket
 import threading
 import time
 
@@ -11,7 +13,9 @@ import requests
 
 from grpo.foundation.config import ConfigError, load_config
 from grpo.reference.http import BACKOFF_CAP, HTTPReference, backoff
+from grpo.reference.wire import CONTENT_TYPE, encode_request
 from grpo.reference.launch import free_port
+from grpo.reference.server import app as server_app
 from grpo.reference.server.app import AccessLog, build_server, check_bind
 from grpo.reference.base import ReferenceServerError, sliced_logprobs
 from grpo.foundation.tiny import build_tiny, make_char_tokenizer
@@ -28,6 +32,35 @@ def server():
     yield srv
     srv.begin_shutdown("test over")
     thread.join(10)
+
+
+@contextlib.contextmanager
+def serving(*overrides: str):
+    """Another builtin:tiny-char server in a thread (``ref.*`` overrides), shut down on exit."""
+    cfg = load_config(None, None, ["ref.port=0", *overrides])
+    srv = build_server(cfg, "cpu", AccessLog(io.StringIO()))
+    thread = threading.Thread(target=srv.serve_until_shutdown, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.begin_shutdown("test over")
+        thread.join(30)
+
+
+def wait_for(check, timeout: float = 10.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout} s"
+        time.sleep(0.01)
+
+
+def raw_connection(url: str, data: bytes = b"") -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    if data:
+        sock.sendall(data)
+    return sock
 
 
 def client_cfg(url: str, *overrides: str):
@@ -106,3 +139,25 @@ def test_ref_limits_are_validated():
         load_config(None, None, ["ref.port=70000"])
     with pytest.raises(ConfigError, match="ref.max_queue"):
         load_config(None, None, ["ref.max_queue=0"])
+
+
+def test_request_bodies_are_read_and_parsed_a_bounded_number_at_a_time(monkeypatch):
+    """Each body being read or parsed holds up to max_request_bytes (more once decoded); at most
+    PARSE_SLOTS at once, and a request that waits PARSE_WAIT_S for a slot gets 503 + Retry-After."""
+    monkeypatch.setattr(server_app, "PARSE_SLOTS", 1)
+    monkeypatch.setattr(server_app, "PARSE_WAIT_S", 0.3)
+    _, tok = build_tiny()
+    body = encode_request(ragged_batch(1, rows=3, vocab=len(tok)), 1.0)
+    post = lambda url: requests.post(url + "/v1/logprobs", data=body, headers={"Content-Type": CONTENT_TYPE}, timeout=30)
+    with serving() as srv:
+        health = lambda: requests.get(srv.url + "/health", timeout=10).json()
+        slow = raw_connection(srv.url, b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n" + body[:10])
+        try:
+            wait_for(lambda: health().get("parsing") == 1, what="one body being read")
+            busy = post(srv.url)
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
+            assert "reading and parsing 1 other requests" in busy.json()["error"]
+        finally:
+            slow.close()  # its body ends early: 400, and the slot is free again
+        wait_for(lambda: health()["parsing"] == 0, what="the slot freed")
+        assert post(srv.url).status_code == 200

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from grpo.foundation.config import load_config
+from grpo.foundation.logprobs import pack
 from grpo.reference.http import HTTPReference
 from grpo.reference.launch import ServerProcess, free_port
 from grpo.reference.wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
@@ -186,6 +187,9 @@ def _bad_bodies(p):
                                             "completion_lens": torch.tensor([2**62, 2**62, 0, 0])}, header), 400, "prompt_lens"),
         ("deeply nested header", st_save(good, metadata={"header": "[" * 10_000 + "]" * 10_000}), 400, "header"),
         ("oversized body", b"\x00" * int(MAX_REQUEST_MB * 2**20 + 1000), 413, "body"),
+        # 61 rows x 1000 tokens = 61,000 padded tokens from a 5 KiB body; the limit is 0.1 MiB / 4 = 26,214
+        ("padded total over the limit", encode_request(pack([[5]] * 60 + [[5] * 500], [[]] * 60 + [[6] * 500], 0), 1.0),
+         413, "completion_lens"),
     ]
 
 
@@ -203,6 +207,8 @@ def test_bad_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(se
         lp, _, _ = decode_response(ok.content, p.length, p.width)
         assert_same(lp, expected)
     assert "is outside the vocabulary" in post(server, cases[4][1]).json()["error"]
+    padded = next(body for name, body, _, _ in cases if name == "padded total over the limit")
+    assert "max_padded_tokens=26214" in post(server, padded).json()["error"]
     r = requests.get(server.url + "/v1/logprobs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert r.status_code == 405 and r.json()["status"] == 405
 

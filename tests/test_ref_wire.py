@@ -10,6 +10,7 @@ from safetensors.torch import save as st_save
 
 from grpo.foundation.logprobs import pack
 from grpo.reference.wire import (
+    TooLarge,
     WireError,
     decode_response,
     encode,
@@ -54,7 +55,7 @@ def test_request_round_trip():
     p = ragged_batch(2, rows=6, vocab=VOCAB, width=16)
     req = parse_request(encode_request(p, 0.7, with_entropy=True, pad_id=0, rows_per_pass=4), VOCAB, 16384)
     assert req.temperature == 0.7 and req.with_entropy and req.rows_per_pass == 4
-    assert torch.equal(req.packed.input_ids, p.input_ids) and torch.equal(req.packed.length, p.length)
+    assert torch.equal(req.packed().input_ids, p.input_ids) and torch.equal(req.packed().length, p.length)
     assert req.rows == 6 and req.tokens == int(p.attention_mask.sum())
 
 
@@ -104,6 +105,41 @@ def test_row_longer_than_the_token_budget_is_refused_with_the_fix():
     with pytest.raises(WireError) as e:
         parse_request(encode_request(p, 1.0), VOCAB, max_row_tokens=32)
     assert "40 tokens" in e.value.message and "--max-batch-tokens" in e.value.message
+
+
+def _short_rows_and_one_long(short_rows: int, long_row: int) -> bytes:
+    """``short_rows`` one-token rows and one row of ``long_row`` tokens: few bytes, a huge padded batch."""
+    prompts = [[5]] * short_rows + [[5] * (long_row // 2)]
+    completions = [[]] * short_rows + [[6] * (long_row - long_row // 2)]
+    return encode_request(pack(prompts, completions, 0), 1.0)
+
+
+def test_padded_total_is_capped_before_anything_is_padded():
+    """10,000 one-token rows and one 4,096-token row: a 133 KiB body that padded to 10,001 x 4,096
+    tokens (625 MiB of int64 ids and mask) in the HTTP thread, before the bounded queue."""
+    body = _short_rows_and_one_long(10_000, 4096)
+    assert len(body) < 140 * 1024
+    with pytest.raises(TooLarge) as e:
+        parse_request(body, VOCAB, max_row_tokens=4096, max_padded_tokens=2**24)
+    assert e.value.status == 413 and e.value.field == "completion_lens"
+    assert "10001 x 4096" in e.value.message and "max_padded_tokens=16777216" in e.value.message
+
+
+def test_rows_stay_flat_until_each_forward_pass_pads_its_own():
+    body = _short_rows_and_one_long(3_000, 4096)  # 12.3M padded tokens: under the cap, so it is accepted
+    req = parse_request(body, VOCAB, max_row_tokens=4096, max_padded_tokens=2**24)
+    held = sum(t.numel() for t in (req.input_ids, req.prompt_lens, req.completion_lens, req.offsets))
+    assert req.padded_tokens == 3_001 * 4096 and held < 3 * (req.tokens + req.rows), "nothing padded at parse time"
+    for rows in row_slices(req.rows, req.row_tokens, None, max_tokens=8192)[-2:]:
+        assert req.packed(rows).input_ids.numel() <= 8192, "one pass pads at most max_batch_tokens"
+
+    p = ragged_batch(4, rows=10, vocab=VOCAB, width=16)
+    req = parse_request(encode_request(p, 1.0), VOCAB, 16384, max_padded_tokens=10**6)
+    for rows in row_slices(10, req.row_tokens, 3, None):  # each pass sees exactly its rows of the padded batch
+        part = req.packed(rows)
+        assert torch.equal(part.input_ids, p.input_ids[rows]) and torch.equal(part.attention_mask, p.attention_mask[rows])
+        assert torch.equal(part.start, p.start[rows]) and torch.equal(part.length, p.length[rows])
+        assert part.width == int(p.length.max())
 
 
 @pytest.mark.parametrize(

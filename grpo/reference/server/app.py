@@ -29,14 +29,47 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import bottle
 
 from grpo.foundation.config import Config, ConfigError
-from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_response, parse_request
+from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_response, parse_request
 from grpo.reference.server.worker import DeviceWorker, QueueFull
+
+
+PARSE_SLOTS = 4  # request bodies read and parsed at once (each up to max_request_bytes, about 3x that decoded)
+PARSE_WAIT_S = 10.0  # how long a request waits for a parse slot before a 503
 
 
 @dataclass
 class ServerLimits:
     max_request_bytes: int
     max_batch_tokens: int
+    parse_slots: int = PARSE_SLOTS
+    parse_wait_s: float = PARSE_WAIT_S
+
+    @property
+    def max_padded_tokens(self) -> int:
+        """rows x longest row per request: no more forward work than a full-size body of real int32 tokens."""
+        return self.max_request_bytes // 4
+
+
+class Slots:
+    """A counting semaphore that reports how many slots are taken."""
+
+    def __init__(self, n: int):
+        self._sem = threading.BoundedSemaphore(n)
+        self._lock = threading.Lock()
+        self.n = n
+        self.busy = 0
+
+    def acquire(self, timeout: float) -> bool:
+        if not self._sem.acquire(timeout=timeout):
+            return False
+        with self._lock:
+            self.busy += 1
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.busy -= 1
+        self._sem.release()
 
 
 # --------------------------------------------------------------------------- security
@@ -118,10 +151,18 @@ def _json(payload: dict, status: int = 200) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(json.dumps(payload), status=status, headers={"Content-Type": "application/json"})
 
 
-def _read_body(limit: int) -> bytes:
-    """The body, at most ``limit`` bytes (413 beyond); needs a Content-Length (411)."""
-    env = bottle.request.environ
-    raw = env.get("CONTENT_LENGTH")
+def _drain(stream: Any, n: int) -> None:
+    """Read and drop ``n`` body bytes, so the client sees our answer rather than a reset connection."""
+    while n > 0:
+        chunk = stream.read(min(1 << 20, n))
+        if not chunk:
+            return
+        n -= len(chunk)
+
+
+def _content_length() -> int:
+    """The request's Content-Length (411 when absent, 400 when not a non-negative integer)."""
+    raw = bottle.request.environ.get("CONTENT_LENGTH")
     if not raw:
         raise error(411, "a Content-Length header is required", "Content-Length")
     try:
@@ -130,14 +171,15 @@ def _read_body(limit: int) -> bytes:
         raise error(400, f"Content-Length {raw!r} is not an integer", "Content-Length") from None
     if n < 0:
         raise error(400, f"Content-Length {n} is negative", "Content-Length")
-    stream = env["wsgi.input"]
+    return n
+
+
+def _read_body(limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413 beyond); needs a Content-Length (411)."""
+    n = _content_length()
+    stream = bottle.request.environ["wsgi.input"]
     if n > limit:
-        left = n if n <= 2 * limit else 0  # read it, so the client sees the 413 rather than a reset connection
-        while left > 0:
-            chunk = stream.read(min(1 << 20, left))
-            if not chunk:
-                break
-            left -= len(chunk)
+        _drain(stream, n if n <= 2 * limit else 0)
         raise error(413, f"request body of {n} bytes exceeds the server's limit of {limit} bytes "
                          f"(ref.max_request_mb); send fewer rows per request or raise the limit", "body")
     try:
@@ -149,9 +191,26 @@ def _read_body(limit: int) -> bytes:
     return body
 
 
+def _parse(limits: ServerLimits, slots: Slots, vocab_size: int):
+    """Read and validate a logprobs request within a parse slot (503 when none frees up in time)."""
+    if not slots.acquire(timeout=limits.parse_wait_s):
+        n = _content_length()
+        _drain(bottle.request.environ["wsgi.input"], n if n <= limits.max_request_bytes else 0)
+        raise error(503, f"the server is busy reading and parsing {slots.n} other requests; retry later",
+                    None, **{"Retry-After": "1"})
+    try:
+        body = _read_body(limits.max_request_bytes)
+        return parse_request(body, vocab_size, limits.max_batch_tokens, limits.max_padded_tokens)
+    except WireError as e:
+        raise error(e.status, e.message, e.field) from None
+    finally:
+        slots.release()
+
+
 def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
                draining: threading.Event) -> bottle.Bottle:
     app = bottle.Bottle(catchall=True)
+    slots = Slots(limits.parse_slots)
 
     def json_error_page(err: bottle.HTTPError) -> str:  # bottle's own errors (404, 405, 500) as JSON
         bottle.response.content_type = "application/json"
@@ -180,21 +239,18 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
             return _json({"status": "shutting down"}, 503)
         queued, running = worker.load()
         return _json({"status": "ok", "model": worker.current.source, "version": worker.version,
-                      "queued": queued, "running": running})
+                      "queued": queued, "running": running, "parsing": slots.busy})
 
     @app.get("/v1/info")
     def info():
         out = worker.info()
-        out["limits"]["max_request_bytes"] = limits.max_request_bytes
+        out["limits"].update(max_request_bytes=limits.max_request_bytes, max_padded_tokens=limits.max_padded_tokens,
+                             parse_slots=limits.parse_slots)
         return _json(out)
 
     @app.post("/v1/logprobs")
     def logprobs():
-        body = _read_body(limits.max_request_bytes)
-        try:
-            req = parse_request(body, worker.current.vocab_size, limits.max_batch_tokens)
-        except WireError as e:
-            return error(400, e.message, e.field)
+        req = _parse(limits, slots, worker.current.vocab_size)
         try:
             future = worker.submit(req)
         except QueueFull as e:
@@ -206,8 +262,8 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
             return error(500, f"computing log-probs failed: {type(e).__name__}: {e}")
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
                                               "compute_ms": round(seconds * 1000, 2), "version": version}
-        out = encode_response(lp, ent, req.packed.length,
-                              {"version": version, "rows": req.rows, "tokens": req.tokens, "compute_ms": seconds * 1000})
+        out = encode_flat_response(lp, ent, {"version": version, "rows": req.rows, "tokens": req.tokens,
+                                             "compute_ms": seconds * 1000})
         return bottle.HTTPResponse(out, status=200, headers={"Content-Type": CONTENT_TYPE})
 
     @app.post("/v1/reload")
@@ -290,7 +346,8 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     log("loading", model=source, dtype=cfg.model.dtype, device=device)
     t0 = time.perf_counter()
     worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size)
-    limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens)
+    limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens,
+                          parse_slots=PARSE_SLOTS, parse_wait_s=PARSE_WAIT_S)
     draining = threading.Event()
     app = with_access_log(create_app(worker, limits, token, draining), log)
     httpd = make_server(r.host, r.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)

@@ -5,6 +5,7 @@ the device holds one batch at a time. Each request is computed in forward passes
 ``max_batch_tokens`` padded tokens (and the client's ``rows_per_pass``) with the function the
 in-process reference uses, so a request's answer never depends on what other ranks sent at
 the same time: results are deterministic and, in float32 on CPU, bit-identical to in-process.
+A request's rows stay flat until their pass: only one pass's rows are padded at a time.
 A full queue refuses new work (:class:`QueueFull` -> 503) instead of growing without bound.
 A reload travels through the same queue: requests queued before it use the old weights.
 """
@@ -26,8 +27,8 @@ import torch
 
 from grpo.foundation.config import ConfigError, ModelConfig
 from grpo.foundation.modeling import load_model, load_tokenizer, tokenizer_fingerprint
-from grpo.reference.wire import LogprobRequest
-from grpo.reference.base import sliced_logprobs
+from grpo.reference.wire import LogprobRequest, flatten_rows
+from grpo.reference.base import row_slices, sliced_logprobs
 
 
 class QueueFull(Exception):
@@ -139,15 +140,28 @@ class DeviceWorker:
             raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
         return job.future
 
+    def _logprobs(self, model: torch.nn.Module, req: LogprobRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Flat [T] log-probs (and entropy) of ``req``, padding one forward pass's rows at a time.
+
+        The passes are ``sliced_logprobs``' own (same row slices, same padded width), so the answer
+        is the one the in-process reference computes from the whole padded batch.
+        """
+        lps, ents = [], []
+        for rows in row_slices(req.rows, req.row_tokens, req.rows_per_pass, self.max_batch_tokens):
+            part = req.packed(rows)
+            lp, ent = sliced_logprobs(model, part, req.temperature, self.chunk_size, with_entropy=req.with_entropy)
+            lps.append(flatten_rows(lp, part.length))
+            if ent is not None:
+                ents.append(flatten_rows(ent, part.length))
+        return torch.cat(lps), (torch.cat(ents) if req.with_entropy else None)
+
     def submit(self, req: LogprobRequest) -> Future:
-        """Future of (logp [B,w], entropy or None, compute seconds, weights version)."""
+        """Future of (flat log-probs [T], flat entropy or None, compute seconds, weights version)."""
 
         def run():
             current, version = self.current, self.version  # as of the job's turn: a reload may precede it
             t0 = time.perf_counter()
-            lp, ent = sliced_logprobs(current.model, req.packed, req.temperature, self.chunk_size,
-                                      max_rows=req.rows_per_pass, max_tokens=self.max_batch_tokens,
-                                      with_entropy=req.with_entropy)
+            lp, ent = self._logprobs(current.model, req)
             return lp, ent, time.perf_counter() - t0, version
 
         return self._enqueue(run)
