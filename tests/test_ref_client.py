@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 import socket
 import threading
@@ -161,3 +162,27 @@ def test_request_bodies_are_read_and_parsed_a_bounded_number_at_a_time(monkeypat
             slow.close()  # its body ends early: 400, and the slot is free again
         wait_for(lambda: health()["parsing"] == 0, what="the slot freed")
         assert post(srv.url).status_code == 200
+
+
+def _raw_answer(url: str, request: bytes) -> tuple[int, dict]:
+    """(status, JSON body) of a hand-written HTTP request (the server closes after one answer)."""
+    sock = raw_connection(url, request)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("method, path, length", [("POST", "/v1/logprobs", "abc"), ("POST", "/v1/logprobs", "1e3"),
+                                                  ("POST", "/v1/logprobs", "-5"), ("GET", "/health", "abc")])
+def test_a_malformed_content_length_is_a_logged_json_400(server, method, path, length):
+    before = server.log.stream.getvalue()
+    status, err = _raw_answer(server.url, f"{method} {path} HTTP/1.0\r\nContent-Length: {length}\r\n\r\n".encode())
+    assert status == 400 and err["field"] == "Content-Length" and repr(length) in err["error"], err
+    lines = [json.loads(x) for x in server.log.stream.getvalue()[len(before):].splitlines()]
+    assert [(x["event"], x["path"], x["status"]) for x in lines] == [("request", path, 400)], lines
+    assert lines[0]["bytes_in"] is None

@@ -115,8 +115,28 @@ class AccessLog:
             self.stream.flush()
 
 
+def content_length(raw: Optional[str]) -> Optional[int]:
+    """A Content-Length header's value: None when absent; ValueError unless plain digits ('abc', '1e3', '-5')."""
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise ValueError(f"Content-Length {raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def _refuse(start_response: Callable, status: int, message: str, field: str) -> list[bytes]:
+    """A JSON error answered by the middleware itself, before the app sees the request."""
+    body = json.dumps({"error": message, "field": field, "status": status}).encode()
+    reason = "Bad Request" if status == 400 else "Error"
+    start_response(f"{status} {reason}", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def with_access_log(app: Callable, log: AccessLog) -> Callable:
-    """WSGI middleware: one 'request' line with status and latency per request."""
+    """WSGI middleware: one 'request' line with status and latency per request.
+
+    A malformed Content-Length is answered here (JSON 400), so the app only sees valid ones.
+    """
 
     def wrapped(environ: dict, start_response: Callable):
         t0 = time.perf_counter()
@@ -127,12 +147,20 @@ def with_access_log(app: Callable, log: AccessLog) -> Callable:
             seen["bytes_out"] = next((int(v) for k, v in headers if k.lower() == "content-length"), None)
             return start_response(status, headers, exc_info)
 
+        refused: Optional[str] = None
         try:
+            bytes_in: Optional[int] = content_length(environ.get("CONTENT_LENGTH")) or 0
+        except ValueError as e:
+            bytes_in, refused = None, str(e)
+            environ["grpo.log"] = {"error": refused, "field": "Content-Length"}
+        try:
+            if refused:
+                return _refuse(capture, 400, refused, "Content-Length")
             return app(environ, capture)
         finally:
             log("request", method=environ.get("REQUEST_METHOD"), path=environ.get("PATH_INFO"),
                 status=seen.get("status"), latency_ms=round((time.perf_counter() - t0) * 1000, 2),
-                bytes_in=int(environ.get("CONTENT_LENGTH") or 0), bytes_out=seen.get("bytes_out"),
+                bytes_in=bytes_in, bytes_out=seen.get("bytes_out"),
                 client=environ.get("REMOTE_ADDR"), **environ.get("grpo.log", {}))
 
     return wrapped
@@ -161,16 +189,14 @@ def _drain(stream: Any, n: int) -> None:
 
 
 def _content_length() -> int:
-    """The request's Content-Length (411 when absent, 400 when not a non-negative integer)."""
+    """The request's Content-Length (411 when absent; the middleware already refused malformed ones)."""
     raw = bottle.request.environ.get("CONTENT_LENGTH")
-    if not raw:
-        raise error(411, "a Content-Length header is required", "Content-Length")
     try:
-        n = int(raw)
-    except ValueError:
-        raise error(400, f"Content-Length {raw!r} is not an integer", "Content-Length") from None
-    if n < 0:
-        raise error(400, f"Content-Length {n} is negative", "Content-Length")
+        n = content_length(raw)
+    except ValueError as e:
+        raise error(400, str(e), "Content-Length") from None
+    if n is None:
+        raise error(411, "a Content-Length header is required", "Content-Length")
     return n
 
 
