@@ -186,3 +186,51 @@ def test_a_malformed_content_length_is_a_logged_json_400(server, method, path, l
     lines = [json.loads(x) for x in server.log.stream.getvalue()[len(before):].splitlines()]
     assert [(x["event"], x["path"], x["status"]) for x in lines] == [("request", path, 400)], lines
     assert lines[0]["bytes_in"] is None
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(whether the server closed ``sock`` within ``seconds``, what it sent first)."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+        return True, data
+    except (TimeoutError, ConnectionResetError):
+        return False, data
+    finally:
+        sock.close()
+
+
+def test_clients_that_never_finish_their_request_are_dropped(monkeypatch):
+    """A connection that sends nothing, or trickles its headers, is closed after HEADER_TIMEOUT_S;
+    a body that stalls gets 408 after BODY_GRACE_S (plus a second per MiB). Was: 120 s per stalled read."""
+    monkeypatch.setattr(server_app, "HEADER_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(server_app, "BODY_GRACE_S", 0.5, raising=False)
+    with serving() as srv:
+        idle = raw_connection(srv.url)
+        trickle = raw_connection(srv.url, b"GET /health HTTP/1.0\r\n")
+        stalled_body = raw_connection(srv.url, b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n0123456789")
+        stop = threading.Event()
+
+        def trickling() -> None:  # one header byte every 0.1 s: each read is quick, the headers never end
+            for _ in range(100):
+                if stop.wait(0.1):
+                    return
+                try:
+                    trickle.send(b"X")
+                except OSError:
+                    return
+
+        sender = threading.Thread(target=trickling)
+        sender.start()
+        t0 = time.monotonic()
+        try:
+            assert _closed_within(idle, 5) == (True, b""), "an idle connection is closed without an answer"
+            assert _closed_within(trickle, 5)[0], "trickled headers do not keep a connection open"
+            closed, answer = _closed_within(stalled_body, 5)
+            assert closed and answer.split()[1] == b"408" and b'"field": "body"' in answer, answer
+            assert time.monotonic() - t0 < 5
+        finally:
+            stop.set()
+            sender.join(10)

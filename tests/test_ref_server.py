@@ -3,6 +3,8 @@ reload and graceful shutdown. The last test stops the module's server (SIGTERM).
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -274,3 +276,42 @@ def test_sigterm_lets_the_in_flight_request_finish(server, inproc):
     assert server.proc.wait(30) == 0
     events = [e["event"] for e in log_events(server.log_path, event="shutting down")]
     assert events == ["shutting down"] and log_events(server.log_path, event="stopped")
+
+
+def test_sigterm_does_not_wait_for_idle_or_stalled_connections(tmp_path):
+    """An idle connection, trickled headers and a stalled body: SIGTERM still exits within seconds.
+    Was: the server joined every connection thread, each blocked up to 120 s per read (trickling: forever)."""
+    srv = ServerProcess(["--model", "builtin:tiny-char"], port=free_port(), log_path=tmp_path / "server.log",
+                        env={"OMP_NUM_THREADS": "1"}).start(timeout=120)
+    socks = [socket.create_connection((srv.host, srv.port), timeout=10) for _ in range(3)]
+    idle, trickle, stalled = socks
+    trickle.sendall(b"GET /health HTTP/1.0\r\n")
+    stalled.sendall(b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n0123456789")
+    stop = threading.Event()
+
+    def trickling() -> None:  # a header byte every 0.2 s, for at most 30 s
+        for _ in range(150):
+            if stop.wait(0.2):
+                return
+            try:
+                trickle.send(b"X")
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickling)
+    sender.start()
+    try:
+        time.sleep(0.5)  # every connection accepted and waiting in its own thread
+        t0 = time.monotonic()
+        srv.proc.send_signal(15)
+        try:
+            code = srv.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server was still waiting for idle connections 20 s after SIGTERM")
+        assert code == 0 and time.monotonic() - t0 < 10, (code, time.monotonic() - t0)
+    finally:
+        stop.set()
+        sender.join(10)
+        for s in socks:
+            s.close()
+        srv.kill()

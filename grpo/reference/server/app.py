@@ -9,22 +9,28 @@ Every request needs ``Authorization: Bearer <token>`` when the server has a toke
 without one only binds loopback. Errors are JSON ``{"error", "field", "status"}``. One JSON
 access-log line per request (method, path, status, latency, bytes) goes to stderr.
 SIGTERM/SIGINT stop accepting connections, let in-flight requests finish, then exit 0.
+A connection that has not sent its whole request line and headers is not in flight: it is
+dropped after HEADER_TIMEOUT_S anyway, and at once on shutdown; a body that is still arriving
+gets 408 past its deadline, and at most DRAIN_GRACE_S more on shutdown.
 """
 
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
+import math
 import os
 import signal
+import socket
 import socketserver
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TextIO
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
 
@@ -33,6 +39,12 @@ from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_
 from grpo.reference.server.worker import DeviceWorker, QueueFull
 
 
+HEADER_TIMEOUT_S = 10.0  # a connection must send its request line and headers within this
+BODY_GRACE_S = 30.0  # and its body within this, plus one second per MiB (MIN_BODY_RATE)
+MIN_BODY_RATE = 2**20  # bytes per second
+DRAIN_GRACE_S = 5.0  # on shutdown, a body still arriving gets at most this long
+POLL_S = 0.5  # a blocked read re-checks its deadline and the shutdown flag this often
+SEND_TIMEOUT_S = 120.0  # an answer the client does not take for this long drops the connection
 PARSE_SLOTS = 4  # request bodies read and parsed at once (each up to max_request_bytes, about 3x that decoded)
 PARSE_WAIT_S = 10.0  # how long a request waits for a parse slot before a 503
 
@@ -181,11 +193,14 @@ def _json(payload: dict, status: int = 200) -> bottle.HTTPResponse:
 
 def _drain(stream: Any, n: int) -> None:
     """Read and drop ``n`` body bytes, so the client sees our answer rather than a reset connection."""
-    while n > 0:
-        chunk = stream.read(min(1 << 20, n))
-        if not chunk:
-            return
-        n -= len(chunk)
+    try:
+        while n > 0:
+            chunk = stream.read(min(1 << 20, n))
+            if not chunk:
+                return
+            n -= len(chunk)
+    except OSError:  # the client stalled or left: it gets the answer or nothing
+        return
 
 
 def _content_length() -> int:
@@ -210,6 +225,8 @@ def _read_body(limit: int) -> bytes:
                          f"(ref.max_request_mb); send fewer rows per request or raise the limit", "body")
     try:
         body = stream.read(n)
+    except TimeoutError:
+        raise error(408, f"the body did not arrive in time: a {n}-byte body has {body_seconds(n):g} s", "body") from None
     except OSError as e:
         raise error(400, f"reading the body failed ({e})", "body") from None
     if len(body) != n:
@@ -319,15 +336,97 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
 
 
 class ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    """One thread per connection; closing waits for in-flight requests."""
+    """One thread per connection; closing waits for requests being handled (idle ones leave at once)."""
 
     daemon_threads = False
     block_on_close = True
     allow_reuse_address = True  # a restarted server gets its port back at once
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.draining = threading.Event()  # build_server shares the app's
+
+
+class ConnectionReader(io.RawIOBase):
+    """A connection's reads against a deadline, re-checked every POLL_S; past it they raise TimeoutError.
+
+    While the server drains, a connection still sending its request line and headers (``phase``
+    "request") has nothing in flight and is dropped at once; a body still arriving gets DRAIN_GRACE_S.
+    """
+
+    def __init__(self, sock: socket.socket, draining: threading.Event):
+        self.sock, self.draining = sock, draining
+        self.phase = "request"
+        self.deadline = math.inf  # time.monotonic() by which this phase's bytes must have arrived
+        self._drain_deadline: Optional[float] = None
+
+    def readable(self) -> bool:
+        return True
+
+    def _seconds_left(self) -> float:
+        now = time.monotonic()
+        deadline = self.deadline
+        if self.draining.is_set():
+            if self.phase == "request":
+                return 0.0
+            if self._drain_deadline is None:
+                self._drain_deadline = now + DRAIN_GRACE_S
+            deadline = min(deadline, self._drain_deadline)
+        return deadline - now
+
+    def readinto(self, buf: Any) -> int:
+        while True:
+            left = self._seconds_left()
+            if left <= 0:
+                raise TimeoutError(f"the client's {self.phase} did not arrive in time")
+            self.sock.settimeout(min(left, POLL_S))
+            try:
+                return self.sock.recv_into(buf)
+            except TimeoutError:
+                continue
+            finally:
+                self.sock.settimeout(SEND_TIMEOUT_S)
+
+
+def body_seconds(n: int) -> float:
+    """How long a body of ``n`` bytes may take to arrive."""
+    return BODY_GRACE_S + n / MIN_BODY_RATE
+
 
 class QuietHandler(WSGIRequestHandler):
-    timeout = 120  # seconds a client may stall mid-request before its connection is dropped
+    """wsgiref's handler with deadlines on reading the request (:class:`ConnectionReader`)."""
+
+    timeout = SEND_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.reader = ConnectionReader(self.connection, self.server.draining)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle(self) -> None:
+        """One request (as wsgiref's), its request line and headers due within HEADER_TIMEOUT_S."""
+        self.reader.deadline = time.monotonic() + HEADER_TIMEOUT_S
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if not self.raw_requestline:
+                return  # connected and closed without a request
+            if len(self.raw_requestline) > 65536:
+                self.requestline, self.request_version, self.command = "", "", ""
+                self.send_error(414)
+                return
+            if not self.parse_request():  # it has answered the error
+                return
+        except OSError:  # silent or trickling client, or the server is draining: nothing is in flight
+            return
+        try:
+            n = content_length(self.headers.get("Content-Length")) or 0
+        except ValueError:
+            n = 0  # the access-log middleware answers 400
+        self.reader.phase, self.reader.deadline = "body", time.monotonic() + body_seconds(n)
+        handler = ServerHandler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
+        handler.request_handler = self
+        handler.run(self.server.get_app())
 
     def log_message(self, format: str, *args: Any) -> None:  # the access log replaces wsgiref's lines
         pass
@@ -377,6 +476,7 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     draining = threading.Event()
     app = with_access_log(create_app(worker, limits, token, draining), log)
     httpd = make_server(r.host, r.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+    httpd.draining = draining
     server = RefServer(httpd, worker, draining, log)
     info = worker.info()
     log("ready", url=server.url, model=source, weights_hash=info["weights_hash"], dtype=info["dtype"],
