@@ -8,6 +8,7 @@ import io
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -234,3 +235,56 @@ def test_clients_that_never_finish_their_request_are_dropped(monkeypatch):
         finally:
             stop.set()
             sender.join(10)
+
+
+def _jobs(url: str) -> dict:
+    return requests.get(url + "/v1/info", timeout=10).json().get("jobs", {})
+
+
+def _slow_batch(vocab: int):
+    """240 rows, one per forward pass: about a second of compute on a 2-core machine."""
+    return ragged_batch(9, rows=240, vocab=vocab)
+
+
+def test_a_timed_out_request_is_computed_once_and_a_retry_gets_its_answer(server):
+    """read_timeout below the compute time: every retry used to queue another full copy (6 computed,
+    then 'server is unavailable'). Now the retries join the one computation (same Idempotency-Key and
+    body) and the client warns once that its read_timeout is too short."""
+    model, tok = build_tiny()
+    ref = HTTPReference(client_cfg(server.url, "train.micro_batch_size=1", "ref.read_timeout=0.2",
+                                   "ref.retry_window=120"), tok, vocab_size=model.config.vocab_size)
+    p = _slow_batch(len(tok))
+    before = _jobs(server.url)
+    with pytest.warns(RuntimeWarning, match=r"ref.read_timeout=0.2 s") as seen:
+        lp, _ = ref.logprobs(p, 1.0)
+        lp2, _ = ref.logprobs(p, 1.0)
+    assert len([w for w in seen if "ref.read_timeout" in str(w.message)]) == 1, "warned once"
+    want = sliced_logprobs(model.eval(), p, 1.0, 1024, max_rows=1)[0]
+    assert_same(lp, want)
+    assert_same(lp2, want)
+    assert ref.pop_metrics()["ref/retries"] >= 2, "both requests timed out at least once"
+    after = _jobs(server.url)
+    assert after["computed"] - before.get("computed", 0) == 2, (before, after)
+    assert after["joined"] - before.get("joined", 0) >= 2, (before, after)
+    ref.close()
+
+
+def test_queued_work_whose_client_left_is_dropped(server):
+    """A request whose client gave up (read timeout, no retry) while it waited in the queue is not computed."""
+    _, tok = build_tiny()
+    post = lambda body, timeout: requests.post(server.url + "/v1/logprobs", data=body, timeout=timeout,
+                                               headers={"Content-Type": CONTENT_TYPE})
+    slow = encode_request(_slow_batch(len(tok)), 1.0, rows_per_pass=1)
+    small = encode_request(ragged_batch(2, rows=3, vocab=len(tok)), 1.0)
+    before = _jobs(server.url)
+    health = lambda: requests.get(server.url + "/health", timeout=10).json()
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(post, slow, 120)
+        wait_for(lambda: health()["running"] == 1, what="the slow request running")
+        with pytest.raises(requests.ReadTimeout):
+            post(small, 0.2)  # queued behind the slow one; the client gives up and closes the connection
+        assert running.result().status_code == 200
+    wait_for(lambda: health()["queued"] == 0 and health()["running"] == 0, what="an idle worker")
+    after = _jobs(server.url)
+    assert after["computed"] - before.get("computed", 0) == 1, (before, after)
+    assert after["dropped"] - before.get("dropped", 0) == 1, (before, after)

@@ -5,6 +5,10 @@
     POST /v1/logprobs   binary request -> binary answer (grpo/reference/wire.py)
     POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer
 
+A request may carry ``Idempotency-Key: <unique id>``; a retry with the same key and body joins
+the first one's computation (or takes its answer) instead of computing it again, and work whose
+client has disconnected is dropped (grpo/reference/server/worker.py).
+
 Every request needs ``Authorization: Bearer <token>`` when the server has a token; a server
 without one only binds loopback. Errors are JSON ``{"error", "field", "status"}``. One JSON
 access-log line per request (method, path, status, latency, bytes) goes to stderr.
@@ -16,18 +20,21 @@ gets 408 past its deadline, and at most DRAIN_GRACE_S more on shutdown.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import io
 import ipaddress
 import json
 import math
 import os
+import select
 import signal
 import socket
 import socketserver
 import sys
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TextIO
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
@@ -36,7 +43,7 @@ import bottle
 
 from grpo.foundation.config import Config, ConfigError
 from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_response, parse_request
-from grpo.reference.server.worker import DeviceWorker, QueueFull
+from grpo.reference.server.worker import DeviceWorker, Job, QueueFull
 
 
 HEADER_TIMEOUT_S = 10.0  # a connection must send its request line and headers within this
@@ -45,6 +52,8 @@ MIN_BODY_RATE = 2**20  # bytes per second
 DRAIN_GRACE_S = 5.0  # on shutdown, a body still arriving gets at most this long
 POLL_S = 0.5  # a blocked read re-checks its deadline and the shutdown flag this often
 SEND_TIMEOUT_S = 120.0  # an answer the client does not take for this long drops the connection
+WAIT_POLL_S = 0.1  # while a request waits for the device, its client's connection is checked this often
+KEY_HEADER = "Idempotency-Key"  # the client's id of one logical request, the same on every retry
 PARSE_SLOTS = 4  # request bodies read and parsed at once (each up to max_request_bytes, about 3x that decoded)
 PARSE_WAIT_S = 10.0  # how long a request waits for a parse slot before a 503
 
@@ -235,7 +244,7 @@ def _read_body(limit: int) -> bytes:
 
 
 def _parse(limits: ServerLimits, slots: Slots, vocab_size: int):
-    """Read and validate a logprobs request within a parse slot (503 when none frees up in time)."""
+    """(request, body hash): read and validate a logprobs request within a parse slot (503 when none frees up in time)."""
     if not slots.acquire(timeout=limits.parse_wait_s):
         n = _content_length()
         _drain(bottle.request.environ["wsgi.input"], n if n <= limits.max_request_bytes else 0)
@@ -243,11 +252,50 @@ def _parse(limits: ServerLimits, slots: Slots, vocab_size: int):
                     None, **{"Retry-After": "1"})
     try:
         body = _read_body(limits.max_request_bytes)
-        return parse_request(body, vocab_size, limits.max_batch_tokens, limits.max_padded_tokens)
+        req = parse_request(body, vocab_size, limits.max_batch_tokens, limits.max_padded_tokens)
+        return req, hashlib.blake2b(body, digest_size=16).digest()
     except WireError as e:
         raise error(e.status, e.message, e.field) from None
     finally:
         slots.release()
+
+
+def _idempotency_key() -> Optional[str]:
+    """The request's Idempotency-Key (None without one; 400 unless 1-128 printable ASCII characters)."""
+    key = bottle.request.get_header(KEY_HEADER)
+    if key is None:
+        return None
+    if not (0 < len(key) <= 128 and key.isascii() and key.isprintable()):
+        raise error(400, f"{KEY_HEADER} {key[:40]!r} must be 1 to 128 printable ASCII characters, e.g. a UUID", KEY_HEADER)
+    return key
+
+
+def client_gone(sock: Optional[socket.socket]) -> bool:
+    """Whether the client closed ``sock`` (its whole request was read, so anything readable now is the end)."""
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
+
+
+def _await(worker: DeviceWorker, job: Job) -> Optional[Any]:
+    """The job's result, or None once this request's client has gone (the worker then drops work nobody awaits)."""
+    sock = bottle.request.environ.get("grpo.connection")
+    answered = False
+    try:
+        while True:
+            try:
+                result = job.future.result(timeout=WAIT_POLL_S)
+                answered = True
+                return result
+            except FutureTimeout:
+                if client_gone(sock):
+                    return None
+    finally:
+        worker.leave(job, answered)
 
 
 def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
@@ -293,16 +341,20 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
 
     @app.post("/v1/logprobs")
     def logprobs():
-        req = _parse(limits, slots, worker.current.vocab_size)
+        req, digest = _parse(limits, slots, worker.current.vocab_size)
+        key = _idempotency_key()
         try:
-            future = worker.submit(req)
+            job = worker.submit(req, None if key is None else (key, digest))
         except QueueFull as e:
             return error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
                          None, **{"Retry-After": str(e.retry_after)})
         try:
-            lp, ent, seconds, version = future.result()
+            result = _await(worker, job)
         except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
             return error(500, f"computing log-probs failed: {type(e).__name__}: {e}")
+        if result is None:
+            return error(499, "the client closed the connection before the answer was ready")
+        lp, ent, seconds, version = result
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
                                               "compute_ms": round(seconds * 1000, 2), "version": version}
         out = encode_flat_response(lp, ent, {"version": version, "rows": req.rows, "tokens": req.tokens,
@@ -427,6 +479,11 @@ class QuietHandler(WSGIRequestHandler):
         handler = ServerHandler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
         handler.request_handler = self
         handler.run(self.server.get_app())
+
+    def get_environ(self) -> dict:
+        env = super().get_environ()
+        env["grpo.connection"] = self.connection  # to notice a client that leaves while its request waits
+        return env
 
     def log_message(self, format: str, *args: Any) -> None:  # the access log replaces wsgiref's lines
         pass
