@@ -12,15 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import torch
 
-from grpo.foundation.config import ConfigError, load_config
+from grpo.foundation.config import ConfigError, ModelConfig, load_config
+from grpo.foundation.modeling import load_model
 from grpo.reference.http import BACKOFF_CAP, HTTPReference, backoff
 from grpo.reference.wire import CONTENT_TYPE, encode_request
 from grpo.reference.launch import free_port
 from grpo.reference.server import app as server_app
 from grpo.reference.server.app import AccessLog, build_server, check_bind
 from grpo.reference.base import ReferenceServerError, sliced_logprobs
-from grpo.foundation.tiny import build_tiny, make_char_tokenizer
+from grpo.foundation.tiny import build_tiny, make_char_tokenizer, write_tiny
 from tests.ref_support import assert_same, ragged_batch
 
 
@@ -288,3 +290,50 @@ def test_queued_work_whose_client_left_is_dropped(server):
     after = _jobs(server.url)
     assert after["computed"] - before.get("computed", 0) == 1, (before, after)
     assert after["dropped"] - before.get("dropped", 0) == 1, (before, after)
+
+
+ADMIN = "admin-token-42"
+
+
+def _reload(url: str, path, token: str = ADMIN) -> requests.Response:
+    return requests.post(url + "/v1/reload", json={"checkpoint": str(path)}, timeout=60,
+                         headers={"Authorization": f"Bearer {token}"})
+
+
+def _pickled_weights_beside_a_decoy(folder):
+    """A tiny checkpoint whose real weights are a pickle (pytorch_model.bin) beside a decoy .safetensors."""
+    write_tiny(folder, seed=1)
+    (folder / "model.safetensors").rename(folder / "decoy.safetensors")
+    torch.save(build_tiny(seed=2)[0].state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+def test_reload_reads_only_safetensors_weights_from_inside_the_reload_root(tmp_path, monkeypatch):
+    """Reload used to check only that some *.safetensors existed, then from_pretrained (without
+    use_safetensors=True) loaded the pytorch_model.bin pickle beside the decoy."""
+    root = tmp_path / "allowed"
+    monkeypatch.setenv("GRPO_REF_RELOAD_ROOT", str(root))
+    good = write_tiny(root / "step-3", seed=1)
+    decoy_only = write_tiny(root / "decoy-only", seed=1)
+    (decoy_only / "model.safetensors").rename(decoy_only / "decoy.safetensors")
+    outside = write_tiny(tmp_path / "elsewhere" / "step-4", seed=1)
+    (root / "link").symlink_to(outside)
+    with serving(f"ref.token={ADMIN}") as srv:
+        before = requests.get(srv.url + "/v1/info", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
+        for path, words in [(_pickled_weights_beside_a_decoy(root / "pickled"), "pytorch_model.bin"),
+                            (decoy_only, "model.safetensors"),
+                            (outside, "outside the server's reload root"),
+                            (root / "link", "outside the server's reload root")]:
+            r = _reload(srv.url, path)
+            assert r.status_code == 400 and r.json()["field"] == "checkpoint", (path, r.status_code, r.text)
+            assert words in r.json()["error"], (path, r.json())
+        assert srv.worker.version == before["version"], "nothing was loaded"
+        info = _reload(srv.url, good).json()
+        assert info["version"] == before["version"] + 1 and info["checkpoint_step"] == 3
+
+
+def test_load_model_can_insist_on_safetensors(tmp_path):
+    folder = _pickled_weights_beside_a_decoy(tmp_path / "ck")
+    load_model(ModelConfig(), str(folder))  # a trainer's own loads still take any format from_pretrained takes
+    with pytest.raises(ConfigError, match="model.safetensors"):
+        load_model(ModelConfig(), str(folder), safetensors_only=True)

@@ -3,7 +3,8 @@
     GET  /health        alive and model loaded (503 while shutting down)
     GET  /v1/info       model, weights hash / version, vocabulary, tokenizer fingerprint, dtype, device, limits
     POST /v1/logprobs   binary request -> binary answer (grpo/reference/wire.py)
-    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer
+    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer; reads only
+                        safetensors, refuses folders with pickles, and (GRPO_REF_RELOAD_ROOT) paths outside a root
 
 A request may carry ``Idempotency-Key: <unique id>``; a retry with the same key and body joins
 the first one's computation (or takes its answer) instead of computing it again, and work whose
@@ -46,6 +47,7 @@ from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_
 from grpo.reference.server.worker import DeviceWorker, Job, QueueFull
 
 
+RELOAD_ROOT_ENV = "GRPO_REF_RELOAD_ROOT"  # when set, /v1/reload only reads folders inside it
 HEADER_TIMEOUT_S = 10.0  # a connection must send its request line and headers within this
 BODY_GRACE_S = 30.0  # and its body within this, plus one second per MiB (MIN_BODY_RATE)
 MIN_BODY_RATE = 2**20  # bytes per second
@@ -527,7 +529,9 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     source = r.model or cfg.model.name_or_path
     log("loading", model=source, dtype=cfg.model.dtype, device=device)
     t0 = time.perf_counter()
-    worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size)
+    reload_root = os.environ.get(RELOAD_ROOT_ENV) or None
+    worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size,
+                          reload_root)
     limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens,
                           parse_slots=PARSE_SLOTS, parse_wait_s=PARSE_WAIT_S)
     draining = threading.Event()
@@ -537,7 +541,7 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     server = RefServer(httpd, worker, draining, log)
     info = worker.info()
     log("ready", url=server.url, model=source, weights_hash=info["weights_hash"], dtype=info["dtype"],
-        device=info["device"], auth=bool(token), load_s=round(time.perf_counter() - t0, 2))
+        device=info["device"], auth=bool(token), reload_root=reload_root, load_s=round(time.perf_counter() - t0, 2))
     return server
 
 

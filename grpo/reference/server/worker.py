@@ -70,10 +70,10 @@ class LoadedModel:
     step: Optional[int]  # the training step when ``source`` is a trainer checkpoint (step-N)
 
 
-def load_reference(model_cfg: ModelConfig, source: str) -> LoadedModel:
+def load_reference(model_cfg: ModelConfig, source: str, safetensors_only: bool = False) -> LoadedModel:
     """Load model (on CPU, eval, frozen) and tokenizer of ``source``; hashes the weights."""
     tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
-    model = load_model(model_cfg, source).eval()
+    model = load_model(model_cfg, source, safetensors_only=safetensors_only).eval()
     model.requires_grad_(False)
     match = re.search(r"step-(\d+)$", str(source).rstrip("/"))
     return LoadedModel(
@@ -85,6 +85,33 @@ def load_reference(model_cfg: ModelConfig, source: str) -> LoadedModel:
         weights_hash=weights_hash(model),
         step=int(match.group(1)) if match else None,
     )
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # formats torch.load / pickle read
+
+
+def reload_folder(checkpoint: str, root: Optional[Path]) -> Path:
+    """The resolved folder of a reload, refused (ConfigError) unless it holds safetensors weights only.
+
+    A folder with pickle-format files beside its weights is refused outright (from_pretrained may
+    prefer them); with ``root`` set, the folder (symlinks resolved) must lie inside it.
+    """
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {checkpoint!r} is not a folder on the server's machine")
+    real = path.resolve()
+    if root is not None and not real.is_relative_to(root):
+        raise ConfigError(f"checkpoint {checkpoint!r} ({real}) is outside the server's reload root {root} "
+                          f"(GRPO_REF_RELOAD_ROOT); put the checkpoint under it")
+    pickles = sorted(f.name for f in real.iterdir() if f.is_file() and f.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise ConfigError(f"checkpoint {checkpoint!r} holds pickle-format files {pickles}; reload reads only "
+                          f"safetensors weights and refuses folders with pickles beside them: remove them, or "
+                          f"re-save the model with save_pretrained(safe_serialization=True)")
+    if not (real / "model.safetensors").is_file() and not (real / "model.safetensors.index.json").is_file():
+        raise ConfigError(f"checkpoint {checkpoint!r} holds no model.safetensors (or model.safetensors.index.json); "
+                          f"reload reads only safetensors weights written by save_pretrained")
+    return real
 
 
 RETRY_GRACE_S = 5.0  # a keyed job whose clients all left still runs if one of them returns within this
@@ -125,8 +152,11 @@ class DeviceWorker:
     """Owns the model on ``device``; runs queued jobs one at a time on its own thread."""
 
     def __init__(self, model_cfg: ModelConfig, source: str, device: str | torch.device,
-                 max_batch_tokens: int, max_queue: int, chunk_size: int):
+                 max_batch_tokens: int, max_queue: int, chunk_size: int, reload_root: Optional[str] = None):
         self.model_cfg = model_cfg
+        self.reload_root = Path(reload_root).resolve() if reload_root else None
+        if self.reload_root is not None and not self.reload_root.is_dir():
+            raise ConfigError(f"reload root {reload_root!r} (GRPO_REF_RELOAD_ROOT) is not a folder")
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
@@ -259,13 +289,10 @@ class DeviceWorker:
         """Load ``checkpoint`` (on the caller's thread), then swap it in, in queue order.
 
         The new weights must keep the tokenizer and vocabulary: clients checked those at start.
+        Only safetensors weights are read (:func:`reload_folder`).
         """
-        path = Path(checkpoint)
-        if not path.is_dir():
-            raise ConfigError(f"checkpoint {checkpoint!r} is not a folder on the server's machine")
-        if not list(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").exists():
-            raise ConfigError(f"checkpoint {checkpoint!r} holds no *.safetensors weights (other formats are refused)")
-        new = load_reference(self.model_cfg, str(path))
+        path = reload_folder(checkpoint, self.reload_root)
+        new = load_reference(self.model_cfg, str(path), safetensors_only=True)
         old = self.current
         if (new.tokenizer_fingerprint, new.vocab_size) != (old.tokenizer_fingerprint, old.vocab_size):
             raise ConfigError(
