@@ -337,3 +337,48 @@ def test_load_model_can_insist_on_safetensors(tmp_path):
     load_model(ModelConfig(), str(folder))  # a trainer's own loads still take any format from_pretrained takes
     with pytest.raises(ConfigError, match="model.safetensors"):
         load_model(ModelConfig(), str(folder), safetensors_only=True)
+
+
+def test_a_reload_that_times_out_is_loaded_once_and_never_two_at_a_time(tmp_path, monkeypatch):
+    """The client retried /v1/reload like an idempotent call: a load slower than ref.read_timeout was
+    loaded again on every retry (version +2 or more, several models in memory at once). Now every attempt
+    carries one Idempotency-Key and joins the first; a different reload meanwhile gets 409."""
+    from grpo.reference.server import worker as worker_module
+
+    first, second = write_tiny(tmp_path / "step-1", seed=1), write_tiny(tmp_path / "step-2", seed=2)
+    loads = {"active": 0, "most": 0, "count": 0}
+    lock = threading.Lock()
+    real_load = worker_module.load_reference
+
+    def slow_load(*args, **kwargs):
+        with lock:
+            loads["count"] += 1
+            loads["active"] += 1
+            loads["most"] = max(loads["most"], loads["active"])
+        try:
+            time.sleep(1.0)
+            return real_load(*args, **kwargs)
+        finally:
+            with lock:
+                loads["active"] -= 1
+
+    model, tok = build_tiny()
+    with serving(f"ref.token={ADMIN}") as srv:
+        monkeypatch.setattr(worker_module, "load_reference", slow_load)
+        ref = HTTPReference(client_cfg(srv.url, f"ref.token={ADMIN}", "ref.read_timeout=0.3", "ref.retry_window=30"),
+                            tok, vocab_size=model.config.vocab_size)
+        version = ref.server_info["version"]
+        info = ref.reload(str(first))
+        assert info["version"] == version + 1 and info["checkpoint_step"] == 1
+        assert ref.pop_metrics()["ref/retries"] >= 1, "the load outlasted the read timeout"
+        assert loads == {"active": 0, "most": 1, "count": 1}, loads
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(ref.reload, str(second))
+            wait_for(lambda: loads["active"] == 1, what="the second reload loading")
+            r = _reload(srv.url, first)
+            assert r.status_code == 409 and r.json()["field"] == "checkpoint", r.text
+            assert "in progress" in r.json()["error"] and "step-2" in r.json()["error"]
+            assert pending.result(timeout=60)["version"] == version + 2
+        assert loads["most"] == 1 and loads["count"] == 2 and srv.worker.version == version + 2
+        ref.close()

@@ -88,10 +88,12 @@ class HTTPReference:
                 f"<reference model> --port {port}`), check ref.url, or raise ref.retry_window.")
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None, json: Optional[dict] = None,
-                 content_type: Optional[str] = None, key: Optional[str] = None) -> requests.Response:
+                 content_type: Optional[str] = None, key: Optional[str] = None,
+                 retry_5xx: bool = True) -> requests.Response:
         """The first non-retryable answer; retries connection errors, timeouts, 503 and 5xx within the window.
 
         ``key`` (the same on every attempt) lets the server recognise the retries of one request.
+        ``retry_5xx=False``: a 500 (the server tried and failed) is final; 503 (busy) is still retried.
         """
         url = self.url + path
         deadline = time.monotonic() + self.retry_window
@@ -100,7 +102,7 @@ class HTTPReference:
         while True:
             try:
                 resp = self.session.request(method, url, data=body, json=json, headers=headers, timeout=self.timeout)
-                if resp.status_code < 500:
+                if resp.status_code < 500 or (not retry_5xx and resp.status_code != 503):
                     if resp.status_code >= 400:
                         raise ReferenceServerError(f"reference server at {url} refused the request: {_error_text(resp)}")
                     return resp
@@ -184,8 +186,15 @@ class HTTPReference:
         return self._request("GET", "/v1/info").json()
 
     def reload(self, checkpoint_dir: str) -> dict:
-        """Ask the server to load new reference weights (admin: needs the token)."""
-        self.server_info = self._request("POST", "/v1/reload", json={"checkpoint": str(checkpoint_dir)}).json()
+        """Ask the server to load new reference weights (admin: needs the token).
+
+        Retried only where that cannot load twice: every attempt carries one Idempotency-Key, so
+        a retry after a read timeout (a slow load) waits for the same load; a failed load (500)
+        is not retried.
+        """
+        resp = self._request("POST", "/v1/reload", json={"checkpoint": str(checkpoint_dir)}, key=uuid.uuid4().hex,
+                             retry_5xx=False)
+        self.server_info = resp.json()
         return self.server_info
 
     # ------------------------------------------------------------------ metrics

@@ -3,7 +3,8 @@
     GET  /health        alive and model loaded (503 while shutting down)
     GET  /v1/info       model, weights hash / version, vocabulary, tokenizer fingerprint, dtype, device, limits
     POST /v1/logprobs   binary request -> binary answer (grpo/reference/wire.py)
-    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer; reads only
+    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer (one at a
+                        time, 409 meanwhile; once per Idempotency-Key); reads only
                         safetensors, refuses folders with pickles, and (GRPO_REF_RELOAD_ROOT) paths outside a root
 
 A request may carry ``Idempotency-Key: <unique id>``; a retry with the same key and body joins
@@ -44,7 +45,7 @@ import bottle
 
 from grpo.foundation.config import Config, ConfigError
 from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_response, parse_request
-from grpo.reference.server.worker import DeviceWorker, Job, QueueFull
+from grpo.reference.server.worker import DeviceWorker, Job, QueueFull, ReloadBusy
 
 
 RELOAD_ROOT_ENV = "GRPO_REF_RELOAD_ROOT"  # when set, /v1/reload only reads folders inside it
@@ -376,12 +377,13 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
         if not isinstance(path, str) or not path:
             return error(400, f"must be a folder path string, got {path!r}", "checkpoint")
         try:
-            future = worker.reload(path)
+            future = worker.reload(path, _idempotency_key())
+        except ReloadBusy as e:
+            return error(409, str(e), "checkpoint")
+        try:
+            return _json(future.result())
         except ConfigError as e:
             return error(400, str(e), "checkpoint")
-        except QueueFull as e:
-            return error(503, "the server is busy; retry later", None, **{"Retry-After": str(e.retry_after)})
-        return _json(future.result())
 
     return app
 

@@ -7,7 +7,8 @@ in-process reference uses, so a request's answer never depends on what other ran
 the same time: results are deterministic and, in float32 on CPU, bit-identical to in-process.
 A request's rows stay flat until their pass: only one pass's rows are padded at a time.
 A full queue refuses new work (:class:`QueueFull` -> 503) instead of growing without bound.
-A reload travels through the same queue: requests queued before it use the old weights.
+A reload travels through the same queue: requests queued before it use the old weights. One
+reload at a time, each done once per Idempotency-Key, so no retry loads a second model.
 
 Work nobody waits for is not done: each HTTP thread waiting on a job leaves it when its client
 disconnects, and a job whose clients have all left is dropped (before its turn, or between two
@@ -114,8 +115,13 @@ def reload_folder(checkpoint: str, root: Optional[Path]) -> Path:
     return real
 
 
+RELOAD_KEY_TTL_S = 600.0  # a reload's retries (same Idempotency-Key) get its answer for this long
 RETRY_GRACE_S = 5.0  # a keyed job whose clients all left still runs if one of them returns within this
 RESULT_TTL_S = 60.0  # an answer nobody collected waits this long for a retry
+
+
+class ReloadBusy(Exception):
+    """Another reload is loading or waiting for its turn (409)."""
 
 
 class Abandoned(Exception):
@@ -170,6 +176,8 @@ class DeviceWorker:
         self._running = 0
         self._job_seconds = 0.0  # moving average of one job's time, for Retry-After
         self._keyed: dict[Hashable, Job] = {}  # keyed jobs a retry may join
+        self._reloading: Optional[tuple[str, float]] = None  # (checkpoint, since) of the reload under way
+        self._reload_keys: dict[str, tuple[Future, float]] = {}  # Idempotency-Key -> (its reload, when)
         self.stats = {"computed": 0, "joined": 0, "dropped": 0}  # requests computed; retries joined; jobs dropped
         self._thread = threading.Thread(target=self._loop, name="ref-device", daemon=True)
         self._thread.start()
@@ -285,8 +293,40 @@ class DeviceWorker:
                 self._keyed[key] = job
             return job
 
-    def reload(self, checkpoint: str) -> Future:
-        """Load ``checkpoint`` (on the caller's thread), then swap it in, in queue order.
+    def reload(self, checkpoint: str, key: Optional[str] = None) -> Future:
+        """Future of /v1/info's answer after loading ``checkpoint`` and swapping it in, in queue order.
+
+        One reload at a time: another while one is loading or queued raises :class:`ReloadBusy`,
+        so the server never loads two models at once. A reload with ``key`` is done once: a retry
+        with the same key (the client's, after a read timeout) gets the first attempt's future,
+        finished or not, for RELOAD_KEY_TTL_S. The load runs on the first caller's thread.
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._reload_keys = {k: v for k, v in self._reload_keys.items() if now - v[1] < RELOAD_KEY_TTL_S}
+            if key is not None and key in self._reload_keys:
+                return self._reload_keys[key][0]
+            if self._reloading is not None:
+                path, since = self._reloading
+                raise ReloadBusy(f"a reload of {path!r} is in progress (for {now - since:.0f} s); retry when it has "
+                                 f"finished (GET /v1/info shows the version)")
+            self._reloading = (checkpoint, now)
+            done: Future = Future()
+            if key is not None:
+                self._reload_keys[key] = (done, now)
+        done.add_done_callback(self._reload_finished)
+        try:
+            self._load_and_queue_swap(checkpoint, done)
+        except BaseException as e:  # answered through the future, to this caller and to retries alike
+            done.set_exception(e)
+        return done
+
+    def _reload_finished(self, _: Future) -> None:
+        with self._lock:
+            self._reloading = None
+
+    def _load_and_queue_swap(self, checkpoint: str, done: Future) -> None:
+        """Load ``checkpoint`` (the caller's thread) and queue the swap, whose job answers ``done``.
 
         The new weights must keep the tokenizer and vocabulary: clients checked those at start.
         Only safetensors weights are read (:func:`reload_folder`).
@@ -311,7 +351,7 @@ class DeviceWorker:
                 torch.cuda.empty_cache()
             return self.info()
 
-        return self._enqueue(swap).future
+        self._queue.put(Job(swap, future=done))  # waits for room: the loaded model is not thrown away
 
     # ------------------------------------------------------------------ state
     def load(self) -> tuple[int, int]:
