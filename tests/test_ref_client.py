@@ -191,6 +191,16 @@ def test_a_malformed_content_length_is_a_logged_json_400(server, method, path, l
     assert lines[0]["bytes_in"] is None
 
 
+def test_a_post_without_content_length_or_with_a_bad_idempotency_key_is_refused(server):
+    status, err = _raw_answer(server.url, b"POST /v1/logprobs HTTP/1.0\r\n\r\n")
+    assert status == 411 and err["field"] == "Content-Length", err
+    _, tok = build_tiny()
+    body = encode_request(ragged_batch(1, rows=2, vocab=len(tok)), 1.0)
+    r = requests.post(server.url + "/v1/logprobs", data=body, timeout=30,
+                      headers={"Content-Type": CONTENT_TYPE, "Idempotency-Key": "x" * 129})
+    assert r.status_code == 400 and r.json()["field"] == "Idempotency-Key", r.text
+
+
 def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
     """(whether the server closed ``sock`` within ``seconds``, what it sent first)."""
     sock.settimeout(seconds)
@@ -290,6 +300,7 @@ def test_queued_work_whose_client_left_is_dropped(server):
     after = _jobs(server.url)
     assert after["computed"] - before.get("computed", 0) == 1, (before, after)
     assert after["dropped"] - before.get("dropped", 0) == 1, (before, after)
+    assert '"status": 499' in server.log.stream.getvalue(), "the request whose client left is logged as 499"
 
 
 ADMIN = "admin-token-42"
@@ -314,6 +325,9 @@ def test_reload_reads_only_safetensors_weights_from_inside_the_reload_root(tmp_p
     root = tmp_path / "allowed"
     monkeypatch.setenv("GRPO_REF_RELOAD_ROOT", str(root))
     good = write_tiny(root / "step-3", seed=1)
+    for sub in ("trainer/rank0.pt", "ds/mp_rank_00_model_states.pt"):  # a trainer checkpoint's own pickles, in subfolders
+        (good / sub).parent.mkdir()
+        torch.save({"step": 3}, good / sub)
     decoy_only = write_tiny(root / "decoy-only", seed=1)
     (decoy_only / "model.safetensors").rename(decoy_only / "decoy.safetensors")
     outside = write_tiny(tmp_path / "elsewhere" / "step-4", seed=1)

@@ -5,8 +5,8 @@ on connection errors, timeouts, 503 and other 5xx for up to ``ref.retry_window``
 :class:`ReferenceServerError` naming the URL and how to start the server. Every attempt of one
 log-prob request carries the same ``Idempotency-Key``, so a retry after a read timeout joins
 the server's computation of the first attempt instead of queueing another copy; a warning
-(once) says when ``ref.read_timeout`` is too short for the server's compute time. At start it checks health and that the server's tokenizer and
-vocabulary are the policy's. ``submit`` runs the request on a background thread so the
+(once) says when ``ref.read_timeout`` is too short for the server's compute time. At start it
+checks health and that the server's tokenizer and vocabulary are the policy's. ``submit`` runs the request on a background thread so the
 trainer keeps working meanwhile; ``pop_metrics`` reports latency and bytes per step.
 """
 
@@ -97,7 +97,9 @@ class HTTPReference:
         """
         url = self.url + path
         deadline = time.monotonic() + self.retry_window
-        headers = {**({"Content-Type": content_type} if content_type else {}), **({"Idempotency-Key": key} if key else {})}
+        headers = {"Content-Type": content_type} if content_type else {}
+        if key:
+            headers["Idempotency-Key"] = key
         attempt = 0
         while True:
             try:
@@ -176,7 +178,7 @@ class HTTPReference:
             f"the reference server at {self.url} needed {compute_s:.2f} s to compute one request ({rows} rows), "
             f"but ref.read_timeout={read_timeout:g} s: requests that take longer time out and are retried "
             f"(each retry joins the server's computation, but waits out a timeout and a backoff). "
-            f"Set ref.read_timeout to at least {max(2 * read_timeout, 3 * compute_s):.0f} s.",
+            f"Set ref.read_timeout to at least {max(2 * read_timeout, 3 * compute_s):.3g} s.",
             RuntimeWarning, stacklevel=3)
 
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":

@@ -3,9 +3,9 @@
     GET  /health        alive and model loaded (503 while shutting down)
     GET  /v1/info       model, weights hash / version, vocabulary, tokenizer fingerprint, dtype, device, limits
     POST /v1/logprobs   binary request -> binary answer (grpo/reference/wire.py)
-    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer (one at a
-                        time, 409 meanwhile; once per Idempotency-Key); reads only
-                        safetensors, refuses folders with pickles, and (GRPO_REF_RELOAD_ROOT) paths outside a root
+    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer; one at a
+                        time (409 meanwhile), once per Idempotency-Key; safetensors only, never a folder
+                        with pickles, and inside GRPO_REF_RELOAD_ROOT when that is set
 
 A request may carry ``Idempotency-Key: <unique id>``; a retry with the same key and body joins
 the first one's computation (or takes its answer) instead of computing it again, and work whose
