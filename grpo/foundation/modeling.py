@@ -33,14 +33,20 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tok
 
 
-def load_model(cfg: ModelConfig, name_or_path: str | None = None) -> PreTrainedModel:
-    """A causal LM in the configured dtype (``name_or_path`` overrides cfg's, e.g. for the reference)."""
+def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_only: bool = False) -> PreTrainedModel:
+    """A causal LM in the configured dtype (``name_or_path`` overrides cfg's, e.g. for the reference).
+
+    ``safetensors_only``: load ``model.safetensors`` (or its index) and nothing else, never a
+    pickle such as ``pytorch_model.bin`` (the reference server's reloads).
+    """
     name = name_or_path or cfg.name_or_path
     dtype = DTYPES[cfg.dtype]
     if name == BUILTIN_NAME:
         model = build_tiny()[0].to(dtype)
     else:
         kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        if safetensors_only:
+            kwargs["use_safetensors"] = True
         if cfg.attn_implementation:
             kwargs["attn_implementation"] = cfg.attn_implementation
         try:
