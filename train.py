@@ -61,18 +61,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    from grpo.foundation import dist
     from grpo.reference.base import ReferenceServerError
+    from grpo.training.health import TrainingStopped
     from grpo.training.trainer import Trainer
 
+    finished = False
     try:
         trainer = Trainer(cfg, resume=args.resume)
         trainer.train()
+        finished = True
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except ReferenceServerError as e:  # the reference server is gone: the message says how to restart it
         print(f"reference error: {e}", file=sys.stderr)
         return 1
+    except TrainingStopped as e:  # the watchdog: non-finite steps in a row
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 3
+    finally:
+        # Every exit path tears the process group down while the interpreter is whole (left to interpreter
+        # exit, ZeRO-3's communication threads sometimes aborted it). Only a finished run waits for the
+        # other ranks: after an error they may never arrive.
+        dist.shutdown(wait=finished)
     return 0
 
 

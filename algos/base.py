@@ -111,6 +111,7 @@ class Algorithm:
     Options: ClassVar[type] = NoOptions
     defaults: ClassVar[dict[str, Any]] = {}  # overrides of AlgoConfig's shared defaults
     knobs: ClassVar[tuple[str, ...]] = ()  # main knobs shown by --list-algos
+    group_relative: ClassVar[bool] = True  # advantages compare a prompt's completions: needs G >= 2
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -15,7 +15,9 @@ A reset asks the run for it (``ctx.reset_reference()``, the same mechanism as ``
 with alpha = 1): the policy is written to ``OUT/reference/step-N`` (an HF folder) and the reference
 takes it, whatever kind it is (an in-process copy, a server told to reload the folder, or with LoRA
 the policy's base, into which the adapter is merged). The folder and the reference version go
-into checkpoints, so a resumed run restores the reset reference.
+into checkpoints, so a resumed run restores the reset reference; with a server, the weights' hash
+is kept too, and a resumed run reloads the server (the initial model, when a later reset had moved
+it on) and checks that hash before its first step.
 
 Formulas, defaults and decisions: docs/algorithms.md, section prorl.
 """
@@ -50,6 +52,8 @@ class ProRL(DAPO):
         super().__init__(cfg)
         self.ref_version: Optional[int] = None
         self.ref_dir: Optional[str] = None  # where the current reference's weights are (None: the initial model)
+        self.ref_hash: Optional[str] = None  # a reference server's hash of those weights (None in-process)
+        self.resumed = False
         self.best: Optional[float] = None
         self.since_best = 0
         self.resets = 0
@@ -69,10 +73,23 @@ class ProRL(DAPO):
 
     # ----------------------------------------------------------------- hooks
     def attach(self, ctx: StepContext) -> None:
-        if self.ref_dir is not None and ctx.reference.folder != self.ref_dir:  # resumed after a reset: bring it back
-            self.ref_version = ctx.reference.restore(self.ref_dir, self.ref_version)
-        elif self.ref_version is None:
-            self.ref_version = ctx.reference.version
+        ref = ctx.reference
+        if not self.resumed:
+            self.ref_version, self.ref_hash = ref.version, ref.weights_hash()
+            return
+        # A resumed run: the reference must be the one the checkpoint trained against. A server may have
+        # moved on since (a reset after the checkpoint was written), so it is brought back and checked.
+        if self.ref_dir is not None and ref.folder != self.ref_dir:  # after a reset: its exported policy
+            # (the trainer restores a reference synced by any algorithm itself: then folder == ref_dir)
+            self.ref_version = ref.restore(self.ref_dir, self.ref_version)
+        elif self.ref_dir is None and self.ref_hash is not None and ref.weights_hash() != self.ref_hash:
+            self.ref_version = ref.reload(self.cfg.ref.model or self.cfg.model.name_or_path)  # the initial model
+        if self.ref_hash is not None and (now := ref.weights_hash()) != self.ref_hash:
+            raise ConfigError(
+                f"--resume: the reference server serves weights {now} ({ref.source}), but this checkpoint trained "
+                f"against {self.ref_hash} ({self.ref_dir or 'the initial model'}); the folder changed since. "
+                f"Restore it, or start the run afresh"
+            )
 
     def on_step_end(self, ctx: StepContext, metrics: dict[str, float]) -> None:
         o = self.opt
@@ -93,6 +110,7 @@ class ProRL(DAPO):
     def reset(self, ctx: StepContext) -> None:
         """pi_ref <- pi_theta (collective: every rank calls it); optionally reset the optimizer."""
         self.ref_dir, self.ref_version = ctx.reset_reference()
+        self.ref_hash = ctx.reference.weights_hash()
         if self.opt.reset_optimizer:
             ctx.reset_optimizer()  # Adam moments and step counts start afresh at the next step
         self.best, self.since_best = None, 0
@@ -100,12 +118,14 @@ class ProRL(DAPO):
 
     # ----------------------------------------------------------------- state (checkpointed)
     def state_dict(self) -> dict:
-        return {"ref_version": self.ref_version, "ref_dir": self.ref_dir, "best": self.best,
+        return {"ref_version": self.ref_version, "ref_dir": self.ref_dir, "ref_hash": self.ref_hash, "best": self.best,
                 "since_best": self.since_best, "resets": self.resets}
 
     def load_state_dict(self, state: dict) -> None:
         self.ref_version = state.get("ref_version")
         self.ref_dir = state.get("ref_dir")
+        self.ref_hash = state.get("ref_hash")
+        self.resumed = True
         self.best = state.get("best")
         self.since_best = int(state.get("since_best", 0))
         self.resets = int(state.get("resets", 0))

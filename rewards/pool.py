@@ -5,7 +5,9 @@ on pathological input (sympy stuck inside one C call that no signal interrupts),
 function can raise or be slow. So each call (one chunk of completions for one function)
 runs in a worker process; a call that passes its deadline is answered with a timeout
 and its worker is killed and replaced, and an exception comes back as its traceback.
-The caller turns both into zeros and counts them (rewards.CombinedReward).
+A value that is not a finite number (nan, inf) is an error too: one nan would make its
+whole group's advantages nan. The caller turns errors and timeouts into zeros and counts
+them (rewards.CombinedReward).
 
 Workers are started with ``spawn`` (a fork of a process holding torch's thread pools can
 deadlock) and resolve functions by name themselves, so only names, kwargs and texts
@@ -15,6 +17,7 @@ cross the process boundary.
 from __future__ import annotations
 
 import atexit
+import math
 import multiprocessing as mp
 import time
 import traceback
@@ -53,9 +56,19 @@ def run_call(call: Call) -> Outcome:
         values = [float(v) for v in fn(call.prompts, call.completions, **call.columns, **call.kwargs)]
         if len(values) != len(call.completions):
             raise ValueError(f"reward {call.fn!r} returned {len(values)} values for {len(call.completions)} completions")
+        _check_finite(call.fn, values)
         return Outcome("ok", values=values)
     except Exception:  # noqa: BLE001 - any failure of user code scores 0 and is reported
         return Outcome("error", error=traceback.format_exc())
+
+
+def _check_finite(fn: str, values: list[float]) -> None:
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise ValueError(
+            f"reward {fn!r} returned {values[bad[0]]} for row {bad[0]} of its chunk ({len(bad)} of {len(values)} "
+            f"values not finite): a reward must be a finite number; the chunk scores 0"
+        )
 
 
 def _worker_main(conn: Connection) -> None:

@@ -31,3 +31,8 @@ def wrong_length(prompts, completions, **_):
 
 
 not_callable = 42
+
+
+def not_finite(prompts, completions, **_):
+    """nan / inf for completions that say so (numpy-style results of a 0/0 or a log(0))."""
+    return [float(c) if c in ("nan", "inf", "-inf") else 1.0 for c in completions]

@@ -752,3 +752,53 @@ def test_edge_grpo_guided_error_correction(single_rank_env, tmp_path):
     for i in set(range(len(batch))) - set(wrong):
         assert out.completion_ids[i] == before[i]
     assert ctx.metrics["edge/corrected_frac"] == pytest.approx(len(wrong) / len(batch))
+
+
+class HashingServer(RecordingServer):
+    """A reference server's admin side that also reports a hash of what it serves (here: of its source)."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+
+    def info(self) -> dict:
+        return {"version": self.version, "model": self.source, "weights_hash": f"hash:{self.source}"}
+
+    def reload(self, checkpoint_dir: str) -> dict:
+        self.source = checkpoint_dir
+        return super().reload(checkpoint_dir)
+
+
+def test_prorl_resume_brings_a_moved_server_back_and_checks_its_weights(single_rank_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tr = make_trainer("prorl", "relative-run", "algo.beta=0.001")  # a relative train.output_dir
+    initial = tr.cfg.model.name_or_path
+    server = HashingServer(initial)
+    tr.reference = ReferenceHandle(server)
+    algo = get_algorithm("prorl")(tr.cfg)
+    algo.attach(tr.context())
+    assert (algo.ref_version, algo.ref_hash) == (0, f"hash:{initial}")
+    before_reset = algo.state_dict()
+
+    tr.step = 4
+    algo.reset(tr.context())
+    folder = tmp_path / "relative-run" / "reference" / "step-4"
+    assert server.loaded == [str(folder)]  # absolute: the server resolves it on its side
+    after_reset = algo.state_dict()
+
+    # resumed from the checkpoint before the reset, while the server still serves the reset weights
+    resumed = get_algorithm("prorl")(tr.cfg)
+    resumed.load_state_dict(before_reset)
+    resumed.attach(tr.context())
+    assert server.loaded[-1] == initial and resumed.ref_version == server.version == 2
+    # resumed after the reset: the server loads the exported policy again
+    resumed = get_algorithm("prorl")(tr.cfg)
+    resumed.load_state_dict(after_reset)
+    resumed.attach(tr.context())
+    assert server.loaded[-1] == str(folder) and resumed.ref_hash == f"hash:{folder}"
+    # the folder no longer holds the weights the checkpoint trained against
+    tampered = get_algorithm("prorl")(tr.cfg)
+    tampered.load_state_dict({**after_reset, "ref_hash": "hash:something-else"})
+    with pytest.raises(ConfigError, match="this checkpoint trained against hash:something-else"):
+        tampered.attach(tr.context())
+    tr.close()

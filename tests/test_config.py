@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from grpo.foundation.config import ConfigError, parse_overrides, to_dict
+from grpo.foundation.config import ConfigError, parse_overrides, to_dict, validate
 from grpo.training.configure import load_config
 
 
@@ -131,3 +131,32 @@ def test_resolved_config_round_trips(tmp_path):
 def test_demo_config_loads():
     cfg = load_config("configs/demo.yaml")
     assert cfg.data.source == "builtin"
+
+
+@pytest.mark.parametrize("algo, override, key", [
+    (None, "train.lr=nan", "train.lr"),
+    (None, "algo.beta=.nan", "algo.beta"),
+    (None, "rollout.temperature=inf", "rollout.temperature"),
+    (None, "reward_pool.timeout=nan", "reward_pool.timeout"),
+    (None, "ref.read_timeout=-inf", "ref.read_timeout"),
+    (None, "eval.threshold=nan", "eval.threshold"),
+    (None, "algo.clip_eps_high=inf", "algo.clip_eps_high"),
+    (None, "algo.dual_clip=inf", "algo.dual_clip"),  # Optional[float]: the type fits, the value does not
+    (None, "rewards=[{fn: digits_match, weight: .inf}]", r"rewards\[0\].weight"),
+    ("dapo", "algo.overlong_factor=nan", "algo.overlong_factor"),  # an algorithm's Options
+    ("gpg", "algo.threshold=nan", "algo.threshold"),
+    ("diver", "algo.bleu_weights=[0.5, .nan]", r"algo.bleu_weights\[1\]"),
+])
+def test_nan_and_inf_are_refused_naming_the_key(algo, override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}=-?(nan|inf) is invalid: it must be a finite number.*"
+                                          rf"leave {key} out to use its default"):
+        load_config(algo=algo, overrides=[override])
+
+
+def test_nan_in_a_yaml_file_and_in_a_config_built_in_code(tmp_path):
+    with pytest.raises(ConfigError, match=r"^train.adam_eps=nan is invalid: it must be a finite number"):
+        load_config(write(tmp_path, {"train": {"adam_eps": float("nan")}}))
+    cfg = load_config()
+    cfg.reward_pool.timeout = float("nan")  # built in code: validate() still refuses it
+    with pytest.raises(ConfigError, match=r"^reward_pool.timeout=nan is invalid: it must be a finite number"):
+        validate(cfg)

@@ -208,3 +208,28 @@ def test_real_gsm8k_rows_with_holdout():
         final = item["answer"].split("####")[-1]
         assert math_correct(["p"], [f"<answer>{final}</answer>"], [item["answer"]]) == [1.0]
         assert math_correct(["p"], ["<answer>-1</answer>"], [item["answer"]]) == [0.0]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "garbled_footer"])
+def test_a_corrupt_parquet_file_stops_with_its_name(tmp_path, damage):
+    import pandas as pd
+
+    good = tmp_path / "good.parquet"
+    pd.DataFrame({"question": [f"q{i}" for i in range(200)], "answer": [str(i) for i in range(200)]}).to_parquet(good)
+    b = good.read_bytes()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes({"garbage": b"not parquet at all " * 8, "truncated": b[: len(b) // 2],
+                     "garbled_footer": b[:8] + bytes(len(b) - 16) + b[-8:]}[damage])
+    with pytest.raises(ConfigError, match=r"bad.parquet' is not a readable Parquet file.*corrupt or truncated"):
+        load_source(data(source="parquet", path=str(bad), task="gsm8k"), 0)
+    with pytest.raises(ConfigError, match=r"bad.parquet' is not a readable Parquet file"):  # held-out data alike
+        load_eval_source(data(source="parquet", path=str(good), task="gsm8k", eval_path=str(bad)), 0)
+
+
+@pytest.mark.timeout(120)  # before the bound, the generator drew forever
+def test_countdown_with_too_many_numbers_stops_naming_the_setting():
+    cfg = CountdownTaskConfig(num_examples=100, min_numbers=30, max_numbers=30)
+    with pytest.raises(ConfigError, match=r"data.countdown.min_numbers=30 .*no solvable problem in 10000 random draws"
+                                          r".*Lower data.countdown.min_numbers"):
+        CountdownTask(cfg, seed=0)
+    assert len(CountdownTask(CountdownTaskConfig(num_examples=20, min_numbers=12, max_numbers=12), seed=0)) == 20

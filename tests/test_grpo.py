@@ -156,3 +156,22 @@ def test_dual_clip_by_hand():
     s = core.clipped_surrogate(ratio, adv, 0.2, 0.2, dual_clip=3.0)
     # A<0, rho=5: min(-5, -1.2) = -5, dual clip max(-5, -3) = -3; A>0: min(5, 1.2) = 1.2; A<0, rho=.5: min(-.5,-.8) = -.8
     torch.testing.assert_close(s.value, torch.tensor([-3.0, 1.2, -0.8], dtype=torch.float64))
+
+
+def test_k3_clamps_the_log_ratio_and_is_exact_inside_the_clamp():
+    """k3 = e^d - d - 1 with d = ref - logp clamped to [-20, 20]; d/dlogp k3 = 1 - e^d inside, 0 outside."""
+    ref = torch.zeros(8, dtype=torch.float64)
+    d = [1.0, -0.5, 2.78, 5.0, -15.0, 19.5, 50.0, -1000.0]  # the last two past the clamp (e^1000 is inf)
+    logp = torch.tensor([-x for x in d], dtype=torch.float64, requires_grad=True)
+    k3 = core.kl_estimate(logp, ref, "k3")
+    k3.sum().backward()
+    inside = d[:6]
+    want = [math.exp(x) - x - 1 for x in inside] + [math.exp(20) - 21, math.exp(-20) + 19]
+    want_grad = [1 - math.exp(x) for x in inside] + [0.0, 0.0]
+    torch.testing.assert_close(k3.detach(), torch.tensor(want, dtype=torch.float64))
+    torch.testing.assert_close(logp.grad, torch.tensor(want_grad, dtype=torch.float64))
+    # float32, as the trainer computes it: a reference far above and far below the policy stays finite
+    logp = torch.tensor([-1000.0, 1000.0], dtype=torch.float32, requires_grad=True)
+    k3 = core.kl_estimate(logp, torch.zeros(2), "k3")
+    k3.sum().backward()
+    assert torch.isfinite(k3).all() and torch.isfinite(logp.grad).all()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from grpo.foundation.config import ConfigError
 from grpo.training.configure import load_config
-from grpo.training.metrics import MetricsLogger, plot_metrics
+from grpo.training.metrics import MetricsLogger, plot_metrics, read_metrics
 
 
 @pytest.mark.parametrize("target", ["tensorboard", "wandb"])
@@ -35,3 +37,59 @@ def test_metrics_lines_and_plot(tmp_path):
     MetricsLogger(load_config(overrides=[f"train.output_dir={tmp_path}", "logging.progress_bar=false"]), start_step=2)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert plot_metrics(tmp_path / "missing.jsonl", tmp_path / "x.png") is None
+
+
+def _cfg(out):
+    return load_config(overrides=[f"train.output_dir={out}", "logging.progress_bar=false", "logging.plot=false"])
+
+
+def _lines():
+    return "".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in range(1, 4))
+
+
+def test_a_partial_last_line_is_skipped_on_read_and_on_resume(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(_lines() + '{"step": 4, "reward/me')  # killed mid-write (or the disk filled up)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    assert "skipped its partial last line 4" in capsys.readouterr().err
+    log = MetricsLogger(_cfg(tmp_path), start_step=3)  # --resume from step 3
+    log.log(4, {"reward/mean": 0.4})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    assert path.read_text().endswith('"reward/mean": 0.4}\n')
+    path.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')  # not the last line: an error naming the file and line
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2 is not valid JSON"):
+        read_metrics(path)
+
+
+def test_the_resume_rewrite_is_atomic_a_full_disk_leaves_the_file_whole(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    before = _lines()
+    path.write_text(before)
+    # The rewrite runs in a child whose file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes any write past
+    # 40 bytes fail with EFBIG, as a full disk would: in-place, the file would be left truncated.
+    code = ("import resource, signal\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (40, resource.RLIM_INFINITY))\n"
+            "from pathlib import Path\n"
+            "from grpo.training.metrics import _truncate_after\n"
+            f"_truncate_after(Path({str(path)!r}), 2)\n")
+    proc = subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr[-2000:]
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left behind
+
+
+def test_a_fresh_run_moves_the_earlier_runs_logs_aside(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(_lines())
+    (tmp_path / "samples.jsonl").write_text('{"step": 1, "completion": "7"}\n')
+    log = MetricsLogger(_cfg(tmp_path))  # no --resume: starts at step 0
+    log.log(1, {"reward/mean": 0.9})
+    err = capsys.readouterr().err
+    assert "--resume" in err and "train.output_dir" in err and "moved" in err
+    (metrics_bak,) = tmp_path.glob("metrics.jsonl.bak-*")
+    (samples_bak,) = tmp_path.glob("samples.jsonl.bak-*")
+    assert metrics_bak.read_text() == _lines() and "completion" in samples_bak.read_text()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.9}]
+    MetricsLogger(_cfg(tmp_path))  # a second rerun within the same second keeps both earlier files
+    assert len(list(tmp_path.glob("metrics.jsonl.bak-*"))) == 2

@@ -3,6 +3,8 @@ reload and graceful shutdown. The last test stops the module's server (SIGTERM).
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -11,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
+from safetensors.torch import save as st_save
 
+from grpo.foundation.logprobs import pack
 from grpo.training.configure import load_config
 from grpo.reference.http import HTTPReference
 from grpo.reference.launch import ServerProcess, free_port
@@ -181,7 +185,13 @@ def _bad_bodies(p):
         ("rows disagree", encode({**good, "prompt_lens": plen[:-1]}, header), 400, "completion_lens"),
         ("out-of-vocabulary id", encode({**good, "input_ids": oov}, header), 400, "input_ids"),
         ("bad temperature", encode(good, {"temperature": -1}), 400, "temperature"),
+        ("lengths that wrap int64", encode({"input_ids": ids[:2], "prompt_lens": torch.tensor([2**62, 2**62, 1, 1]),
+                                            "completion_lens": torch.tensor([2**62, 2**62, 0, 0])}, header), 400, "prompt_lens"),
+        ("deeply nested header", st_save(good, metadata={"header": "[" * 10_000 + "]" * 10_000}), 400, "header"),
         ("oversized body", b"\x00" * int(MAX_REQUEST_MB * 2**20 + 1000), 413, "body"),
+        # 61 rows x 1000 tokens = 61,000 padded tokens from a 5 KiB body; the limit is 0.1 MiB / 4 = 26,214
+        ("padded total over the limit", encode_request(pack([[5]] * 60 + [[5] * 500], [[]] * 60 + [[6] * 500], 0), 1.0),
+         413, "completion_lens"),
     ]
 
 
@@ -199,6 +209,8 @@ def test_bad_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(se
         lp, _, _ = decode_response(ok.content, p.length, p.width)
         assert_same(lp, expected)
     assert "is outside the vocabulary" in post(server, cases[4][1]).json()["error"]
+    padded = next(body for name, body, _, _ in cases if name == "padded total over the limit")
+    assert "max_padded_tokens=26214" in post(server, padded).json()["error"]
     r = requests.get(server.url + "/v1/logprobs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert r.status_code == 405 and r.json()["status"] == 405
 
@@ -264,3 +276,42 @@ def test_sigterm_lets_the_in_flight_request_finish(server, inproc):
     assert server.proc.wait(30) == 0
     events = [e["event"] for e in log_events(server.log_path, event="shutting down")]
     assert events == ["shutting down"] and log_events(server.log_path, event="stopped")
+
+
+def test_sigterm_does_not_wait_for_idle_or_stalled_connections(tmp_path):
+    """An idle connection, trickled headers and a stalled body: SIGTERM still exits within seconds.
+    Was: the server joined every connection thread, each blocked up to 120 s per read (trickling: forever)."""
+    srv = ServerProcess(["--model", "builtin:tiny-char"], port=free_port(), log_path=tmp_path / "server.log",
+                        env={"OMP_NUM_THREADS": "1"}).start(timeout=120)
+    socks = [socket.create_connection((srv.host, srv.port), timeout=10) for _ in range(3)]
+    idle, trickle, stalled = socks
+    trickle.sendall(b"GET /health HTTP/1.0\r\n")
+    stalled.sendall(b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n0123456789")
+    stop = threading.Event()
+
+    def trickling() -> None:  # a header byte every 0.2 s, for at most 30 s
+        for _ in range(150):
+            if stop.wait(0.2):
+                return
+            try:
+                trickle.send(b"X")
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickling)
+    sender.start()
+    try:
+        time.sleep(0.5)  # every connection accepted and waiting in its own thread
+        t0 = time.monotonic()
+        srv.proc.send_signal(15)
+        try:
+            code = srv.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server was still waiting for idle connections 20 s after SIGTERM")
+        assert code == 0 and time.monotonic() - t0 < 10, (code, time.monotonic() - t0)
+    finally:
+        stop.set()
+        sender.join(10)
+        for s in socks:
+            s.close()
+        srv.kill()

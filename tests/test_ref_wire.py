@@ -10,6 +10,7 @@ from safetensors.torch import save as st_save
 
 from grpo.foundation.logprobs import pack
 from grpo.reference.wire import (
+    TooLarge,
     WireError,
     decode_response,
     encode,
@@ -54,7 +55,7 @@ def test_request_round_trip():
     p = ragged_batch(2, rows=6, vocab=VOCAB, width=16)
     req = parse_request(encode_request(p, 0.7, with_entropy=True, pad_id=0, rows_per_pass=4), VOCAB, 16384)
     assert req.temperature == 0.7 and req.with_entropy and req.rows_per_pass == 4
-    assert torch.equal(req.packed.input_ids, p.input_ids) and torch.equal(req.packed.length, p.length)
+    assert torch.equal(req.packed().input_ids, p.input_ids) and torch.equal(req.packed().length, p.length)
     assert req.rows == 6 and req.tokens == int(p.attention_mask.sum())
 
 
@@ -106,6 +107,41 @@ def test_row_longer_than_the_token_budget_is_refused_with_the_fix():
     assert "40 tokens" in e.value.message and "--max-batch-tokens" in e.value.message
 
 
+def _short_rows_and_one_long(short_rows: int, long_row: int) -> bytes:
+    """``short_rows`` one-token rows and one row of ``long_row`` tokens: few bytes, a huge padded batch."""
+    prompts = [[5]] * short_rows + [[5] * (long_row // 2)]
+    completions = [[]] * short_rows + [[6] * (long_row - long_row // 2)]
+    return encode_request(pack(prompts, completions, 0), 1.0)
+
+
+def test_padded_total_is_capped_before_anything_is_padded():
+    """10,000 one-token rows and one 4,096-token row: a 133 KiB body that padded to 10,001 x 4,096
+    tokens (625 MiB of int64 ids and mask) in the HTTP thread, before the bounded queue."""
+    body = _short_rows_and_one_long(10_000, 4096)
+    assert len(body) < 140 * 1024
+    with pytest.raises(TooLarge) as e:
+        parse_request(body, VOCAB, max_row_tokens=4096, max_padded_tokens=2**24)
+    assert e.value.status == 413 and e.value.field == "completion_lens"
+    assert "10001 x 4096" in e.value.message and "max_padded_tokens=16777216" in e.value.message
+
+
+def test_rows_stay_flat_until_each_forward_pass_pads_its_own():
+    body = _short_rows_and_one_long(3_000, 4096)  # 12.3M padded tokens: under the cap, so it is accepted
+    req = parse_request(body, VOCAB, max_row_tokens=4096, max_padded_tokens=2**24)
+    held = sum(t.numel() for t in (req.input_ids, req.prompt_lens, req.completion_lens, req.offsets))
+    assert req.padded_tokens == 3_001 * 4096 and held < 3 * (req.tokens + req.rows), "nothing padded at parse time"
+    for rows in row_slices(req.rows, req.row_tokens, None, max_tokens=8192)[-2:]:
+        assert req.packed(rows).input_ids.numel() <= 8192, "one pass pads at most max_batch_tokens"
+
+    p = ragged_batch(4, rows=10, vocab=VOCAB, width=16)
+    req = parse_request(encode_request(p, 1.0), VOCAB, 16384, max_padded_tokens=10**6)
+    for rows in row_slices(10, req.row_tokens, 3, None):  # each pass sees exactly its rows of the padded batch
+        part = req.packed(rows)
+        assert torch.equal(part.input_ids, p.input_ids[rows]) and torch.equal(part.attention_mask, p.attention_mask[rows])
+        assert torch.equal(part.start, p.start[rows]) and torch.equal(part.length, p.length[rows])
+        assert part.width == int(p.length.max())
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
@@ -144,3 +180,54 @@ def test_truncated_payload_is_refused():
 def test_row_slices(rows, row_tokens, max_rows, max_tokens, sizes):
     slices = row_slices(rows, row_tokens, max_rows, max_tokens)
     assert [len(range(rows)[s]) for s in slices] == sizes
+
+
+# --------------------------------------------------------------------------- hostile values (400, never 500)
+
+
+def _lengths_request(prompt_lens: list[int], completion_lens: list[int], tokens: int):
+    return {"input_ids": torch.full((tokens,), 5, dtype=torch.int64),
+            "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int64),
+            "completion_lens": torch.tensor(completion_lens, dtype=torch.int64)}
+
+
+@pytest.mark.parametrize(
+    "prompt_lens, completion_lens, tokens, field",
+    [
+        # 2**62 + 2**62 wraps to -2**63 in int64: two such rows sum to 0, so the sum and max checks saw 2 tokens
+        ([2**62, 2**62, 1, 1], [2**62, 2**62, 0, 0], 2, "prompt_lens"),
+        ([1, 1], [2**63 - 1, 2**63 - 1], 0, "completion_lens"),
+        ([2**63 - 1, 2], [0, 2**63 - 1], 1, "prompt_lens"),
+    ],
+)
+def test_row_lengths_that_would_wrap_int64_are_refused(prompt_lens, completion_lens, tokens, field):
+    body = encode(_lengths_request(prompt_lens, completion_lens, tokens), {"temperature": 1.0})
+    with pytest.raises(WireError) as e:
+        parse_request(body, VOCAB, 16384)
+    assert e.value.field == field and "max_batch_tokens=16384" in e.value.message
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("where", ["header", "safetensors header"])
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(where):
+    tensors, header = _request()
+    if where == "header":
+        body = st_save(tensors, metadata={"header": json.dumps({**header, "pad_id": None}).replace("null", _nested(100_000))})
+        field = "header"
+    else:  # the outer safetensors JSON, parsed before safetensors sees it
+        raw = json.dumps({"x": None}).replace("null", _nested(100_000)).encode()
+        body = len(raw).to_bytes(8, "little") + raw
+        field = "body"
+    with pytest.raises(WireError) as e:
+        parse_request(body, VOCAB, 16384)
+    assert e.value.field == field and "nested" in e.value.message
+
+
+def test_a_temperature_too_large_for_a_float_is_refused():
+    tensors, header = _request(temperature=10**400)
+    with pytest.raises(WireError) as e:
+        parse_request(encode(tensors, header), VOCAB, 16384)
+    assert e.value.field == "temperature" and "finite number" in e.value.message

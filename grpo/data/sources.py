@@ -75,14 +75,26 @@ def _empty_file(path: Path, source: str) -> bool:
     if not path.is_file():
         return False
     if source == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows == 0
+        return _parquet_rows(path) == 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 16):
             if chunk.strip():
                 return False
     return True
+
+
+def _parquet_rows(path: Path) -> int:
+    """Rows of a Parquet file, from its footer; a corrupt or truncated file is a ConfigError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:  # bad magic bytes: ArrowInvalid; a garbled footer: OSError
+        raise ConfigError(
+            f"data: {str(path)!r} is not a readable Parquet file ({' '.join(str(e).split())}); it is corrupt or truncated "
+            f"(an interrupted download or copy?): write it again or point the config at a good copy"
+        ) from e
 
 
 class TableSource:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
-from grpo.foundation.config import ArithmeticTaskConfig, CountdownTaskConfig
+from grpo.foundation.config import ArithmeticTaskConfig, ConfigError, CountdownTaskConfig
 
 # DeepSeek-R1-Zero's reasoning prompt (arXiv 2501.12948, table 1), as a system prompt.
 R1_SYSTEM_PROMPT = (
@@ -67,9 +67,17 @@ def _combine(rng: random.Random, a: Fraction, b: Fraction) -> Optional[Fraction]
     return v if v is not None and v > 0 and v.denominator == 1 else None
 
 
+COUNTDOWN_MAX_DRAWS = 10_000  # random draws per problem; the defaults need about 5, 16 numbers about 2000
+
+
 def countdown_example(rng: random.Random, cfg: CountdownTaskConfig) -> dict[str, Any]:
-    """Numbers and a target reachable with each number exactly once (built by combining them)."""
-    while True:
+    """Numbers and a target reachable with each number exactly once (built by combining them).
+
+    A draw fails when a combination leaves the positive integers or the result passes
+    ``max_target``; the more numbers, the likelier. Past ``COUNTDOWN_MAX_DRAWS`` failed draws
+    the settings are reported instead of searched forever.
+    """
+    for _ in range(COUNTDOWN_MAX_DRAWS):
         n = rng.randint(cfg.min_numbers, cfg.max_numbers)
         nums = [rng.randint(1, cfg.max_number) for _ in range(n)]
         pool = [Fraction(x) for x in nums]
@@ -81,6 +89,13 @@ def countdown_example(rng: random.Random, cfg: CountdownTaskConfig) -> dict[str,
             pool = [p for k, p in enumerate(pool) if k not in (i, j)] + [v]
         if len(pool) == 1 and 1 <= pool[0] <= cfg.max_target:
             return {"nums": nums, "target": int(pool[0])}
+    raise ConfigError(
+        f"data.countdown.min_numbers={cfg.min_numbers} (max_numbers={cfg.max_numbers}, max_number={cfg.max_number}, "
+        f"max_target={cfg.max_target}): no solvable problem in {COUNTDOWN_MAX_DRAWS} random draws; with that many "
+        f"numbers a random combination of all of them almost never stays a positive integer within 1..max_target. "
+        f"Lower data.countdown.min_numbers and max_numbers (Countdown-Tasks-3to4 uses 3 to 4; up to about 14 "
+        f"works with the default max_number/max_target) or raise data.countdown.max_target"
+    )
 
 
 class CountdownTask:

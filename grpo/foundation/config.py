@@ -4,13 +4,15 @@ Precedence (lowest to highest): dataclass defaults < the chosen algorithm's
 defaults < YAML file < ``--algo NAME`` (picks the algorithm) < ``key=value``
 overrides on the command line. Any unknown key, wrong type or invalid value
 raises :class:`ConfigError` naming the key and the valid choices, before any
-model is loaded.
+model is loaded. Every float-typed value, algorithm options included, must be finite:
+nan and inf are refused where the value is read, before any range check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +24,10 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message says how to fix it."""
+
+
+class _NotFiniteError(ConfigError):
+    """A float-typed key got nan or inf (raised by the coercion, whatever else the annotation allows)."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -183,6 +189,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     save_every: int = 0  # 0 = only at the end
     logprob_chunk_size: int = 256  # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer)
+    max_nonfinite_steps: int = 3  # stop after this many steps in a row with a NaN/inf loss or gradient norm
 
 
 @dataclass
@@ -214,6 +221,7 @@ class LoggingConfig:
     progress_bar: bool = True
     plot: bool = True
     wandb_project: str = "grpo"
+    health_patience: int = 5  # warn when a run looks stuck (truncation, all-equal groups, zero gradient) this many steps in a row
 
 
 @dataclass
@@ -270,7 +278,16 @@ class Config:
 # --------------------------------------------------------------------------- validation
 
 
+def _not_finite(path: str, value: float) -> ConfigError:
+    return _NotFiniteError(
+        f"{path}={value!r} is invalid: it must be a finite number (nan and inf are not allowed); "
+        f"set a finite value or leave {path} out to use its default"
+    )
+
+
 def _positive(path: str, value: float, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):
+        raise _not_finite(path, value)
     if value < 0 or (value == 0 and not allow_zero):
         need = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{path}={value!r} is invalid: it must be {need}")
@@ -296,6 +313,7 @@ def validate(cfg: Config) -> None:
     _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive("train.save_every", t.save_every, allow_zero=True)
     _positive("train.logprob_chunk_size", t.logprob_chunk_size)
+    _positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
     _positive("algo.beta", a.beta, allow_zero=True)
     _positive("algo.clip_eps_low", a.clip_eps_low, allow_zero=True)
     _positive("algo.clip_eps_high", a.clip_eps_high, allow_zero=True)
@@ -307,6 +325,7 @@ def validate(cfg: Config) -> None:
     _positive("algo.num_iterations", a.num_iterations)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.samples_per_log", cfg.logging.samples_per_log, allow_zero=True)
+    _positive("logging.health_patience", cfg.logging.health_patience)
     for i, target in enumerate(cfg.logging.report_to):
         if target not in ("tensorboard", "wandb"):
             raise ConfigError(
@@ -458,6 +477,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 continue
             try:
                 return _coerce(path, value, a)
+            except _NotFiniteError:
+                raise  # the type fits; the value does not
             except ConfigError as e:
                 errors.append(str(e))
         real = [a for a in args if a is not type(None)]
@@ -501,14 +522,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"{path}={value!r} has the wrong type: expected an integer")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}={value!r} has the wrong type: expected a number")
+        number = _to_float(path, value)
+        if not math.isfinite(number):  # every float in the config, algorithm options included
+            raise _not_finite(path, number)
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -516,6 +533,20 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise ConfigError(f"{path}={value!r} has the wrong type: expected a string")
     raise ConfigError(f"{path}: unsupported type {tp!r}")
+
+
+def _to_float(path: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an int too large for a float
+            return math.inf
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{path}={value!r} has the wrong type: expected a number")
 
 
 def _field_names(cls: type) -> str:
@@ -652,6 +683,12 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
     cfg = build_dataclass(Config, tree)
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
     validate(cfg)
+    if getattr(algorithm, "group_relative", False) and cfg.rollout.num_generations < 2:
+        raise ConfigError(
+            f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
+            f"compare the completions of one prompt, so with fewer than 2 every advantage is 0. Set "
+            f"rollout.num_generations >= 2 (papers use 8 to 64)"
+        )
     algorithm.validate(cfg)
     return cfg
 

@@ -180,14 +180,26 @@ def dynamic_clip_bounds(
 # --------------------------------------------------------------------------- KL
 
 
+K3_LOG_RATIO_CLAMP = 20.0  # |d| before exp in k3 (verl's low_var_kl bound on d)
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k1", "k2", "k3"] = "k3") -> torch.Tensor:
-    """Per-token KL(pi_theta || pi_ref) estimators with d = l_ref - l: k1 = -d, k2 = d^2/2, k3 = e^d - d - 1."""
+    """Per-token KL(pi_theta || pi_ref) estimators with d = l_ref - l: k1 = -d, k2 = d^2/2, k3 = e^d - d - 1.
+
+    k3 clamps d to [-20, 20] before exp, as verl's ``low_var_kl`` does: unclamped, one token far
+    from the reference overflows exp (float32 past d = 88) and the loss and every gradient become
+    inf or nan. For |d| <= 20 value and gradient are exact (TRL's unclamped k3); beyond, a token adds
+    at most e^20 - 21 (about 4.9e8, finite in float32) and no gradient. verl's second clamp, k3 to
+    [-10, 10], is not applied: it already bites at d = 2.61 (the policy at 7% of the reference's
+    probability, common in training) and would cut the KL gradient exactly where it pulls hardest.
+    """
     d = ref_logp - logp
     if estimator == "k1":
         return -d
     if estimator == "k2":
         return 0.5 * d * d
     if estimator == "k3":
+        d = d.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
         return torch.exp(d) - d - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}: choose from ['k1', 'k2', 'k3']")
 

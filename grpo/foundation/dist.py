@@ -112,11 +112,12 @@ def barrier() -> None:
         tdist.barrier()
 
 
-def shutdown() -> None:
-    """Wait for every rank, then tear the process group down while the interpreter is still whole.
+def shutdown(wait: bool = True) -> None:
+    """Wait for every rank (``wait``), then tear the process group down while the interpreter is still whole.
 
     Left to interpreter exit, the communication threads of a ZeRO-3 run sometimes died unjoined
     ("terminate called without an active exception", SIGABRT) after all the work had finished."""
     if is_initialized():
-        barrier()
+        if wait:
+            barrier()
         tdist.destroy_process_group()

@@ -120,7 +120,8 @@ def apply_lora(model, cfg: LoraConfig, base_name: str, freeze_bottom_layers: int
 def state_dict_for_save(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state_dict`` ready for ``save_pretrained``: when the config says the embeddings are not tied, tensors
     that still share storage (a frozen original head and the embeddings) are saved as separate copies."""
-    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+    config = getattr(model, "config", None)
+    if config is None or getattr(config.get_text_config(), "tie_word_embeddings", False):
         return state_dict
     seen, out = set(), {}
     for k, v in state_dict.items():

@@ -44,9 +44,12 @@ def load_policy(cfg: ModelConfig) -> PreTrainedModel:
     return model
 
 
-def load_model(cfg: ModelConfig, name_or_path: str | None = None, apply_freeze: bool = True) -> PreTrainedModel:
+def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_only: bool = False,
+               apply_freeze: bool = True) -> PreTrainedModel:
     """A causal LM in the configured dtype (``name_or_path`` overrides cfg's, e.g. for the reference).
 
+    ``safetensors_only``: load ``model.safetensors`` (or its index) and nothing else, never a
+    pickle such as ``pytorch_model.bin`` (the reference server's reloads).
     A saved LoRA adapter folder (``adapter_config.json``, e.g. a LoRA run's checkpoint) loads as its base
     with the adapter merged in: a plain model, the adapted policy's weights.
     """
@@ -57,11 +60,13 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, apply_freeze: 
     if is_adapter_folder(name):
         from grpo.foundation.lora import load_adapter_folder
 
-        model = load_adapter_folder(name, lambda base: load_model(cfg, base, apply_freeze=False))
+        model = load_adapter_folder(name, lambda base: load_model(cfg, base, safetensors_only, apply_freeze=False))
     elif name == BUILTIN_NAME:
         model = build_tiny()[0].to(dtype)
     else:
         kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        if safetensors_only:
+            kwargs["use_safetensors"] = True
         if cfg.attn_implementation:
             kwargs["attn_implementation"] = cfg.attn_implementation
         try:

@@ -5,6 +5,7 @@
                                              with its adapters off, no copy) or "server"
     version, folder                          bumped by every reload or sync; the HF folder the weights came
                                              from (None: the initial model)
+    weights_hash()                           a server's hash of its weights (checked on --resume)
     reload(folder)                           load weights from an HF folder (collective: every rank calls it)
     mix(policy, alpha, folder, write)        pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, written to folder
     load_policy(folder, weights)             pi_ref <- pi_theta (the folder holds the policy's export)
@@ -55,6 +56,14 @@ class ReferenceHandle:
             info = self.impl.info() if dist.is_main() else None
             self._version = int(dist.broadcast_object(info).get("version", 0))
         return self._version
+
+    def weights_hash(self) -> Optional[str]:
+        """A server's hash of the weights it serves (None in-process: the copy is the one this run loaded
+        or reset). Collective."""
+        if not self.remote:
+            return None
+        info = self.impl.info() if dist.is_main() else None
+        return dist.broadcast_object(info).get("weights_hash")
 
     @property
     def source(self) -> str:

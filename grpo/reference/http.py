@@ -1,10 +1,12 @@
 """The trainer's client of the reference server (``ref.url``; the server is ``ref_client.py``).
 
 One pooled HTTP session; connect/read timeouts; retries with exponential backoff and jitter
-on connection errors, timeouts, 503 and other 5xx (a log-prob request is idempotent) for up
-to ``ref.retry_window`` seconds, then :class:`ReferenceServerError` naming the URL and how
-to start the server. At start it checks health and that the server's tokenizer and
-vocabulary are the policy's. ``submit`` runs the request on a background thread so the
+on connection errors, timeouts, 503 and other 5xx for up to ``ref.retry_window`` seconds, then
+:class:`ReferenceServerError` naming the URL and how to start the server. Every attempt of one
+log-prob request carries the same ``Idempotency-Key``, so a retry after a read timeout joins
+the server's computation of the first attempt instead of queueing another copy; a warning
+(once) says when ``ref.read_timeout`` is too short for the server's compute time. At start it
+checks health and that the server's tokenizer and vocabulary are the policy's. ``submit`` runs the request on a background thread so the
 trainer keeps working meanwhile; ``pop_metrics`` reports latency and bytes per step.
 """
 
@@ -14,6 +16,8 @@ import os
 import random
 import threading
 import time
+import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 from urllib.parse import urlsplit
@@ -72,6 +76,7 @@ class HTTPReference:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ref-http")
         self._lock = threading.Lock()
         self._metrics = self._zero_metrics()
+        self._warned_read_timeout = False
         self._request("GET", "/health")
         self.server_info = self.info()
         self._check_compatible(tokenizer, vocab_size)
@@ -83,22 +88,32 @@ class HTTPReference:
                 f"<reference model> --port {port}`), check ref.url, or raise ref.retry_window.")
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None, json: Optional[dict] = None,
-                 content_type: Optional[str] = None) -> requests.Response:
-        """The first non-retryable answer; retries connection errors, timeouts, 503 and 5xx within the window."""
+                 content_type: Optional[str] = None, key: Optional[str] = None,
+                 retry_5xx: bool = True) -> requests.Response:
+        """The first non-retryable answer; retries connection errors, timeouts, 503 and 5xx within the window.
+
+        ``key`` (the same on every attempt) lets the server recognise the retries of one request.
+        ``retry_5xx=False``: a 500 (the server tried and failed) is final; 503 (busy) is still retried.
+        """
         url = self.url + path
         deadline = time.monotonic() + self.retry_window
-        headers = {"Content-Type": content_type} if content_type else None
+        headers = {"Content-Type": content_type} if content_type else {}
+        if key:
+            headers["Idempotency-Key"] = key
         attempt = 0
         while True:
             try:
                 resp = self.session.request(method, url, data=body, json=json, headers=headers, timeout=self.timeout)
-                if resp.status_code < 500:
+                if resp.status_code < 500 or (not retry_5xx and resp.status_code != 503):
                     if resp.status_code >= 400:
                         raise ReferenceServerError(f"reference server at {url} refused the request: {_error_text(resp)}")
                     return resp
                 last, wait_at_least = _error_text(resp), _retry_after(resp)
             except requests.RequestException as e:  # connection refused/reset, timeouts
                 last, wait_at_least = f"{type(e).__name__}: {e}", 0.0
+                if isinstance(e, requests.ReadTimeout):
+                    last += (f" (the server may need longer than ref.read_timeout={self.timeout[1]:g} s "
+                             f"for this request; raise ref.read_timeout)")
             attempt += 1
             delay = backoff(attempt, wait_at_least)
             if time.monotonic() + delay > deadline:
@@ -138,11 +153,12 @@ class HTTPReference:
         """[rows, width] float32 log-probs (and entropy) of ``packed``'s completion tokens."""
         body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass)
         t0 = time.perf_counter()
-        resp = self._request("POST", "/v1/logprobs", body=body, content_type=CONTENT_TYPE)
+        resp = self._request("POST", "/v1/logprobs", body=body, content_type=CONTENT_TYPE, key=uuid.uuid4().hex)
         try:
             lp, ent, header = decode_response(resp.content, packed.length, packed.width)
         except WireError as e:
             raise ReferenceServerError(f"reference server at {self.url} sent a malformed answer: {e}") from None
+        self._check_read_timeout(float(header.get("compute_ms", 0.0)) / 1000, packed.input_ids.shape[0])
         with self._lock:
             m = self._metrics
             m["ref/latency"] += time.perf_counter() - t0
@@ -152,6 +168,19 @@ class HTTPReference:
             m["ref/requests"] += 1
         return lp, ent
 
+    def _check_read_timeout(self, compute_s: float, rows: int) -> None:
+        """Warn once when the server's compute time for one request is over half of ref.read_timeout."""
+        read_timeout = self.timeout[1]
+        if self._warned_read_timeout or read_timeout is None or compute_s <= read_timeout / 2:
+            return
+        self._warned_read_timeout = True
+        warnings.warn(
+            f"the reference server at {self.url} needed {compute_s:.2f} s to compute one request ({rows} rows), "
+            f"but ref.read_timeout={read_timeout:g} s: requests that take longer time out and are retried "
+            f"(each retry joins the server's computation, but waits out a timeout and a backoff). "
+            f"Set ref.read_timeout to at least {max(2 * read_timeout, 3 * compute_s):.3g} s.",
+            RuntimeWarning, stacklevel=3)
+
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
         return self._pool.submit(lambda: self.logprobs(packed, temperature)[0])
 
@@ -159,8 +188,15 @@ class HTTPReference:
         return self._request("GET", "/v1/info").json()
 
     def reload(self, checkpoint_dir: str) -> dict:
-        """Ask the server to load new reference weights (admin: needs the token)."""
-        self.server_info = self._request("POST", "/v1/reload", json={"checkpoint": str(checkpoint_dir)}).json()
+        """Ask the server to load new reference weights (admin: needs the token).
+
+        Retried only where that cannot load twice: every attempt carries one Idempotency-Key, so
+        a retry after a read timeout (a slow load) waits for the same load; a failed load (500)
+        is not retried.
+        """
+        resp = self._request("POST", "/v1/reload", json={"checkpoint": str(checkpoint_dir)}, key=uuid.uuid4().hex,
+                             retry_5xx=False)
+        self.server_info = resp.json()
         return self.server_info
 
     # ------------------------------------------------------------------ metrics

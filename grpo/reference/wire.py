@@ -14,6 +14,10 @@ Request (``POST /v1/logprobs``), rows concatenated without padding:
 Response:
     tensors  logprobs [T] float32 (T = sum completion_lens), entropy [T] float32 when asked
     header   version, rows, tokens, compute_ms
+
+The rows stay flat on the server until their forward pass: a request costs rows x its longest
+row padded tokens of work, which is capped per request (:class:`TooLarge`, 413), and only one
+pass's rows are ever padded at a time (:meth:`LogprobRequest.packed`).
 """
 
 from __future__ import annotations
@@ -39,10 +43,18 @@ HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass")
 class WireError(ValueError):
     """A request field is invalid; ``field`` names it (the 400 answer's JSON carries both)."""
 
+    status = 400
+
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class TooLarge(WireError):
+    """The request is valid but asks for more work than this server accepts in one request (413)."""
+
+    status = 413
 
 
 # --------------------------------------------------------------------------- framing
@@ -54,6 +66,16 @@ def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> bytes:
     return st_save(contiguous, metadata={"header": json.dumps(header)})
 
 
+def _json(raw: bytes | str, field: str, what: str) -> Any:
+    """``raw`` parsed as JSON; invalid or absurdly nested JSON raises :class:`WireError` (``field``)."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError(field, f"{what} is not valid JSON ({e})") from None
+    except RecursionError:  # "[[[[..." thousands deep: Python's parser gives up; that is the client's fault
+        raise WireError(field, f"{what} is nested too deeply to parse; send a flat JSON object") from None
+
+
 def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and header of a payload; a malformed body raises :class:`WireError` ('body'/'header')."""
     if len(body) < 8:
@@ -61,10 +83,7 @@ def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     n = int.from_bytes(body[:8], "little")
     if n > len(body) - 8:
         raise WireError("body", f"declares a {n}-byte safetensors header but only {len(body) - 8} bytes follow")
-    try:
-        st_header = json.loads(body[8 : 8 + n])
-    except (UnicodeDecodeError, ValueError) as e:
-        raise WireError("body", f"the safetensors header is not valid JSON ({e})") from None
+    st_header = _json(body[8 : 8 + n], "body", "the safetensors header")
     if not isinstance(st_header, dict):
         raise WireError("body", "the safetensors header is not a JSON object")
     try:
@@ -77,10 +96,7 @@ def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     raw = meta.get("header") if isinstance(meta, dict) else None
     if raw is None:
         raise WireError("header", 'missing: put the JSON header in the safetensors metadata under "header"')
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise WireError("header", f"not valid JSON ({e})") from None
+    header = _json(raw, "header", "the header")
     if not isinstance(header, dict):
         raise WireError("header", f"must be a JSON object, got {type(header).__name__}")
     return tensors, header
@@ -101,15 +117,21 @@ def flatten_packed(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return flat, packed.start.clone(), packed.length.clone()
 
 
-def unflatten(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pad_id: int) -> Packed:
-    """The right-padded :class:`Packed` that ``grpo.foundation.logprobs.pack`` builds from the same rows."""
+def unflatten(input_ids: torch.Tensor, prompt_lens: torch.Tensor, completion_lens: torch.Tensor, pad_id: int,
+              row_tokens: Optional[int] = None, width: Optional[int] = None) -> Packed:
+    """The right-padded :class:`Packed` that ``grpo.foundation.logprobs.pack`` builds from the same rows.
+
+    ``row_tokens`` (padded length) and ``width`` default to these rows' own; a forward pass over
+    some of a request's rows passes the whole request's, so it sees exactly the columns it would
+    see in the whole padded batch.
+    """
     seq = prompt_lens + completion_lens
-    L = int(seq.max())
+    L = int(seq.max()) if row_tokens is None else row_tokens
     keep = torch.arange(L).unsqueeze(0) < seq.unsqueeze(1)  # row-major: the rows' tokens in order
     ids = torch.full((len(seq), L), pad_id, dtype=torch.long)
     ids[keep] = input_ids.long()
-    width = max(int(completion_lens.max()), 1)
-    return Packed(ids, keep.long(), prompt_lens.long(), completion_lens.long(), width)
+    w = max(int(completion_lens.max()), 1) if width is None else width
+    return Packed(ids, keep.long(), prompt_lens.long(), completion_lens.long(), w)
 
 
 def flatten_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -130,20 +152,40 @@ def unflatten_rows(flat: torch.Tensor, lengths: torch.Tensor, width: int) -> tor
 
 @dataclass
 class LogprobRequest:
-    """A validated ``/v1/logprobs`` request."""
+    """A validated ``/v1/logprobs`` request, its rows kept flat (nothing padded yet)."""
 
-    packed: Packed
+    input_ids: torch.Tensor  # [tokens] every row's tokens, back to back
+    prompt_lens: torch.Tensor  # [rows]
+    completion_lens: torch.Tensor  # [rows]
+    pad_id: int
     temperature: float
     with_entropy: bool
     rows_per_pass: Optional[int]
 
+    def __post_init__(self) -> None:
+        seq = self.prompt_lens + self.completion_lens
+        self.offsets = torch.cat([seq.new_zeros(1), seq.cumsum(0)])  # row i's tokens: offsets[i]:offsets[i + 1]
+        self.row_tokens = int(seq.max())  # every row is padded to the longest, as in the client's batch
+        self.width = max(int(self.completion_lens.max()), 1)
+
     @property
     def rows(self) -> int:
-        return int(self.packed.input_ids.shape[0])
+        return int(self.prompt_lens.numel())
 
     @property
     def tokens(self) -> int:
-        return int(self.packed.attention_mask.sum())
+        return int(self.input_ids.numel())
+
+    @property
+    def padded_tokens(self) -> int:
+        """rows x the longest row: the tokens the forward passes process, padding included."""
+        return self.rows * self.row_tokens
+
+    def packed(self, rows: slice = slice(None)) -> Packed:
+        """Rows ``rows`` padded like the whole request (its longest row, its width): one forward pass's input."""
+        first, last, _ = rows.indices(self.rows)
+        ids = self.input_ids[int(self.offsets[first]) : int(self.offsets[max(first, last)])]
+        return unflatten(ids, self.prompt_lens[rows], self.completion_lens[rows], self.pad_id, self.row_tokens, self.width)
 
 
 def encode_request(packed: Packed, temperature: float, with_entropy: bool = False, pad_id: int = 0,
@@ -180,8 +222,56 @@ def _int_vector(tensors: dict, name: str) -> torch.Tensor:
     return t.long()
 
 
-def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobRequest:
-    """Decode and validate a request; any problem raises :class:`WireError` naming the field."""
+def _row_lengths(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, max_row_tokens: int) -> torch.Tensor:
+    """Each row's tokens (prompt + completion), every length checked before anything is added up.
+
+    Each part is bounded by ``max_row_tokens`` first, so no sum can wrap around int64 (2**62 + 2**62
+    would be negative and slip past the later checks).
+    """
+    if bool((prompt_lens < 1).any()):
+        i = int((prompt_lens < 1).nonzero()[0])
+        raise WireError("prompt_lens", f"prompt_lens[{i}]={int(prompt_lens[i])}: every row needs a prompt of >= 1 token")
+    if bool((completion_lens < 0).any()):
+        i = int((completion_lens < 0).nonzero()[0])
+        raise WireError("completion_lens", f"completion_lens[{i}]={int(completion_lens[i])} is negative")
+    for name, lens in (("prompt_lens", prompt_lens), ("completion_lens", completion_lens)):
+        if bool((lens > max_row_tokens).any()):
+            i = int((lens > max_row_tokens).nonzero()[0])
+            raise WireError(name, f"{name}[{i}]={int(lens[i])}: row {i} is longer than this server's "
+                                  f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
+    seq = prompt_lens + completion_lens
+    if int(seq.max()) > max_row_tokens:
+        i = int(seq.argmax())
+        raise WireError("completion_lens", f"row {i} has {int(seq[i])} tokens, more than this server's "
+                                           f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
+    return seq
+
+
+def _temperature(header: dict) -> float:
+    t = header.get("temperature")
+    try:
+        value = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else math.nan
+    except OverflowError:  # an integer beyond float's range, e.g. 10**400
+        value = math.inf
+    if not math.isfinite(value) or value <= 0:
+        raise WireError("temperature", f"must be a finite number > 0, got {t!r}")
+    return value
+
+
+def _check_padded(rows: int, row_tokens: int, max_padded_tokens: Optional[int]) -> None:
+    padded = rows * row_tokens
+    if max_padded_tokens is not None and padded > max_padded_tokens:
+        raise TooLarge("completion_lens", f"the {rows} rows pad to {rows} x {row_tokens} (the longest row) = {padded} "
+                                          f"tokens, more than this server's max_padded_tokens={max_padded_tokens} per "
+                                          f"request; send fewer rows per request, or long rows apart from many short ones")
+
+
+def parse_request(body: bytes, vocab_size: int, max_row_tokens: int,
+                  max_padded_tokens: Optional[int] = None) -> LogprobRequest:
+    """Decode and validate a request; any problem raises :class:`WireError` naming the field.
+
+    ``max_padded_tokens`` caps rows x longest row (:class:`TooLarge`); nothing is padded here.
+    """
     tensors, header = decode(body)
     for name in tensors:
         if name not in REQUEST_TENSORS:
@@ -195,27 +285,16 @@ def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobR
         raise WireError("prompt_lens", "is empty: send at least one row")
     if completion_lens.shape != prompt_lens.shape:
         raise WireError("completion_lens", f"has {completion_lens.numel()} rows but prompt_lens has {prompt_lens.numel()}")
-    if bool((prompt_lens < 1).any()):
-        i = int((prompt_lens < 1).nonzero()[0])
-        raise WireError("prompt_lens", f"prompt_lens[{i}]={int(prompt_lens[i])}: every row needs a prompt of >= 1 token")
-    if bool((completion_lens < 0).any()):
-        i = int((completion_lens < 0).nonzero()[0])
-        raise WireError("completion_lens", f"completion_lens[{i}]={int(completion_lens[i])} is negative")
-    seq = prompt_lens + completion_lens
+    seq = _row_lengths(prompt_lens, completion_lens, max_row_tokens)
     if int(seq.sum()) != ids.numel():
         raise WireError("input_ids", f"has {ids.numel()} tokens but prompt_lens + completion_lens sum to {int(seq.sum())}")
-    if int(seq.max()) > max_row_tokens:
-        i = int(seq.argmax())
-        raise WireError("completion_lens", f"row {i} has {int(seq[i])} tokens, more than this server's "
-                                           f"max_batch_tokens={max_row_tokens}; restart it with a larger --max-batch-tokens")
+    _check_padded(len(seq), int(seq.max()), max_padded_tokens)
     bad = (ids < 0) | (ids >= vocab_size)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
         raise WireError("input_ids", f"input_ids[{i}]={int(ids[i])} is outside the vocabulary [0, {vocab_size})")
 
-    t = header.get("temperature")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise WireError("temperature", f"must be a finite number > 0, got {t!r}")
+    t = _temperature(header)
     with_entropy = header.get("with_entropy", False)
     if not isinstance(with_entropy, bool):
         raise WireError("with_entropy", f"must be true or false, got {with_entropy!r}")
@@ -223,18 +302,23 @@ def parse_request(body: bytes, vocab_size: int, max_row_tokens: int) -> LogprobR
     if pad_id >= vocab_size:
         raise WireError("pad_id", f"{pad_id} is outside the vocabulary [0, {vocab_size})")
     rows_per_pass = _int_field(header, "rows_per_pass", None, 1)
-    packed = unflatten(ids, prompt_lens, completion_lens, pad_id)
-    return LogprobRequest(packed, float(t), with_entropy, rows_per_pass)
+    return LogprobRequest(ids, prompt_lens, completion_lens, pad_id, t, with_entropy, rows_per_pass)
 
 
 # --------------------------------------------------------------------------- response
 
 
-def encode_response(logp: torch.Tensor, entropy: Optional[torch.Tensor], lengths: torch.Tensor, header: dict) -> bytes:
-    tensors = {"logprobs": flatten_rows(logp, lengths).float()}
+def encode_flat_response(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], header: dict) -> bytes:
+    """A response from flat [T] values (each row's completion tokens, back to back)."""
+    tensors = {"logprobs": logprobs.float()}
     if entropy is not None:
-        tensors["entropy"] = flatten_rows(entropy, lengths).float()
+        tensors["entropy"] = entropy.float()
     return encode(tensors, header)
+
+
+def encode_response(logp: torch.Tensor, entropy: Optional[torch.Tensor], lengths: torch.Tensor, header: dict) -> bytes:
+    return encode_flat_response(flatten_rows(logp, lengths), None if entropy is None else flatten_rows(entropy, lengths),
+                                header)
 
 
 def decode_response(body: bytes, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:

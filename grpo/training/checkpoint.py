@@ -5,14 +5,21 @@ it loads with ``from_pretrained``; ``ds/`` holds optimizer + scheduler; ``traine
 each rank's RNG, data position and algorithm state. With LoRA the folder holds the adapter in
 PEFT's format instead of the whole model (``adapter_config.json``, ``adapter_model.safetensors``:
 ``PeftModel.from_pretrained(base, folder)`` loads it; ``scripts/merge_lora.py`` merges it), and
-``ds/`` only the adapter's weights (the frozen base is not copied into every checkpoint). Everything is written to a temporary
-folder first and renamed; ``latest`` is replaced atomically last, so a crash mid-save
-never leaves a half checkpoint as the latest.
+``ds/`` only the adapter's weights (the frozen base is not copied into every checkpoint). Everything
+is written to a temporary folder first, fsynced (files and folders) and renamed; ``latest`` is
+replaced atomically last, so a crash mid-save never leaves a half checkpoint as the latest. Saving a
+step whose folder exists (a finished run resumed, which saves its last step again) renames the old
+folder aside to ``.old-step-N`` instead of deleting it first; until the new one is in place
+``latest_checkpoint`` falls back to that copy, so ``latest`` always resolves.
+
+The trainer state is loaded with ``torch.load(weights_only=True)``: tensors and plain data
+only (RNG states are stored as such), so a checkpoint someone else made cannot run code here.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -25,6 +32,7 @@ from grpo.foundation import dist
 from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter, state_dict_for_save
 
 LATEST = "latest"
+ASIDE = ".old-"  # prefix of a step folder renamed aside while the same step is saved again
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -36,21 +44,64 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     marker = root / LATEST
     if not marker.is_file():
         return None
-    path = root / marker.read_text().strip()
-    return path if path.is_dir() else None
+    name = marker.read_text().strip()
+    # the aside copy: a crash while the same step was being saved again, between its two renames
+    for path in (root / name, root / (ASIDE + name)):
+        if path.is_dir():
+            return path
+    return None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file and folder under ``folder`` to disk (a rename is only as durable as what it names)."""
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final``; an existing ``final`` is renamed aside first, not deleted,
+    so a crash between the two renames leaves a complete copy that ``latest_checkpoint`` finds."""
+    aside = final.with_name(ASIDE + final.name)
+    if final.exists():
+        if aside.exists():  # left by an earlier crash; ``final`` is complete, so nothing resolves to it
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator's state as tensors and plain data (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -60,7 +111,10 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    s = state["numpy"]
+    if isinstance(s, dict):
+        s = (s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+    np.random.set_state(s)  # else: a tuple holding an ndarray, as written before the tensor form
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -77,7 +131,8 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
         tmp.mkdir(parents=True)
     dist.barrier()
     lora = has_lora(engine.module)
-    engine.save_checkpoint(str(tmp), tag="ds", exclude_frozen_parameters=lora)
+    # with LoRA the engine state keeps only what trains (the adapter), not the frozen base
+    engine.save_checkpoint(str(tmp), tag="ds", **({"exclude_frozen_parameters": True} if lora else {}))
     if lora:
         if dist.is_main():
             save_adapter(engine.module, tmp)
@@ -88,10 +143,11 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
     torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer" / f"rank{dist.rank()}.pt")
     dist.barrier()
     if dist.is_main():
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _fsync_tree(tmp)
+        _swap_in(tmp, final)
         _write_atomic(root / LATEST, final.name)
+        for stale in root.glob(ASIDE + "step-*"):  # ``latest`` names a folder in place: no longer needed
+            shutil.rmtree(stale, ignore_errors=True)
         if keep > 0:
             steps = sorted((int(p.name.split("-")[1]), p) for p in root.glob("step-*") if p.is_dir())
             for _, p in steps[:-keep]:
@@ -140,7 +196,8 @@ def export_model(engine, tokenizer, folder: str | Path) -> Path:
 def load_checkpoint(engine, path: Path) -> dict:
     """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
     # with LoRA the engine state holds only the trainable weights (the adapter): the base is the model loaded
-    load_path, _ = engine.load_checkpoint(str(path), tag="ds", load_module_strict=not has_lora(engine.module))
+    strict = {"load_module_strict": False} if has_lora(engine.module) else {}
+    load_path, _ = engine.load_checkpoint(str(path), tag="ds", **strict)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no engine state in {path / 'ds'}")
     f = path / "trainer" / f"rank{dist.rank()}.pt"
@@ -149,6 +206,33 @@ def load_checkpoint(engine, path: Path) -> dict:
             f"{f} is missing: the checkpoint was written with a different number of ranks; "
             f"resume with the same world size"
         )
-    state = torch.load(f, weights_only=False)
+    state = load_trainer_state(f)
     set_rng_state(state.pop("rng"))
     return state
+
+
+def _numpy_array_globals() -> list:
+    """What unpickling an ndarray needs: trainer states written before RNG states were tensors hold one."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load_trainer_state(f: Path) -> dict:
+    """One rank's trainer state: tensors and plain data only, never code from the file."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(f, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(
+            f"{f} holds objects other than tensors and plain data, which could run code when loaded; refusing "
+            f"to load it. Resume only from checkpoints this trainer wrote. ({_unpickler_reason(e)})"
+        ) from e
+
+
+def _unpickler_reason(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    reason = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines else type(e).__name__)
+    return reason[:300]

@@ -3,7 +3,8 @@
 The trainer calls only what is here to touch DeepSpeed:
     build_engine(cfg, model)       -> (engine, scheduler)
     begin_micro_batch(engine)      before each micro-batch's forward (ZeRO's gradient accumulation)
-    grad_norm(engine, cfg)         the step's global gradient norm (DeepSpeed reports none without ZeRO)
+    stage0_grad_norm / grad_norm   the step's global gradient norm (DeepSpeed reports none without ZeRO)
+    discard_gradients(engine)      drop a step's gradients without an update (no ZeRO; the watchdog)
     reset_optimizer_state(engine)  Adam moments and step counts start afresh
     partitions_weights(engine)     ZeRO-3: no rank holds the whole model
     (with frozen weights, e.g. LoRA's base, checkpoints leave every one of them out: see build_engine)
@@ -63,7 +64,8 @@ def deepspeed_config(cfg: Config) -> dict:
         ds["gradient_clipping"] = t.grad_clip
     if cfg.model.dtype == "bf16" and cfg.model.lora is None:
         # (with LoRA the base stays bf16 and the fp32 adapters train in DeepSpeed's fp32 mode)
-        ds["bf16"] = {"enabled": True}
+        # check_grad_overflow: ZeRO skips an update whose gradient norm is not finite (fp32 and fp16 always do)
+        ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
     elif cfg.model.dtype == "fp16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return ds
@@ -150,6 +152,12 @@ def grad_norm(engine, stage0_norm: Optional[float]) -> float:
     gn = engine.get_global_grad_norm()
     gn = stage0_norm if gn is None else gn
     return float(gn) if gn is not None else float("nan")
+
+
+def discard_gradients(engine) -> None:
+    """Drop the step's accumulated gradients without an update (no ZeRO: the module's and the optimizer's)."""
+    engine.zero_grad()
+    engine.optimizer.zero_grad(set_to_none=True)
 
 
 def reset_optimizer_state(engine) -> None:

@@ -1,10 +1,21 @@
 """What the user sees: a step's metrics reduced over ranks (``step_metrics``), the progress bar,
-metrics.jsonl, samples.jsonl, TensorBoard / W&B, and the final plot."""
+metrics.jsonl, samples.jsonl, TensorBoard / W&B, and the final plot.
+
+The JSONL files are appended to a line per record. A resumed run (``start_step > 0``) drops
+the lines after its checkpoint's step (rewritten atomically: a temporary file, then a rename);
+a fresh run (``start_step == 0``) into a folder that already holds them moves them aside to
+``NAME.bak-<time>`` with a warning, as a rerun should never silently wipe an earlier run's
+record. A partial last line (a write cut short by a kill or a full disk) is skipped with a
+warning wherever the files are read.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,8 +41,11 @@ class MetricsLogger:
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
         self.samples_path = self.out / "samples.jsonl"
-        _truncate_after(self.metrics_path, start_step)
-        _truncate_after(self.samples_path, start_step)
+        if start_step == 0:
+            _set_aside([self.metrics_path, self.samples_path])
+        else:
+            _truncate_after(self.metrics_path, start_step)
+            _truncate_after(self.samples_path, start_step)
         for target in cfg.logging.report_to:
             if target == "tensorboard":
                 try:
@@ -102,16 +116,69 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _read_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) pairs of a JSONL file; a partial last line is skipped with a warning,
+    a bad line before it is an error naming the file and line."""
+    lines = [(i, ln) for i, ln in enumerate(path.read_text(errors="replace").splitlines(), 1) if ln.strip()]
+    out = []
+    for k, (i, ln) in enumerate(lines):
+        try:
+            out.append((ln, json.loads(ln)))
+        except json.JSONDecodeError as e:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path} line {i} is not valid JSON ({e}); repair or remove that line") from e
+            _warn(f"{path}: skipped its partial last line {i} (a write cut short by a kill or a full disk): "
+                  f"{ln[:60]!r}")
+    return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` all at once: a crash or a full disk leaves the old file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _truncate_after(path: Path, step: int) -> None:
     """On resume, drop lines of steps after the checkpoint so no step appears twice."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    keep = [ln for ln, rec in _read_lines(path) if rec.get("step", 0) <= step]
+    _write_atomic(path, "".join(ln + "\n" for ln in keep))
+
+
+def _set_aside(paths: list[Path]) -> None:
+    """A fresh run into a folder with an earlier run's logs: move them to ``NAME.bak-<time>``, never delete."""
+    old = [p for p in paths if p.exists() and p.stat().st_size > 0]
+    if not old:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for p in old:
+        dest, n = p.with_name(f"{p.name}.bak-{stamp}"), 1
+        while dest.exists():
+            dest, n = p.with_name(f"{p.name}.bak-{stamp}-{n}"), n + 1
+        os.replace(p, dest)
+        moved.append(f"{p.name} -> {dest.name}")
+    _warn(f"{old[0].parent} already holds an earlier run's logs; this run starts at step 0, so they were moved "
+          f"aside ({', '.join(moved)}). To continue that run instead, pass --resume; to keep runs apart, "
+          f"set train.output_dir to a new folder.")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+    """The records of a metrics.jsonl (a partial last line is skipped with a warning)."""
+    return [rec for _, rec in _read_lines(Path(path))]
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> Optional[Path]:

@@ -12,6 +12,7 @@ Algorithms see none of this class: their hooks get a StepContext (algos/base.py)
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,7 @@ from grpo.training import deepspeed_engine as ds
 from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, save_checkpoint,
                                      write_weights)
 from grpo.training.evaluation import Evaluator
+from grpo.training.health import LearningHealth, NonFiniteWatchdog
 from grpo.training.metrics import MetricsLogger, step_metrics
 from rewards import CombinedReward
 
@@ -96,6 +98,8 @@ class Trainer:
                 print(f"resumed from {ckpt} at step {self.step}", flush=True)
         self.algo.attach(self.context())
         self.logger = MetricsLogger(cfg, start_step=self.step)
+        self.health = LearningHealth(cfg, cfg.logging.health_patience, dist.is_main())
+        self.watchdog = NonFiniteWatchdog(cfg, cfg.train.max_nonfinite_steps)
         if dist.is_main() and self.dataset.dropped:
             print(f"dropped {self.dataset.dropped} prompts longer than rollout.max_prompt_length", flush=True)
 
@@ -120,7 +124,8 @@ class Trainer:
         the mix is merged into the policy's base and the adapter keeps the rest, so the policy itself does
         not change (grpo.foundation.lora.sync_base). Returns (that folder, the reference's new version).
         """
-        folder = str(self.out / "reference" / f"step-{self.step}")
+        # absolute: a reference server resolves the folder on its side, not in this run's working directory
+        folder = str((self.out / "reference" / f"step-{self.step}").resolve())
         ref = self.reference
         if ref is None:
             raise RuntimeError("sync_reference: this run has no reference (beta = 0)")
@@ -230,14 +235,16 @@ class Trainer:
         stats: dict[str, list[torch.Tensor]] = {}
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_norm = float("nan")
+        finite = True
         if not ctx.skip_update:
-            for _ in range(cfg.algo.num_iterations):
+            for i in range(cfg.algo.num_iterations):
                 stats = {}
                 loss_sum = self.accumulate_gradients(batch, norms, stats)
-                stage0 = ds.stage0_grad_norm(self.engine, cfg.train.zero_stage)
-                self.engine.step()
-                grad_norm = ds.grad_norm(self.engine, stage0)
-            self.rollout.sync_weights()
+                finite, grad_norm = self.optimizer_step(loss_sum)
+                if not finite:
+                    break
+            if finite or i > 0:
+                self.rollout.sync_weights()
         else:
             ctx.metrics["update_skipped"] = 1.0
         t4 = time.perf_counter()
@@ -252,7 +259,24 @@ class Trainer:
         m.update(self.rewards.pop_metrics())
         if self.reference is not None:
             m.update(self.reference.pop_metrics())
+        self.watchdog.record(self.step + 1, finite, m["loss"], grad_norm)  # may stop the run
+        m["nonfinite_steps"] = float(self.watchdog.total)
+        self.health.check(self.step + 1, m)
         return m
+
+    def optimizer_step(self, loss_sum: torch.Tensor) -> tuple[bool, float]:
+        """One optimizer step, unless the step's loss (over all ranks) or gradient norm is not finite:
+        then no weight moves. Returns (finite, gradient norm). Without ZeRO the gradients are checked
+        here and dropped; under ZeRO, DeepSpeed skips an update whose gradient norm is not finite
+        (reported as inf; bf16 runs ask it to check, see deepspeed_engine.deepspeed_config)."""
+        loss = float(dist.all_reduce_sum(loss_sum.reshape(1)))
+        stage0 = ds.stage0_grad_norm(self.engine, self.cfg.train.zero_stage)
+        if stage0 is not None and not (math.isfinite(loss) and math.isfinite(stage0)):
+            ds.discard_gradients(self.engine)
+            return False, stage0
+        self.engine.step()
+        gn = ds.grad_norm(self.engine, stage0)
+        return math.isfinite(loss) and math.isfinite(gn), gn
 
     def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict) -> torch.Tensor:
         """Backward over every micro-batch of this rank; returns this rank's share of the loss."""

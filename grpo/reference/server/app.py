@@ -3,40 +3,97 @@
     GET  /health        alive and model loaded (503 while shutting down)
     GET  /v1/info       model, weights hash / version, vocabulary, tokenizer fingerprint, dtype, device, limits
     POST /v1/logprobs   binary request -> binary answer (grpo/reference/wire.py)
-    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer
+    POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer; one at a
+                        time (409 meanwhile), once per Idempotency-Key; safetensors only, never a folder
+                        with pickles, and inside GRPO_REF_RELOAD_ROOT when that is set
+
+A request may carry ``Idempotency-Key: <unique id>``; a retry with the same key and body joins
+the first one's computation (or takes its answer) instead of computing it again, and work whose
+client has disconnected is dropped (grpo/reference/server/worker.py).
 
 Every request needs ``Authorization: Bearer <token>`` when the server has a token; a server
 without one only binds loopback. Errors are JSON ``{"error", "field", "status"}``. One JSON
 access-log line per request (method, path, status, latency, bytes) goes to stderr.
 SIGTERM/SIGINT stop accepting connections, let in-flight requests finish, then exit 0.
+A connection that has not sent its whole request line and headers is not in flight: it is
+dropped after HEADER_TIMEOUT_S anyway, and at once on shutdown; a body that is still arriving
+gets 408 past its deadline, and at most DRAIN_GRACE_S more on shutdown.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import io
 import ipaddress
 import json
+import math
 import os
+import select
 import signal
+import socket
 import socketserver
 import sys
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TextIO
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
 
 from grpo.foundation.config import Config, ConfigError
-from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_response, parse_request
-from grpo.reference.server.worker import DeviceWorker, QueueFull
+from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_response, parse_request
+from grpo.reference.server.worker import DeviceWorker, Job, QueueFull, ReloadBusy
+
+
+RELOAD_ROOT_ENV = "GRPO_REF_RELOAD_ROOT"  # when set, /v1/reload only reads folders inside it
+HEADER_TIMEOUT_S = 10.0  # a connection must send its request line and headers within this
+BODY_GRACE_S = 30.0  # and its body within this, plus one second per MiB (MIN_BODY_RATE)
+MIN_BODY_RATE = 2**20  # bytes per second
+DRAIN_GRACE_S = 5.0  # on shutdown, a body still arriving gets at most this long
+POLL_S = 0.5  # a blocked read re-checks its deadline and the shutdown flag this often
+SEND_TIMEOUT_S = 120.0  # an answer the client does not take for this long drops the connection
+WAIT_POLL_S = 0.1  # while a request waits for the device, its client's connection is checked this often
+KEY_HEADER = "Idempotency-Key"  # the client's id of one logical request, the same on every retry
+PARSE_SLOTS = 4  # request bodies read and parsed at once (each up to max_request_bytes, about 3x that decoded)
+PARSE_WAIT_S = 10.0  # how long a request waits for a parse slot before a 503
 
 
 @dataclass
 class ServerLimits:
     max_request_bytes: int
     max_batch_tokens: int
+    parse_slots: int = PARSE_SLOTS
+    parse_wait_s: float = PARSE_WAIT_S
+
+    @property
+    def max_padded_tokens(self) -> int:
+        """rows x longest row per request: no more forward work than a full-size body of real int32 tokens."""
+        return self.max_request_bytes // 4
+
+
+class Slots:
+    """A counting semaphore that reports how many slots are taken."""
+
+    def __init__(self, n: int):
+        self._sem = threading.BoundedSemaphore(n)
+        self._lock = threading.Lock()
+        self.n = n
+        self.busy = 0
+
+    def acquire(self, timeout: float) -> bool:
+        if not self._sem.acquire(timeout=timeout):
+            return False
+        with self._lock:
+            self.busy += 1
+        return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.busy -= 1
+        self._sem.release()
 
 
 # --------------------------------------------------------------------------- security
@@ -82,8 +139,28 @@ class AccessLog:
             self.stream.flush()
 
 
+def content_length(raw: Optional[str]) -> Optional[int]:
+    """A Content-Length header's value: None when absent; ValueError unless plain digits ('abc', '1e3', '-5')."""
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise ValueError(f"Content-Length {raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def _refuse(start_response: Callable, status: int, message: str, field: str) -> list[bytes]:
+    """A JSON error answered by the middleware itself, before the app sees the request."""
+    body = json.dumps({"error": message, "field": field, "status": status}).encode()
+    reason = "Bad Request" if status == 400 else "Error"
+    start_response(f"{status} {reason}", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def with_access_log(app: Callable, log: AccessLog) -> Callable:
-    """WSGI middleware: one 'request' line with status and latency per request."""
+    """WSGI middleware: one 'request' line with status and latency per request.
+
+    A malformed Content-Length is answered here (JSON 400), so the app only sees valid ones.
+    """
 
     def wrapped(environ: dict, start_response: Callable):
         t0 = time.perf_counter()
@@ -94,12 +171,20 @@ def with_access_log(app: Callable, log: AccessLog) -> Callable:
             seen["bytes_out"] = next((int(v) for k, v in headers if k.lower() == "content-length"), None)
             return start_response(status, headers, exc_info)
 
+        refused: Optional[str] = None
         try:
+            bytes_in: Optional[int] = content_length(environ.get("CONTENT_LENGTH")) or 0
+        except ValueError as e:
+            bytes_in, refused = None, str(e)
+            environ["grpo.log"] = {"error": refused, "field": "Content-Length"}
+        try:
+            if refused:
+                return _refuse(capture, 400, refused, "Content-Length")
             return app(environ, capture)
         finally:
             log("request", method=environ.get("REQUEST_METHOD"), path=environ.get("PATH_INFO"),
                 status=seen.get("status"), latency_ms=round((time.perf_counter() - t0) * 1000, 2),
-                bytes_in=int(environ.get("CONTENT_LENGTH") or 0), bytes_out=seen.get("bytes_out"),
+                bytes_in=bytes_in, bytes_out=seen.get("bytes_out"),
                 client=environ.get("REMOTE_ADDR"), **environ.get("grpo.log", {}))
 
     return wrapped
@@ -118,30 +203,42 @@ def _json(payload: dict, status: int = 200) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(json.dumps(payload), status=status, headers={"Content-Type": "application/json"})
 
 
+def _drain(stream: Any, n: int) -> None:
+    """Read and drop ``n`` body bytes, so the client sees our answer rather than a reset connection."""
+    try:
+        while n > 0:
+            chunk = stream.read(min(1 << 20, n))
+            if not chunk:
+                return
+            n -= len(chunk)
+    except OSError:  # the client stalled or left: it gets the answer or nothing
+        return
+
+
+def _content_length() -> int:
+    """The request's Content-Length (411 when absent; the middleware already refused malformed ones)."""
+    raw = bottle.request.environ.get("CONTENT_LENGTH")
+    try:
+        n = content_length(raw)
+    except ValueError as e:
+        raise error(400, str(e), "Content-Length") from None
+    if n is None:
+        raise error(411, "a Content-Length header is required", "Content-Length")
+    return n
+
+
 def _read_body(limit: int) -> bytes:
     """The body, at most ``limit`` bytes (413 beyond); needs a Content-Length (411)."""
-    env = bottle.request.environ
-    raw = env.get("CONTENT_LENGTH")
-    if not raw:
-        raise error(411, "a Content-Length header is required", "Content-Length")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise error(400, f"Content-Length {raw!r} is not an integer", "Content-Length") from None
-    if n < 0:
-        raise error(400, f"Content-Length {n} is negative", "Content-Length")
-    stream = env["wsgi.input"]
+    n = _content_length()
+    stream = bottle.request.environ["wsgi.input"]
     if n > limit:
-        left = n if n <= 2 * limit else 0  # read it, so the client sees the 413 rather than a reset connection
-        while left > 0:
-            chunk = stream.read(min(1 << 20, left))
-            if not chunk:
-                break
-            left -= len(chunk)
+        _drain(stream, n if n <= 2 * limit else 0)
         raise error(413, f"request body of {n} bytes exceeds the server's limit of {limit} bytes "
                          f"(ref.max_request_mb); send fewer rows per request or raise the limit", "body")
     try:
         body = stream.read(n)
+    except TimeoutError:
+        raise error(408, f"the body did not arrive in time: a {n}-byte body has {body_seconds(n):g} s", "body") from None
     except OSError as e:
         raise error(400, f"reading the body failed ({e})", "body") from None
     if len(body) != n:
@@ -149,9 +246,65 @@ def _read_body(limit: int) -> bytes:
     return body
 
 
+def _parse(limits: ServerLimits, slots: Slots, vocab_size: int):
+    """(request, body hash): read and validate a logprobs request within a parse slot (503 when none frees up in time)."""
+    if not slots.acquire(timeout=limits.parse_wait_s):
+        n = _content_length()
+        _drain(bottle.request.environ["wsgi.input"], n if n <= limits.max_request_bytes else 0)
+        raise error(503, f"the server is busy reading and parsing {slots.n} other requests; retry later",
+                    None, **{"Retry-After": "1"})
+    try:
+        body = _read_body(limits.max_request_bytes)
+        req = parse_request(body, vocab_size, limits.max_batch_tokens, limits.max_padded_tokens)
+        return req, hashlib.blake2b(body, digest_size=16).digest()
+    except WireError as e:
+        raise error(e.status, e.message, e.field) from None
+    finally:
+        slots.release()
+
+
+def _idempotency_key() -> Optional[str]:
+    """The request's Idempotency-Key (None without one; 400 unless 1-128 printable ASCII characters)."""
+    key = bottle.request.get_header(KEY_HEADER)
+    if key is None:
+        return None
+    if not (0 < len(key) <= 128 and key.isascii() and key.isprintable()):
+        raise error(400, f"{KEY_HEADER} {key[:40]!r} must be 1 to 128 printable ASCII characters, e.g. a UUID", KEY_HEADER)
+    return key
+
+
+def client_gone(sock: Optional[socket.socket]) -> bool:
+    """Whether the client closed ``sock`` (its whole request was read, so anything readable now is the end)."""
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
+
+
+def _await(worker: DeviceWorker, job: Job) -> Optional[Any]:
+    """The job's result, or None once this request's client has gone (the worker then drops work nobody awaits)."""
+    sock = bottle.request.environ.get("grpo.connection")
+    answered = False
+    try:
+        while True:
+            try:
+                result = job.future.result(timeout=WAIT_POLL_S)
+                answered = True
+                return result
+            except FutureTimeout:
+                if client_gone(sock):
+                    return None
+    finally:
+        worker.leave(job, answered)
+
+
 def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
                draining: threading.Event) -> bottle.Bottle:
     app = bottle.Bottle(catchall=True)
+    slots = Slots(limits.parse_slots)
 
     def json_error_page(err: bottle.HTTPError) -> str:  # bottle's own errors (404, 405, 500) as JSON
         bottle.response.content_type = "application/json"
@@ -180,34 +333,35 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
             return _json({"status": "shutting down"}, 503)
         queued, running = worker.load()
         return _json({"status": "ok", "model": worker.current.source, "version": worker.version,
-                      "queued": queued, "running": running})
+                      "queued": queued, "running": running, "parsing": slots.busy})
 
     @app.get("/v1/info")
     def info():
         out = worker.info()
-        out["limits"]["max_request_bytes"] = limits.max_request_bytes
+        out["limits"].update(max_request_bytes=limits.max_request_bytes, max_padded_tokens=limits.max_padded_tokens,
+                             parse_slots=limits.parse_slots)
         return _json(out)
 
     @app.post("/v1/logprobs")
     def logprobs():
-        body = _read_body(limits.max_request_bytes)
+        req, digest = _parse(limits, slots, worker.current.vocab_size)
+        key = _idempotency_key()
         try:
-            req = parse_request(body, worker.current.vocab_size, limits.max_batch_tokens)
-        except WireError as e:
-            return error(400, e.message, e.field)
-        try:
-            future = worker.submit(req)
+            job = worker.submit(req, None if key is None else (key, digest))
         except QueueFull as e:
             return error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
                          None, **{"Retry-After": str(e.retry_after)})
         try:
-            lp, ent, seconds, version = future.result()
+            result = _await(worker, job)
         except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
             return error(500, f"computing log-probs failed: {type(e).__name__}: {e}")
+        if result is None:
+            return error(499, "the client closed the connection before the answer was ready")
+        lp, ent, seconds, version = result
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
                                               "compute_ms": round(seconds * 1000, 2), "version": version}
-        out = encode_response(lp, ent, req.packed.length,
-                              {"version": version, "rows": req.rows, "tokens": req.tokens, "compute_ms": seconds * 1000})
+        out = encode_flat_response(lp, ent, {"version": version, "rows": req.rows, "tokens": req.tokens,
+                                             "compute_ms": seconds * 1000})
         return bottle.HTTPResponse(out, status=200, headers={"Content-Type": CONTENT_TYPE})
 
     @app.post("/v1/reload")
@@ -223,12 +377,13 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
         if not isinstance(path, str) or not path:
             return error(400, f"must be a folder path string, got {path!r}", "checkpoint")
         try:
-            future = worker.reload(path)
+            future = worker.reload(path, _idempotency_key())
+        except ReloadBusy as e:
+            return error(409, str(e), "checkpoint")
+        try:
+            return _json(future.result())
         except ConfigError as e:
             return error(400, str(e), "checkpoint")
-        except QueueFull as e:
-            return error(503, "the server is busy; retry later", None, **{"Retry-After": str(e.retry_after)})
-        return _json(future.result())
 
     return app
 
@@ -237,15 +392,102 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
 
 
 class ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    """One thread per connection; closing waits for in-flight requests."""
+    """One thread per connection; closing waits for requests being handled (idle ones leave at once)."""
 
     daemon_threads = False
     block_on_close = True
     allow_reuse_address = True  # a restarted server gets its port back at once
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.draining = threading.Event()  # build_server shares the app's
+
+
+class ConnectionReader(io.RawIOBase):
+    """A connection's reads against a deadline, re-checked every POLL_S; past it they raise TimeoutError.
+
+    While the server drains, a connection still sending its request line and headers (``phase``
+    "request") has nothing in flight and is dropped at once; a body still arriving gets DRAIN_GRACE_S.
+    """
+
+    def __init__(self, sock: socket.socket, draining: threading.Event):
+        self.sock, self.draining = sock, draining
+        self.phase = "request"
+        self.deadline = math.inf  # time.monotonic() by which this phase's bytes must have arrived
+        self._drain_deadline: Optional[float] = None
+
+    def readable(self) -> bool:
+        return True
+
+    def _seconds_left(self) -> float:
+        now = time.monotonic()
+        deadline = self.deadline
+        if self.draining.is_set():
+            if self.phase == "request":
+                return 0.0
+            if self._drain_deadline is None:
+                self._drain_deadline = now + DRAIN_GRACE_S
+            deadline = min(deadline, self._drain_deadline)
+        return deadline - now
+
+    def readinto(self, buf: Any) -> int:
+        while True:
+            left = self._seconds_left()
+            if left <= 0:
+                raise TimeoutError(f"the client's {self.phase} did not arrive in time")
+            self.sock.settimeout(min(left, POLL_S))
+            try:
+                return self.sock.recv_into(buf)
+            except TimeoutError:
+                continue
+            finally:
+                self.sock.settimeout(SEND_TIMEOUT_S)
+
+
+def body_seconds(n: int) -> float:
+    """How long a body of ``n`` bytes may take to arrive."""
+    return BODY_GRACE_S + n / MIN_BODY_RATE
+
 
 class QuietHandler(WSGIRequestHandler):
-    timeout = 120  # seconds a client may stall mid-request before its connection is dropped
+    """wsgiref's handler with deadlines on reading the request (:class:`ConnectionReader`)."""
+
+    timeout = SEND_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        self.reader = ConnectionReader(self.connection, self.server.draining)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle(self) -> None:
+        """One request (as wsgiref's), its request line and headers due within HEADER_TIMEOUT_S."""
+        self.reader.deadline = time.monotonic() + HEADER_TIMEOUT_S
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+            if not self.raw_requestline:
+                return  # connected and closed without a request
+            if len(self.raw_requestline) > 65536:
+                self.requestline, self.request_version, self.command = "", "", ""
+                self.send_error(414)
+                return
+            if not self.parse_request():  # it has answered the error
+                return
+        except OSError:  # silent or trickling client, or the server is draining: nothing is in flight
+            return
+        try:
+            n = content_length(self.headers.get("Content-Length")) or 0
+        except ValueError:
+            n = 0  # the access-log middleware answers 400
+        self.reader.phase, self.reader.deadline = "body", time.monotonic() + body_seconds(n)
+        handler = ServerHandler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
+        handler.request_handler = self
+        handler.run(self.server.get_app())
+
+    def get_environ(self) -> dict:
+        env = super().get_environ()
+        env["grpo.connection"] = self.connection  # to notice a client that leaves while its request waits
+        return env
 
     def log_message(self, format: str, *args: Any) -> None:  # the access log replaces wsgiref's lines
         pass
@@ -289,15 +531,19 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     source = r.model or cfg.model.name_or_path
     log("loading", model=source, dtype=cfg.model.dtype, device=device)
     t0 = time.perf_counter()
-    worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size)
-    limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens)
+    reload_root = os.environ.get(RELOAD_ROOT_ENV) or None
+    worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size,
+                          reload_root)
+    limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens,
+                          parse_slots=PARSE_SLOTS, parse_wait_s=PARSE_WAIT_S)
     draining = threading.Event()
     app = with_access_log(create_app(worker, limits, token, draining), log)
     httpd = make_server(r.host, r.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+    httpd.draining = draining
     server = RefServer(httpd, worker, draining, log)
     info = worker.info()
     log("ready", url=server.url, model=source, weights_hash=info["weights_hash"], dtype=info["dtype"],
-        device=info["device"], auth=bool(token), load_s=round(time.perf_counter() - t0, 2))
+        device=info["device"], auth=bool(token), reload_root=reload_root, load_s=round(time.perf_counter() - t0, 2))
     return server
 
 

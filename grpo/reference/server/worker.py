@@ -5,8 +5,18 @@ the device holds one batch at a time. Each request is computed in forward passes
 ``max_batch_tokens`` padded tokens (and the client's ``rows_per_pass``) with the function the
 in-process reference uses, so a request's answer never depends on what other ranks sent at
 the same time: results are deterministic and, in float32 on CPU, bit-identical to in-process.
+A request's rows stay flat until their pass: only one pass's rows are padded at a time.
 A full queue refuses new work (:class:`QueueFull` -> 503) instead of growing without bound.
-A reload travels through the same queue: requests queued before it use the old weights.
+A reload travels through the same queue: requests queued before it use the old weights. One
+reload at a time, each done once per Idempotency-Key, so no retry loads a second model.
+
+Work nobody waits for is not done: each HTTP thread waiting on a job leaves it when its client
+disconnects, and a job whose clients have all left is dropped (before its turn, or between two
+forward passes). A request sent with a key (the client's Idempotency-Key and the body's hash)
+joins the queued or running job of the same key instead of queueing a copy, so a client's
+retries after a read timeout cost one computation, and the answer of a job whose client left
+is kept RESULT_TTL_S for its retry. A keyed job is kept RETRY_GRACE_S after its clients left,
+since a retry usually follows.
 """
 
 from __future__ import annotations
@@ -20,14 +30,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
 from grpo.foundation.config import ConfigError, ModelConfig
 from grpo.foundation.modeling import load_model, load_tokenizer, tokenizer_fingerprint
-from grpo.reference.wire import LogprobRequest
-from grpo.reference.base import sliced_logprobs
+from grpo.reference.wire import LogprobRequest, flatten_rows
+from grpo.reference.base import row_slices, sliced_logprobs
 
 
 class QueueFull(Exception):
@@ -61,10 +71,10 @@ class LoadedModel:
     step: Optional[int]  # the training step when ``source`` is a trainer checkpoint (step-N)
 
 
-def load_reference(model_cfg: ModelConfig, source: str) -> LoadedModel:
+def load_reference(model_cfg: ModelConfig, source: str, safetensors_only: bool = False) -> LoadedModel:
     """Load model (on CPU, eval, frozen) and tokenizer of ``source``; hashes the weights."""
     tokenizer = load_tokenizer(source, model_cfg.trust_remote_code)
-    model = load_model(model_cfg, source).eval()
+    model = load_model(model_cfg, source, safetensors_only=safetensors_only).eval()
     model.requires_grad_(False)
     match = re.search(r"step-(\d+)$", str(source).rstrip("/"))
     return LoadedModel(
@@ -78,10 +88,67 @@ def load_reference(model_cfg: ModelConfig, source: str) -> LoadedModel:
     )
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # formats torch.load / pickle read
+
+
+def reload_folder(checkpoint: str, root: Optional[Path]) -> Path:
+    """The resolved folder of a reload, refused (ConfigError) unless it holds safetensors weights only.
+
+    A folder with pickle-format files beside its weights is refused outright (from_pretrained may
+    prefer them); with ``root`` set, the folder (symlinks resolved) must lie inside it.
+    """
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {checkpoint!r} is not a folder on the server's machine")
+    real = path.resolve()
+    if root is not None and not real.is_relative_to(root):
+        raise ConfigError(f"checkpoint {checkpoint!r} ({real}) is outside the server's reload root {root} "
+                          f"(GRPO_REF_RELOAD_ROOT); put the checkpoint under it")
+    pickles = sorted(f.name for f in real.iterdir() if f.is_file() and f.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise ConfigError(f"checkpoint {checkpoint!r} holds pickle-format files {pickles}; reload reads only "
+                          f"safetensors weights and refuses folders with pickles beside them: remove them, or "
+                          f"re-save the model with save_pretrained(safe_serialization=True)")
+    if not (real / "model.safetensors").is_file() and not (real / "model.safetensors.index.json").is_file():
+        raise ConfigError(f"checkpoint {checkpoint!r} holds no model.safetensors (or model.safetensors.index.json); "
+                          f"reload reads only safetensors weights written by save_pretrained")
+    return real
+
+
+RELOAD_KEY_TTL_S = 600.0  # a reload's retries (same Idempotency-Key) get its answer for this long
+RETRY_GRACE_S = 5.0  # a keyed job whose clients all left still runs if one of them returns within this
+RESULT_TTL_S = 60.0  # an answer nobody collected waits this long for a retry
+
+
+class ReloadBusy(Exception):
+    """Another reload is loading or waiting for its turn (409)."""
+
+
+class Abandoned(Exception):
+    """Every client waiting for the job has gone; nothing is computed for it."""
+
+
 @dataclass
-class _Job:
-    run: Callable[[], Any]
+class Job:
+    """A queued unit of device work and the HTTP threads waiting for it."""
+
+    run: Callable[["Job"], Any]
+    key: Optional[Hashable] = None  # requests with the same key share the job
     future: Future = field(default_factory=Future)
+    waiters: int = 1
+    left_at: float = 0.0  # time.monotonic() when the last waiter left
+    finished_at: Optional[float] = None
+    dropped: bool = False
+
+    def abandoned(self, now: float) -> bool:
+        """Nobody waits for it, and (keyed) nobody came back within RETRY_GRACE_S."""
+        grace = RETRY_GRACE_S if self.key is not None else 0.0
+        return self.waiters == 0 and now - self.left_at >= grace
+
+    def joinable(self) -> bool:
+        """Still running, queued, or finished with an answer a retry can take."""
+        f = self.future
+        return not self.dropped and not f.cancelled() and not (f.done() and f.exception() is not None)
 
 
 _STOP = object()
@@ -91,8 +158,11 @@ class DeviceWorker:
     """Owns the model on ``device``; runs queued jobs one at a time on its own thread."""
 
     def __init__(self, model_cfg: ModelConfig, source: str, device: str | torch.device,
-                 max_batch_tokens: int, max_queue: int, chunk_size: int):
+                 max_batch_tokens: int, max_queue: int, chunk_size: int, reload_root: Optional[str] = None):
         self.model_cfg = model_cfg
+        self.reload_root = Path(reload_root).resolve() if reload_root else None
+        if self.reload_root is not None and not self.reload_root.is_dir():
+            raise ConfigError(f"reload root {reload_root!r} (GRPO_REF_RELOAD_ROOT) is not a folder")
         self.device = torch.device(device)
         self.max_batch_tokens = max_batch_tokens
         self.max_queue = max_queue
@@ -105,6 +175,10 @@ class DeviceWorker:
         self._lock = threading.Lock()
         self._running = 0
         self._job_seconds = 0.0  # moving average of one job's time, for Retry-After
+        self._keyed: dict[Hashable, Job] = {}  # keyed jobs a retry may join
+        self._reloading: Optional[tuple[str, float]] = None  # (checkpoint, since) of the reload under way
+        self._reload_keys: dict[str, tuple[Future, float]] = {}  # Idempotency-Key -> (its reload, when)
+        self.stats = {"computed": 0, "joined": 0, "dropped": 0}  # requests computed; retries joined; jobs dropped
         self._thread = threading.Thread(target=self._loop, name="ref-device", daemon=True)
         self._thread.start()
 
@@ -115,13 +189,13 @@ class DeviceWorker:
                 job = self._queue.get()
                 if job is _STOP:
                     return
-                if not job.future.set_running_or_notify_cancel():
+                if self._drop_if_abandoned(job) or not job.future.set_running_or_notify_cancel():
                     continue
                 with self._lock:
                     self._running = 1
                 t0 = time.perf_counter()
                 try:
-                    job.future.set_result(job.run())
+                    job.future.set_result(job.run(job))
                 except BaseException as e:  # a failing job answers 500; the worker keeps serving
                     job.future.set_exception(e)
                 finally:
@@ -129,40 +203,136 @@ class DeviceWorker:
                     with self._lock:
                         self._running = 0
                         self._job_seconds = dt if not self._job_seconds else 0.8 * self._job_seconds + 0.2 * dt
+                        job.finished_at = time.monotonic()
+                        if not job.joinable():
+                            self._forget(job)
 
-    def _enqueue(self, run: Callable[[], Any]) -> Future:
-        job = _Job(run)
+    def _drop_if_abandoned(self, job: Job) -> bool:
+        """Mark ``job`` dropped when nobody waits for it any more (under the lock: no one joins meanwhile)."""
+        with self._lock:
+            if not job.abandoned(time.monotonic()):
+                return False
+            job.dropped = True
+            self.stats["dropped"] += 1
+            self._forget(job)
+        job.future.cancel()  # still pending when called from _loop; a running job raises Abandoned instead
+        return True
+
+    def _forget(self, job: Job) -> None:
+        """Under the lock: a later request with ``job``'s key starts afresh."""
+        if job.key is not None and self._keyed.get(job.key) is job:
+            del self._keyed[job.key]
+
+    def _forget_stale(self, now: float) -> None:
+        """Under the lock: answers nobody collected within RESULT_TTL_S, oldest first beyond 2 x max_queue."""
+        done = sorted(((j.finished_at, k) for k, j in self._keyed.items() if j.finished_at is not None), key=lambda x: x[0])
+        for i, (finished_at, key) in enumerate(done):
+            if now - finished_at > RESULT_TTL_S or len(done) - i > 2 * self.max_queue:
+                del self._keyed[key]
+
+    def _enqueue(self, run: Callable[[Job], Any], key: Optional[Hashable] = None) -> Job:
+        job = Job(run, key)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             wait = self._job_seconds * (self._queue.qsize() + 1)
             raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
-        return job.future
+        return job
 
-    def submit(self, req: LogprobRequest) -> Future:
-        """Future of (logp [B,w], entropy or None, compute seconds, weights version)."""
+    def leave(self, job: Job, answered: bool) -> None:
+        """An HTTP thread stops waiting for ``job``: it has the answer, or its client has gone."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters == 0:
+                job.left_at = time.monotonic()
+            if answered:  # the client has it; a later request with the same key is a new one
+                self._forget(job)
 
-        def run():
+    def _logprobs(self, model: torch.nn.Module, req: LogprobRequest, job: Job) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Flat [T] log-probs (and entropy) of ``req``, padding one forward pass's rows at a time.
+
+        The passes are ``sliced_logprobs``' own (same row slices, same padded width), so the answer
+        is the one the in-process reference computes from the whole padded batch. Between passes,
+        a job whose clients have all gone stops (:class:`Abandoned`).
+        """
+        lps, ents = [], []
+        for rows in row_slices(req.rows, req.row_tokens, req.rows_per_pass, self.max_batch_tokens):
+            if self._drop_if_abandoned(job):
+                raise Abandoned(f"every client of this request has gone; stopped before rows {rows.start}+")
+            part = req.packed(rows)
+            lp, ent = sliced_logprobs(model, part, req.temperature, self.chunk_size, with_entropy=req.with_entropy)
+            lps.append(flatten_rows(lp, part.length))
+            if ent is not None:
+                ents.append(flatten_rows(ent, part.length))
+        return torch.cat(lps), (torch.cat(ents) if req.with_entropy else None)
+
+    def submit(self, req: LogprobRequest, key: Optional[Hashable] = None) -> Job:
+        """A job whose future gives (flat log-probs [T], flat entropy or None, compute seconds, weights version).
+
+        With ``key``, a job of the same key that is queued, running or finished uncollected is joined
+        instead. The caller must :meth:`leave` the job once it stops waiting.
+        """
+
+        def run(job: Job):
             current, version = self.current, self.version  # as of the job's turn: a reload may precede it
             t0 = time.perf_counter()
-            lp, ent = sliced_logprobs(current.model, req.packed, req.temperature, self.chunk_size,
-                                      max_rows=req.rows_per_pass, max_tokens=self.max_batch_tokens,
-                                      with_entropy=req.with_entropy)
+            lp, ent = self._logprobs(current.model, req, job)
+            with self._lock:
+                self.stats["computed"] += 1
             return lp, ent, time.perf_counter() - t0, version
 
-        return self._enqueue(run)
+        with self._lock:
+            self._forget_stale(time.monotonic())
+            job = self._keyed.get(key) if key is not None else None
+            if job is not None and job.joinable():
+                job.waiters += 1
+                self.stats["joined"] += 1
+                return job
+            job = self._enqueue(run, key)
+            if key is not None:
+                self._keyed[key] = job
+            return job
 
-    def reload(self, checkpoint: str) -> Future:
-        """Load ``checkpoint`` (on the caller's thread), then swap it in, in queue order.
+    def reload(self, checkpoint: str, key: Optional[str] = None) -> Future:
+        """Future of /v1/info's answer after loading ``checkpoint`` and swapping it in, in queue order.
+
+        One reload at a time: another while one is loading or queued raises :class:`ReloadBusy`,
+        so the server never loads two models at once. A reload with ``key`` is done once: a retry
+        with the same key (the client's, after a read timeout) gets the first attempt's future,
+        finished or not, for RELOAD_KEY_TTL_S. The load runs on the first caller's thread.
+        """
+        with self._lock:
+            now = time.monotonic()
+            self._reload_keys = {k: v for k, v in self._reload_keys.items() if now - v[1] < RELOAD_KEY_TTL_S}
+            if key is not None and key in self._reload_keys:
+                return self._reload_keys[key][0]
+            if self._reloading is not None:
+                path, since = self._reloading
+                raise ReloadBusy(f"a reload of {path!r} is in progress (for {now - since:.0f} s); retry when it has "
+                                 f"finished (GET /v1/info shows the version)")
+            self._reloading = (checkpoint, now)
+            done: Future = Future()
+            if key is not None:
+                self._reload_keys[key] = (done, now)
+        done.add_done_callback(self._reload_finished)
+        try:
+            self._load_and_queue_swap(checkpoint, done)
+        except BaseException as e:  # answered through the future, to this caller and to retries alike
+            done.set_exception(e)
+        return done
+
+    def _reload_finished(self, _: Future) -> None:
+        with self._lock:
+            self._reloading = None
+
+    def _load_and_queue_swap(self, checkpoint: str, done: Future) -> None:
+        """Load ``checkpoint`` (the caller's thread) and queue the swap, whose job answers ``done``.
 
         The new weights must keep the tokenizer and vocabulary: clients checked those at start.
+        Only safetensors weights are read (:func:`reload_folder`).
         """
-        path = Path(checkpoint)
-        if not path.is_dir():
-            raise ConfigError(f"checkpoint {checkpoint!r} is not a folder on the server's machine")
-        if not list(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").exists():
-            raise ConfigError(f"checkpoint {checkpoint!r} holds no *.safetensors weights (other formats are refused)")
-        new = load_reference(self.model_cfg, str(path))
+        path = reload_folder(checkpoint, self.reload_root)
+        new = load_reference(self.model_cfg, str(path), safetensors_only=True)
         old = self.current
         if (new.tokenizer_fingerprint, new.vocab_size) != (old.tokenizer_fingerprint, old.vocab_size):
             raise ConfigError(
@@ -171,7 +341,7 @@ class DeviceWorker:
                 f"start, so a reload must keep them (start a new server for a different model family)"
             )
 
-        def swap() -> dict:
+        def swap(job: Job) -> dict:
             new.model.to(self.device)
             self.current = new
             self.version += 1
@@ -181,7 +351,7 @@ class DeviceWorker:
                 torch.cuda.empty_cache()
             return self.info()
 
-        return self._enqueue(swap)
+        self._queue.put(Job(swap, future=done))  # waits for room: the loaded model is not thrown away
 
     # ------------------------------------------------------------------ state
     def load(self) -> tuple[int, int]:
@@ -207,6 +377,7 @@ class DeviceWorker:
             "logprob_chunk_size": self.chunk_size,
             "limits": {"max_batch_tokens": self.max_batch_tokens, "max_queue": self.max_queue},
             "queue": {"queued": queued, "running": running},
+            "jobs": dict(self.stats),
         }
 
     def stop(self, timeout: Optional[float] = None) -> None:

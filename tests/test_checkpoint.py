@@ -1,0 +1,131 @@
+"""Checkpoints without DeepSpeed (a stand-in engine): saving the latest step again survives a crash between
+its renames, everything is fsynced before ``latest`` moves, and the trainer state never runs pickled code."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from grpo.training import checkpoint
+from grpo.training.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint
+
+
+class _Module:
+    def state_dict(self):
+        return {"w": torch.zeros(2)}
+
+    def save_pretrained(self, folder, state_dict=None, safe_serialization=True):
+        Path(folder, "model.safetensors").write_bytes(b"weights")
+        Path(folder, "config.json").write_text("{}")
+
+
+class _Engine:
+    """The calls checkpoint.py makes on a DeepSpeed engine."""
+
+    module = _Module()
+
+    def zero_optimization_partition_weights(self):
+        return False
+
+    def save_checkpoint(self, path, tag):
+        Path(path, tag).mkdir(parents=True, exist_ok=True)
+        Path(path, tag, "optim_states.pt").write_bytes(b"optimizer")
+
+    def load_checkpoint(self, path, tag):
+        return (path, {}) if Path(path, tag, "optim_states.pt").is_file() else (None, None)
+
+
+class _Tokenizer:
+    def save_pretrained(self, folder):
+        Path(folder, "tokenizer.json").write_text("{}")
+
+
+def save(out, step, **extra):
+    return save_checkpoint(_Engine(), _Tokenizer(), out, step, {"step": step, "sampler": {"consumed": 8 * step}, **extra})
+
+
+def assert_complete(path, step):
+    assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    assert (path / "ds" / "optim_states.pt").is_file()
+    state = load_checkpoint(_Engine(), path)
+    assert state["step"] == step and state["sampler"] == {"consumed": 8 * step}
+
+
+def test_a_crash_while_saving_the_latest_step_again_leaves_latest_resolving(tmp_path, monkeypatch):
+    save(tmp_path, 3)
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-3"
+    real_replace = os.replace
+
+    def crash_on_the_rename_in(src, dst):  # the new step-3 is finished; the process dies before it is in place
+        if Path(src).name == ".tmp-step-3":
+            raise KeyboardInterrupt("simulated crash between the old folder's removal and the rename")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash_on_the_rename_in)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 3)  # e.g. a finished run resumed: it saves its last step again
+    monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+    found = latest_checkpoint(tmp_path)
+    assert found is not None, "latest points at nothing"
+    assert_complete(found, 3)
+    # the next save puts the new folder in place and clears the aside copy
+    assert save(tmp_path, 3) == latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-3"
+    assert_complete(tmp_path / "checkpoints" / "step-3", 3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-3"]
+
+
+def test_every_file_and_folder_is_fsynced_before_latest_is_written(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                            real_fsync(fd))[1])
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))),
+                                                                real_replace(a, b))[1])
+    final = save(tmp_path, 2)
+    root = tmp_path / "checkpoints"
+    latest_at = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(root / "latest"))
+    synced = {e[1] for e in events[:latest_at] if e[0] == "fsync"}
+    tmp = root / ".tmp-step-2"
+    for p in [final, *final.rglob("*")]:
+        assert str(tmp / p.relative_to(final)) in synced, p
+    assert str(root) in synced  # the folder holding the renamed step
+    assert str(root / "latest.tmp") in synced  # the marker's contents, before its rename
+    assert ("fsync", str(root)) in events[latest_at:]  # and the marker's rename itself
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # runs on unpickling
+
+
+def test_a_trainer_state_with_pickled_code_is_refused(tmp_path):
+    final = save(tmp_path, 1)
+    marker = tmp_path / "code-ran"
+    torch.save({"step": 1, "sampler": {}, "rng": rng_state(), "algo": _Evil(marker)}, final / "trainer" / "rank0.pt")
+    with pytest.raises(RuntimeError, match=r"rank0.pt holds objects other than tensors and plain data.*refusing"):
+        load_checkpoint(_Engine(), final)
+    assert not marker.exists()
+
+
+def test_rng_state_round_trips_and_an_older_ndarray_state_still_loads(tmp_path):
+    final = save(tmp_path, 1)
+    first = (torch.rand(3), random.random(), np.random.rand(3), np.random.randn())
+    load_checkpoint(_Engine(), final)  # back to the state saved above
+    second = (torch.rand(3), random.random(), np.random.rand(3), np.random.randn())
+    torch.testing.assert_close(first[0], second[0])
+    assert first[1] == second[1] and np.array_equal(first[2], second[2]) and first[3] == second[3]
+    # a trainer state written before RNG states were stored as tensors: numpy's state is a tuple with an ndarray
+    legacy = {**rng_state(), "numpy": np.random.get_state()}
+    torch.save({"step": 1, "sampler": {"consumed": 8}, "rng": legacy}, final / "trainer" / "rank0.pt")
+    expected = np.random.rand(2)
+    np.random.seed(123)
+    assert load_checkpoint(_Engine(), final)["step"] == 1
+    assert np.array_equal(np.random.rand(2), expected)
