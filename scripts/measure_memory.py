@@ -9,9 +9,16 @@ reference server, every layer trained (``model.freeze_bottom_layers=0``), no eva
 the trainer's process, and every completion exactly ``--max-new`` tokens (``rollout.ignore_eos``) so
 both sides do the same work. Full fine-tuning keeps the in-process reference (a frozen copy of the
 model); LoRA's reference is the policy with its adapters off. Reported per side: the process's peak
-RSS (``ru_maxrss``: everything, setup included), its RSS after setup, and on a GPU the peak of
+RSS (``ru_maxrss``: everything, setup included), the peak of each step alone (the kernel's VmHWM,
+restarted before the step), its RSS after setup, and on a GPU the peak of
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``; the median step time; parameter counts.
 Writes JSON and a Markdown table to ``--out`` (default runs/memory/).
+
+Peak RSS on a CPU counts what the allocator holds, not only what is live: glibc keeps freed memory
+for reuse, and by default its mmap threshold rises after the first large frees, so later steps'
+activations come from a heap that grows by fragmentation. ``--mmap-threshold BYTES`` fixes glibc's
+threshold (``MALLOC_MMAP_THRESHOLD_``) in both children: every tensor above it is mapped and
+unmapped on its own, and peak RSS follows live memory much more closely.
 """
 
 from __future__ import annotations
@@ -36,6 +43,21 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
+
+
+def _reset_peak() -> bool:
+    """Restart the kernel's peak-RSS count (VmHWM) for this process; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def child(args) -> dict:
     import torch
 
@@ -55,17 +77,20 @@ def child(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
     after_setup = rss_mb()
-    times = []
+    times, step_peaks = [], []
     for _ in range(args.steps):
+        resettable = _reset_peak()
         t0 = time.perf_counter()
         m = trainer.train_step()
         times.append(time.perf_counter() - t0)
+        step_peaks.append(_status_mb("VmHWM") if resettable else float("nan"))
         trainer.step += 1
     trainer.close()
     params = sum(p.numel() for p in trainer.model.parameters())
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     out = {"side": args.child, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "rss_after_setup_mb": after_setup, "step_s_median": statistics.median(times), "steps": args.steps,
+           "rss_after_setup_mb": after_setup, "step_peak_rss_mb": step_peaks, "step_s_median": statistics.median(times),
+           "steps": args.steps,
            "params": params, "trainable": trainable, "reference": trainer.reference.kind, "kl_last": m.get("kl"),
            "device": str(trainer.device), "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
@@ -78,8 +103,12 @@ def table(results: dict[str, dict], args) -> str:
     full, lora = results["full"], results["lora"]
     head = (f"{args.model}, {args.dtype}, beta = {args.beta}, {args.prompts} prompts x G = {args.group}, {args.max_new} "
             f"new tokens (EOS ignored), micro-batch {args.micro_batch}, {args.steps} steps, device {full['device']}, "
-            f"{full['threads']} thread(s); LoRA {args.lora}")
-    rows = [("peak RSS (MiB)", "peak_rss_mb", "{:.0f}"), ("RSS after setup (MiB)", "rss_after_setup_mb", "{:.0f}")]
+            f"{full['threads']} thread(s); LoRA {args.lora}; glibc mmap threshold "
+            f"{args.mmap_threshold if args.mmap_threshold is not None else 'default (dynamic)'}")
+    for side in (full, lora):
+        side["first_step_peak_rss_mb"] = side["step_peak_rss_mb"][0]
+    rows = [("peak RSS (MiB)", "peak_rss_mb", "{:.0f}"), ("peak RSS of the first step (MiB)", "first_step_peak_rss_mb", "{:.0f}"),
+            ("RSS after setup (MiB)", "rss_after_setup_mb", "{:.0f}")]
     if "cuda_max_allocated_mb" in full:
         rows += [("peak CUDA allocated (MiB)", "cuda_max_allocated_mb", "{:.0f}"),
                  ("peak CUDA reserved (MiB)", "cuda_max_reserved_mb", "{:.0f}")]
@@ -106,6 +135,8 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--lora", default=DEFAULT_LORA, help="the model.lora mapping of the LoRA side")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each side")
+    p.add_argument("--mmap-threshold", type=int, default=None,
+                   help="MALLOC_MMAP_THRESHOLD_ for both sides (glibc), e.g. 65536; default: glibc's own")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "memory")
     p.add_argument("--child", choices=["full", "lora"], help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="key=value config overrides for both sides")
@@ -120,6 +151,8 @@ def main() -> int:
     for side in ("full", "lora"):
         cmd = [sys.executable, __file__, "--child", side] + [a for a in sys.argv[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
+        if args.mmap_threshold is not None:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             env.pop(k, None)
         print("$", " ".join(cmd), flush=True)
