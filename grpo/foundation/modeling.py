@@ -56,11 +56,6 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
                 f"model.name_or_path={name!r}: cannot load the model ({e}). "
                 f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
             ) from e
-    return prepare_model(model, cfg)
-
-
-def prepare_model(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
-    """What the config asks of a loaded model: frozen bottom layers, gradient checkpointing."""
     if cfg.freeze_bottom_layers:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:

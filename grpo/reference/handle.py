@@ -21,7 +21,7 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.config import Config
 from grpo.foundation.logprobs import Packed
-from grpo.reference.base import InProcessReference, Loader, Reference
+from grpo.reference.base import InProcessReference, Reference
 
 
 class ReferenceHandle:
@@ -106,13 +106,10 @@ class ReferenceHandle:
 
 
 def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None,
-                   vocab_size: Optional[int] = None, load: Optional[Loader] = None,
-                   synced: bool = False) -> Optional[ReferenceHandle]:
+                   vocab_size: Optional[int] = None) -> Optional[ReferenceHandle]:
     """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried.
 
-    ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both. ``load``
-    and ``synced``: how an in-process copy is built (partitioned under ZeRO-3) and whether its
-    forwards are collective.
+    ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both.
     """
     if not needed:
         return None
@@ -120,4 +117,4 @@ def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=No
         from grpo.reference.http import HTTPReference  # the server's client (ref_client.py serves it)
 
         return ReferenceHandle(HTTPReference(cfg, tokenizer, vocab_size))
-    return ReferenceHandle(InProcessReference(cfg, device, load, synced))
+    return ReferenceHandle(InProcessReference(cfg, device))

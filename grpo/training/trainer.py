@@ -33,7 +33,6 @@ from grpo.training.checkpoint import export_model, latest_checkpoint, load_check
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog
 from grpo.training.metrics import MetricsLogger, step_metrics
-from grpo.training.partitioned import frozen_partitioned, load_partitioned
 from rewards import CombinedReward
 
 
@@ -62,19 +61,15 @@ class Trainer:
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
         self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool)
 
-        # ZeRO-3 over several ranks: built partitioned, so no rank ever holds the whole model
-        zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and self.world > 1 else None
-        model = load_model(cfg.model) if zero3 is None else load_partitioned(cfg, cfg.model.name_or_path, zero3)
+        model = load_model(cfg.model)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.engine, self.scheduler = ds.build_engine(cfg, model)
         self.model = self.engine.module
         self.device = self.engine.device
         self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
-        self.reference = make_reference(
-            cfg, self.algo.needs_reference, self.device, self.tokenizer,
-            vocab_size=model.config.get_text_config().vocab_size, synced=zero3 is not None,
-            load=None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)))
+        self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer,
+                                        vocab_size=model.config.get_text_config().vocab_size)
 
         self.step = 0
         self._last_batch: Optional[RolloutBatch] = None
