@@ -11,9 +11,10 @@ and when ``reset_metric`` (a logged metric, higher is better; e.g. an eval metri
 improved for ``reset_patience`` consecutive steps that logged it. Both triggers are off (0)
 by default: the paper resets by hand when validation stalls (configs/prorl.yaml sets one).
 
-A reset asks the run for it (``ctx.reset_reference()``): the policy is written to
-``OUT/reference/step-N`` (an HF folder) and the reference takes it, whatever kind it is (an
-in-process copy, or a server told to reload the folder). The folder and the reference version go
+A reset asks the run for it (``ctx.reset_reference()``, the same mechanism as ``ref.sync_every``
+with alpha = 1): the policy is written to ``OUT/reference/step-N`` (an HF folder) and the reference
+takes it, whatever kind it is (an in-process copy, a server told to reload the folder, or with LoRA
+the policy's base, into which the adapter is merged). The folder and the reference version go
 into checkpoints, so a resumed run restores the reset reference; with a server, the weights' hash
 is kept too, and a resumed run reloads the server (the initial model, when a later reset had moved
 it on) and checks that hash before its first step.
@@ -78,10 +79,11 @@ class ProRL(DAPO):
             return
         # A resumed run: the reference must be the one the checkpoint trained against. A server may have
         # moved on since (a reset after the checkpoint was written), so it is brought back and checked.
-        if self.ref_dir is not None:  # after a reset: its exported policy
+        if self.ref_dir is not None and ref.folder != self.ref_dir:  # after a reset: its exported policy
+            # (the trainer restores a reference synced by any algorithm itself: then folder == ref_dir)
             self.ref_version = ref.restore(self.ref_dir, self.ref_version)
-        elif self.ref_hash is not None and ref.weights_hash() != self.ref_hash:  # before any: the initial model
-            self.ref_version = ref.reload(self.cfg.ref.model or self.cfg.model.name_or_path)
+        elif self.ref_dir is None and self.ref_hash is not None and ref.weights_hash() != self.ref_hash:
+            self.ref_version = ref.reload(self.cfg.ref.model or self.cfg.model.name_or_path)  # the initial model
         if self.ref_hash is not None and (now := ref.weights_hash()) != self.ref_hash:
             raise ConfigError(
                 f"--resume: the reference server serves weights {now} ({ref.source}), but this checkpoint trained "

@@ -2,6 +2,7 @@
 
 The reference model (for the KL term) runs in its own process: the demo starts
 ``ref_client.py``, waits until it is healthy, trains against it (``ref.url``) and stops it.
+With ``model.lora=...`` no server is started: the reference is the policy with its adapters off.
 Prints reward at start and end, steps and time, and the plot's path; exits non-zero when
 the run did not learn (last-10% mean reward >= 0.8 and >= 5x the first-10% mean).
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from grpo.training.metrics import read_metrics  # noqa: E402
 from grpo.reference.launch import ServerProcess, free_port  # noqa: E402
-from grpo.training.configure import needs_reference  # noqa: E402
+from grpo.training.configure import needs_reference_server  # noqa: E402
 
 
 def launcher() -> list[str]:
@@ -51,7 +52,7 @@ def main() -> int:
     t0 = time.time()
     server = None
     overrides = list(args.overrides)
-    if needs_reference(args.config, overrides):
+    if needs_reference_server(args.config, overrides):
         # One core each for the two ranks and the server: no thread oversubscription on a small CPU box.
         server = ServerProcess(["--config", args.config, *overrides], port=free_port(),
                                log_path=out / "ref_server.log", env={"OMP_NUM_THREADS": "1"})

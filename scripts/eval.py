@@ -5,7 +5,8 @@
 
 PATH is anything ``model.name_or_path`` takes: an HF folder (the original model, or a
 checkpoint the trainer saved, e.g. runs/X/checkpoints/step-N), a hub name, or
-builtin:tiny-char. Greedy decoding; with --k > 1 also k samples per problem at
+builtin:tiny-char; or a LoRA adapter folder (a LoRA run's checkpoint, or what
+``PeftModel.save_pretrained`` wrote): its base (``base_model_name_or_path``) with the adapter merged. Greedy decoding; with --k > 1 also k samples per problem at
 ``eval.temperature`` (mean@k, pass@k). Writes one JSONL record per problem (default:
 runs/eval/<model>-<split>.jsonl) and prints the summary (also as JSON with --json).
 """
@@ -30,7 +31,8 @@ def default_out(model: str, split: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF folder, checkpoint folder, hub name or builtin:tiny-char")
+    p.add_argument("--model", required=True,
+                   help="HF folder, checkpoint folder, LoRA adapter folder, hub name or builtin:tiny-char")
     p.add_argument("--config", required=True, help="YAML whose data / eval / rewards sections define the task")
     p.add_argument("--split", default="eval", help="'eval' (alias 'test': the held-out data) or 'train'")
     p.add_argument("--limit", type=int, default=None, help="first N problems (default: eval.limit)")

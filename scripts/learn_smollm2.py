@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from grpo.training.metrics import read_metrics  # noqa: E402
 from grpo.reference.launch import ServerProcess, free_port  # noqa: E402
-from grpo.training.configure import needs_reference  # noqa: E402
+from grpo.training.configure import needs_reference_server  # noqa: E402
 
 
 def train(seeds: list[int], config: str, out: Path, threads: int, overrides: list[str]) -> dict[int, float]:
@@ -55,7 +55,7 @@ def train(seeds: list[int], config: str, out: Path, threads: int, overrides: lis
 
 def train_with_reference(seeds: list[int], config: str, out: Path, threads: int, overrides: list[str]) -> dict[int, float]:
     """Start one reference server when the config's algorithm needs it, train every seed against it, stop it."""
-    if not needs_reference(config, overrides):
+    if not needs_reference_server(config, overrides):
         return train(seeds, config, out, threads, overrides)
     out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(["--config", config, *overrides], port=free_port(), log_path=out / "ref_server.log",

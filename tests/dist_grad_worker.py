@@ -2,7 +2,8 @@
 
 Every rank builds the same 16-row batch, takes its own groups, and accumulates gradients
 through the real Trainer/DeepSpeed path; rank 0 writes the gathered gradient for each
-aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages.
+aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages. With ``--lora`` the
+policy has LoRA adapters (B made non-zero, the same on every rank) and the gradient is the adapters'.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from grpo.foundation import core, dist  # noqa: E402
 from grpo.foundation.batch import RolloutBatch  # noqa: E402
 from grpo.training.configure import load_config  # noqa: E402
 import grpo.training.deepspeed_engine as ds_module  # noqa: E402
+import grpo.training.trainer as trainer_module  # noqa: E402
 from grpo.training.trainer import Trainer  # noqa: E402
+
+LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, k_proj, v_proj, o_proj, up_proj, down_proj]}"
 
 GROUPS, G, WIDTH = 4, 4, 6
 
@@ -48,9 +52,23 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--micro", type=int, required=True)
     p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args()
-    cfg = load_config(overrides=[
+    if args.lora:  # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
+        load_policy = trainer_module.load_policy
+
+        def with_b(cfg_model):
+            model = load_policy(cfg_model)
+            g = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for n, prm in model.named_parameters():
+                    if "lora_B" in n:
+                        prm.copy_(torch.randn(prm.shape, generator=g) * 0.05)
+            return model
+
+        trainer_module.load_policy = with_b
+    cfg = load_config(overrides=[*([LORA] if args.lora else []),
         "algo.beta=0", "train.lr=0", f"train.micro_batch_size={args.micro}", f"train.zero_stage={args.zero}",
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
@@ -76,7 +94,7 @@ def main() -> None:
     for aggregation in core.AGGREGATIONS:
         cfg.algo.aggregation = aggregation
         loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})
-        grads = [safe_get_full_grad(p) for p in trainer.model.parameters()]
+        grads = [safe_get_full_grad(p) for p in trainer.model.parameters() if p.requires_grad]
         total_loss = dist.all_reduce_sum(loss.reshape(1))
         if dist.is_main():
             results[aggregation] = {"loss": float(total_loss), "grad": torch.cat([g.reshape(-1).double() for g in grads])}

@@ -34,6 +34,24 @@ class _NotFiniteError(ConfigError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through PEFT (``model.lora``; null = off, ``model.lora={}`` = on with these defaults).
+
+    Only the adapters (and ``modules_to_save``) train and reach the optimizer; the base stays frozen
+    (in ``model.dtype``: bf16 base, fp32 adapters). With beta > 0 and no ``ref.url`` / ``ref.model``,
+    the reference is the policy with its adapters switched off: no second copy (grpo/foundation/lora.py).
+    """
+
+    r: int = 16
+    alpha: float = 32.0  # the update is scaled by alpha / r
+    dropout: float = 0.0
+    # the linear layers that get adapters (names as in the model: Llama-style q_proj ... down_proj)
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    modules_to_save: list[str] = field(default_factory=list)  # whole modules trained and saved beside the adapters
+
+
+@dataclass
 class ModelConfig:
     """The policy model. ``builtin:tiny-char`` builds the tiny offline model in memory."""
 
@@ -43,6 +61,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
     freeze_bottom_layers: int = 0  # freeze embeddings + the first N decoder layers (cheaper steps on a CPU)
+    lora: Optional[LoraConfig] = None  # LoRA adapters (PEFT); null = full fine-tuning
 
 
 @dataclass
@@ -188,6 +207,10 @@ class RefConfig:
     max_batch_tokens: int = 16384  # server side: tokens per forward pass
     max_queue: int = 64  # server side: pending requests before 503
     max_request_mb: float = 64.0  # server side: body size limit (413)
+    # Periodic reference sync, for every algorithm: every ``sync_every`` steps (0 = off)
+    # pi_ref <- mixup_alpha * pi_theta + (1 - mixup_alpha) * pi_ref (1 = a copy of the policy).
+    sync_every: int = 0
+    mixup_alpha: float = 1.0
 
 
 @dataclass
@@ -311,6 +334,7 @@ def validate(cfg: Config) -> None:
     if not cfg.rewards:
         raise ConfigError("rewards is empty: name at least one reward function")
     _positive("model.freeze_bottom_layers", cfg.model.freeze_bottom_layers, allow_zero=True)
+    _validate_lora(cfg)
     _validate_data(cfg.data)
     _validate_eval(cfg)
     _positive("reward_pool.num_workers", cfg.reward_pool.num_workers, allow_zero=True)
@@ -326,6 +350,46 @@ def validate(cfg: Config) -> None:
     _positive("ref.max_request_mb", cfg.ref.max_request_mb)
     if not 0 <= cfg.ref.port <= 65535:
         raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
+    _validate_ref_sync(cfg)
+
+
+def _validate_lora(cfg: Config) -> None:
+    lora = cfg.model.lora
+    if lora is None:
+        return
+    _positive("model.lora.r", lora.r)
+    _positive("model.lora.alpha", lora.alpha)
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout={lora.dropout!r} is invalid: it must be in [0, 1)")
+    if not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty: name the linear layers that get adapters "
+                          "(e.g. [q_proj, k_proj, v_proj, o_proj] for Llama-style models)")
+    for key in ("target_modules", "modules_to_save"):
+        for i, name in enumerate(getattr(lora, key)):
+            if not name.strip():
+                raise ConfigError(f"model.lora.{key}[{i}]={name!r} is invalid: give a module name (e.g. q_proj)")
+    if cfg.train.zero_stage == 3:
+        raise ConfigError("model.lora with train.zero_stage=3 is not supported: use train.zero_stage 0, 1 or 2 "
+                          "(the frozen base is not worth partitioning next to the adapters' small optimizer "
+                          "state, and the free reference needs the whole base on every rank)")
+    if cfg.model.dtype == "fp16":
+        raise ConfigError("model.lora with model.dtype='fp16' is not supported: use bf16 (a bf16 base with fp32 "
+                          "adapters) or fp32; fp16 would train without loss scaling")
+
+
+def _validate_ref_sync(cfg: Config) -> None:
+    r = cfg.ref
+    if r.sync_every < 0:
+        raise ConfigError(f"ref.sync_every={r.sync_every!r} is invalid: it must be >= 0 (0 = off)")
+    if not 0 < r.mixup_alpha <= 1:
+        raise ConfigError(f"ref.mixup_alpha={r.mixup_alpha!r} is invalid: it must be in (0, 1] "
+                          "(1 = the reference becomes a copy of the policy)")
+    if r.mixup_alpha != 1.0 and not r.sync_every:
+        raise ConfigError(f"ref.mixup_alpha={r.mixup_alpha!r} has no effect without ref.sync_every > 0: "
+                          "set ref.sync_every or leave ref.mixup_alpha at 1")
+    if r.sync_every and cfg.algo.beta <= 0:
+        raise ConfigError(f"ref.sync_every={r.sync_every} needs a reference, but algo.beta={cfg.algo.beta} "
+                          "(no KL term): set algo.beta > 0 or ref.sync_every=0")
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -417,6 +481,9 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 raise  # the type fits; the value does not
             except ConfigError as e:
                 errors.append(str(e))
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1 and dataclasses.is_dataclass(real[0]):  # e.g. Optional[LoraConfig]: its own message
+            raise ConfigError(errors[0])
         raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

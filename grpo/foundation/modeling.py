@@ -33,15 +33,35 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tok
 
 
-def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_only: bool = False) -> PreTrainedModel:
+def load_policy(cfg: ModelConfig) -> PreTrainedModel:
+    """The model to train: ``load_model``, with LoRA adapters injected when ``model.lora`` is set
+    (grpo/foundation/lora.py; only the adapters train)."""
+    model = load_model(cfg, apply_freeze=cfg.lora is None)
+    if cfg.lora is not None:
+        from grpo.foundation.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora, cfg.name_or_path, cfg.freeze_bottom_layers)
+    return model
+
+
+def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_only: bool = False,
+               apply_freeze: bool = True) -> PreTrainedModel:
     """A causal LM in the configured dtype (``name_or_path`` overrides cfg's, e.g. for the reference).
 
     ``safetensors_only``: load ``model.safetensors`` (or its index) and nothing else, never a
     pickle such as ``pytorch_model.bin`` (the reference server's reloads).
+    A saved LoRA adapter folder (``adapter_config.json``, e.g. a LoRA run's checkpoint) loads as its base
+    with the adapter merged in: a plain model, the adapted policy's weights.
     """
     name = name_or_path or cfg.name_or_path
     dtype = DTYPES[cfg.dtype]
-    if name == BUILTIN_NAME:
+    from grpo.foundation.lora import is_adapter_folder
+
+    if is_adapter_folder(name):
+        from grpo.foundation.lora import load_adapter_folder
+
+        model = load_adapter_folder(name, lambda base: load_model(cfg, base, safetensors_only, apply_freeze=False))
+    elif name == BUILTIN_NAME:
         model = build_tiny()[0].to(dtype)
     else:
         kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
@@ -56,7 +76,7 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
                 f"model.name_or_path={name!r}: cannot load the model ({e}). "
                 f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
             ) from e
-    if cfg.freeze_bottom_layers:
+    if cfg.freeze_bottom_layers and apply_freeze:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,6 +1,7 @@
-"""Reference log-probs: a frozen in-process copy here; the HTTP server's client is in http.py.
+"""Reference log-probs: a frozen in-process copy, or (LoRA) the policy with its adapters off, here; the
+HTTP server's client is in http.py.
 
-Both implement :class:`Reference`; grpo/reference/handle.py wraps either for the trainer and the
+All implement :class:`Reference`; grpo/reference/handle.py wraps either for the trainer and the
 algorithms. ``submit`` starts the work and returns a future whose ``result()`` gives [rows, width]
 log-probs, so a remote request can run while the trainer scores rewards and computes old log-probs.
 """
@@ -90,6 +91,51 @@ class InProcessReference:
         device = next(self.model.parameters()).device
         self.model = load_model(self.cfg.model, checkpoint_dir).to(device).eval()
         self.model.requires_grad_(False)
+        self.version += 1
+        self.source = checkpoint_dir
+        return self.info()
+
+
+class AdapterDisabledReference:
+    """The reference for free with LoRA: the policy itself with its adapters switched off, i.e. its frozen base.
+
+    ``model`` is the trainer's model (the DeepSpeed engine's module): nothing is copied or loaded. Its
+    log-probs run in eval mode under ``adapters_disabled`` and the model's mode is restored afterwards.
+    ``reload(folder)`` puts base weights from an HF folder back into the policy's frozen base (a resumed
+    run whose reference had been synced): the policy, base + adapter, moves with it.
+    """
+
+    def __init__(self, cfg: Config, model: torch.nn.Module):
+        self.cfg = cfg
+        self.model = model
+        self.version = 0
+        self.source = cfg.model.name_or_path
+
+    def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
+        from grpo.foundation.lora import adapters_disabled
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_disabled(self.model):
+                return sliced_logprobs(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
+                                       max_rows=self.cfg.train.micro_batch_size)[0]
+        finally:
+            self.model.train(was_training)
+
+    def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
+        fut: Future = Future()
+        fut.set_result(self.logprobs(packed, temperature))
+        return fut
+
+    def info(self) -> dict:
+        return {"model": self.source, "version": self.version}
+
+    def reload(self, checkpoint_dir: str) -> dict:
+        from grpo.foundation.lora import load_base
+        from grpo.foundation.modeling import load_model
+
+        load_base(self.model, load_model(self.cfg.model, checkpoint_dir, apply_freeze=False).state_dict())
         self.version += 1
         self.source = checkpoint_dir
         return self.info()

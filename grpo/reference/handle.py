@@ -1,34 +1,44 @@
 """The reference as the trainer and the algorithms see it, whatever kind it is.
 
     logprobs / submit(packed, temperature)   reference log-probs (a future: a server works meanwhile)
-    version                                  bumped by every reload or reset
+    kind                                     "in-process" (a frozen copy), "adapters-off" (LoRA: the policy
+                                             with its adapters off, no copy) or "server"
+    version, folder                          bumped by every reload or sync; the HF folder the weights came
+                                             from (None: the initial model)
     weights_hash()                           a server's hash of its weights (checked on --resume)
     reload(folder)                           load weights from an HF folder (collective: every rank calls it)
-    load_policy(folder, model)               pi_ref <- pi_theta (the folder holds the policy's export)
+    mix(policy, alpha, folder, write)        pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, written to folder
+    load_policy(folder, weights)             pi_ref <- pi_theta (the folder holds the policy's export)
     restore(folder, version)                 a resumed run's reference: the folder it had, at its version
 
 An in-process reference reloads on every rank; a reference server is told once, by rank 0, and
-the answer is shared. Nobody outside this file branches on the kind.
+the answer is shared. The adapters-off kind is synced by the trainer itself (it merges into the
+policy's base, grpo.foundation.lora.sync_base) and told with ``synced``.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from grpo.foundation import dist
 from grpo.foundation.config import Config
 from grpo.foundation.logprobs import Packed
-from grpo.reference.base import InProcessReference, Reference
+from grpo.reference.base import AdapterDisabledReference, InProcessReference, Reference
+
+StateDict = dict[str, torch.Tensor]
 
 
 class ReferenceHandle:
     def __init__(self, impl: Reference):
         self.impl = impl
-        self.remote = not isinstance(impl, InProcessReference)
+        self.kind = ("adapters-off" if isinstance(impl, AdapterDisabledReference)
+                     else "in-process" if isinstance(impl, InProcessReference) else "server")
+        self.remote = self.kind == "server"
         self._version: Optional[int] = None if self.remote else impl.version
+        self.folder: Optional[str] = None  # where the current weights came from (None: the initial model)
 
     # ----------------------------------------------------------------- log-probs
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
@@ -68,19 +78,55 @@ class ReferenceHandle:
             info = self.impl.reload(folder)
         if isinstance(info, dict) and "version" in info:
             self._version = int(info["version"])
+        self.folder = str(folder)
         return self.version
 
-    def load_policy(self, folder: str, model: Optional[torch.nn.Module] = None) -> int:
+    def load_policy(self, folder: str, weights: Optional[StateDict] = None) -> int:
         """pi_ref <- pi_theta, where ``folder`` holds the policy's export. An in-process reference copies
-        ``model``'s weights directly when given (the whole, unpartitioned policy); otherwise it loads the
-        folder. Collective; returns the new version."""
-        if self.remote or model is None:
+        ``weights`` (the whole policy's state dict, transformers' names) directly when given; otherwise it
+        loads the folder. Collective; returns the new version."""
+        if self.remote or weights is None:
+            return self.reload(folder)
+        return self.mix(weights, 1.0, folder)
+
+    def mix(self, policy: Optional[StateDict], alpha: float, folder: str,
+            write: Optional[Callable[[StateDict, str], None]] = None,
+            current: Optional[Callable[[], StateDict]] = None) -> int:
+        """pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref (grpo.foundation.lora.mix_, per weight).
+
+        ``policy``: the whole policy's weights (transformers' names) on every rank, or only on rank 0 for a
+        server. In-process: the copy is mixed in place on every rank, then rank 0 writes it to ``folder``
+        with ``write(state_dict, folder)`` (when given). Server: rank 0 mixes ``current()`` (the server's
+        present weights, loaded from where they came from) with the policy, writes the result to ``folder``
+        and the server reloads it. Collective; returns the new version.
+        """
+        from grpo.foundation.weights import mix_state_
+
+        if self.kind == "adapters-off":
+            raise RuntimeError("the adapters-off reference is synced in the policy's base (lora.sync_base), "
+                               "then told with synced()")
+        if self.remote:
+            if dist.is_main():
+                ref = current()
+                mix_state_(ref, policy, alpha)
+                write(ref, folder)
+            dist.barrier()
             return self.reload(folder)
         ref = self.impl
-        ref.model.load_state_dict(model.state_dict())
+        own = ref.model.state_dict()
+        mix_state_(own, policy, alpha)
+        if write is not None:
+            if dist.is_main():
+                write(own, folder)
+            dist.barrier()
+        return self.synced(folder)
+
+    def synced(self, folder: str) -> int:
+        """The in-process weights were changed in place (a sync) and saved to ``folder``: a new version."""
+        ref = self.impl
         ref.version += 1
         ref.source = str(folder)
-        self._version = ref.version
+        self._version, self.folder = ref.version, str(folder)
         return self._version
 
     def restore(self, folder: str, version: Optional[int]) -> int:
@@ -105,11 +151,17 @@ class ReferenceHandle:
             close()
 
 
+def adapters_off_reference(cfg: Config) -> bool:
+    """With LoRA and neither ``ref.url`` nor ``ref.model``, the reference is the policy with its adapters off."""
+    return cfg.model.lora is not None and not cfg.ref.url and not cfg.ref.model
+
+
 def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None,
-                   vocab_size: Optional[int] = None) -> Optional[ReferenceHandle]:
+                   vocab_size: Optional[int] = None, policy: Optional[torch.nn.Module] = None) -> Optional[ReferenceHandle]:
     """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried.
 
-    ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both.
+    ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both. ``policy`` is
+    the trainer's model: with LoRA (``adapters_off_reference``) it is the reference, adapters off.
     """
     if not needed:
         return None
@@ -117,4 +169,8 @@ def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=No
         from grpo.reference.http import HTTPReference  # the server's client (ref_client.py serves it)
 
         return ReferenceHandle(HTTPReference(cfg, tokenizer, vocab_size))
+    if adapters_off_reference(cfg):
+        if policy is None:
+            raise ValueError("make_reference: with model.lora the reference is the policy; pass it as policy=")
+        return ReferenceHandle(AdapterDisabledReference(cfg, policy))
     return ReferenceHandle(InProcessReference(cfg, device))

@@ -2,10 +2,13 @@
 
 Layout: ``OUT/checkpoints/step-N/`` holds an HF folder (config, safetensors, tokenizer) so
 it loads with ``from_pretrained``; ``ds/`` holds optimizer + scheduler; ``trainer/`` holds
-each rank's RNG, data position and algorithm state. Everything is written to a temporary
-folder first, fsynced (files and folders) and renamed; ``latest`` is replaced atomically
-last, so a crash mid-save never leaves a half checkpoint as the latest. Saving a step whose
-folder exists (a finished run resumed, which saves its last step again) renames the old
+each rank's RNG, data position and algorithm state. With LoRA the folder holds the adapter in
+PEFT's format instead of the whole model (``adapter_config.json``, ``adapter_model.safetensors``:
+``PeftModel.from_pretrained(base, folder)`` loads it; ``scripts/merge_lora.py`` merges it), and
+``ds/`` only the adapter's weights (the frozen base is not copied into every checkpoint). Everything
+is written to a temporary folder first, fsynced (files and folders) and renamed; ``latest`` is
+replaced atomically last, so a crash mid-save never leaves a half checkpoint as the latest. Saving a
+step whose folder exists (a finished run resumed, which saves its last step again) renames the old
 folder aside to ``.old-step-N`` instead of deleting it first; until the new one is in place
 ``latest_checkpoint`` falls back to that copy, so ``latest`` always resolves.
 
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from grpo.foundation import dist
+from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter, state_dict_for_save
 
 LATEST = "latest"
 ASIDE = ".old-"  # prefix of a step folder renamed aside while the same step is saved again
@@ -126,8 +130,15 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    engine.save_checkpoint(str(tmp), tag="ds")
-    _write_hf(engine, tokenizer, tmp)
+    lora = has_lora(engine.module)
+    # with LoRA the engine state keeps only what trains (the adapter), not the frozen base
+    engine.save_checkpoint(str(tmp), tag="ds", **({"exclude_frozen_parameters": True} if lora else {}))
+    if lora:
+        if dist.is_main():
+            save_adapter(engine.module, tmp)
+            tokenizer.save_pretrained(str(tmp))
+    else:
+        _write_hf(engine, tokenizer, tmp)
     (tmp / "trainer").mkdir(exist_ok=True)
     torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer" / f"rank{dist.rank()}.pt")
     dist.barrier()
@@ -146,14 +157,23 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
 
 
 def _write_hf(engine, tokenizer, folder: Path) -> None:
-    """HF weights + tokenizer, consolidated on rank 0 (ZeRO-3 gathers the partitions). Collective."""
+    """HF weights + tokenizer, consolidated on rank 0 (ZeRO-3 gathers the partitions). Collective.
+    With LoRA: the adapted policy's weights, merged (base + scale * B A)."""
     if engine.zero_optimization_partition_weights():
         state_dict = engine._zero3_consolidated_16bit_state_dict()
+    elif has_lora(engine.module):
+        state_dict = merged_state_dict(engine.module) if dist.is_main() else None
     else:
         state_dict = engine.module.state_dict() if dist.is_main() else None
     if dist.is_main():
-        engine.module.save_pretrained(str(folder), state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(str(folder))
+        write_weights(engine.module, state_dict, tokenizer, folder)
+
+
+def write_weights(model, state_dict: dict, tokenizer, folder: str | Path) -> None:
+    """An HF folder (``from_pretrained`` loads it) with ``model``'s config and these weights (transformers'
+    names, e.g. a mixed reference's). Call it on one rank."""
+    model.save_pretrained(str(folder), state_dict=state_dict_for_save(model, state_dict), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
 
 
 def export_model(engine, tokenizer, folder: str | Path) -> Path:
@@ -175,7 +195,9 @@ def export_model(engine, tokenizer, folder: str | Path) -> Path:
 
 def load_checkpoint(engine, path: Path) -> dict:
     """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
-    load_path, _ = engine.load_checkpoint(str(path), tag="ds")
+    # with LoRA the engine state holds only the trainable weights (the adapter): the base is the model loaded
+    strict = {"load_module_strict": False} if has_lora(engine.module) else {}
+    load_path, _ = engine.load_checkpoint(str(path), tag="ds", **strict)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no engine state in {path / 'ds'}")
     f = path / "trainer" / f"rank{dist.rank()}.pt"

@@ -3,6 +3,8 @@ registry (algos/) put together.
 
     load_config(path, algo, overrides): defaults < algorithm defaults < YAML < --algo < key=value
     needs_reference(path, overrides):   whether that run queries a reference model
+    needs_reference_server(path, overrides): whether it needs a reference server started for it (not with
+                                        LoRA's free reference: the policy with its adapters off)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Optional
 
 from algos import get_algorithm
 from grpo.foundation.config import Config, build_config, read_user_tree
+from grpo.reference.handle import adapters_off_reference
 
 
 def load_config(
@@ -28,3 +31,10 @@ def needs_reference(config: Optional[str | Path], overrides: list[str]) -> bool:
     """Whether training ``config`` with ``overrides`` uses a reference model (its algorithm with its beta)."""
     cfg = load_config(config, None, overrides)
     return get_algorithm(cfg.algo.name)(cfg).needs_reference
+
+
+def needs_reference_server(config: Optional[str | Path], overrides: list[str]) -> bool:
+    """Whether a script should start a reference server for this run: it uses a reference, and that reference
+    is not LoRA's free one (model.lora without ref.url / ref.model: the policy with its adapters off)."""
+    cfg = load_config(config, None, overrides)
+    return get_algorithm(cfg.algo.name)(cfg).needs_reference and not adapters_off_reference(cfg)

@@ -7,6 +7,7 @@ The trainer calls only what is here to touch DeepSpeed:
     discard_gradients(engine)      drop a step's gradients without an update (no ZeRO; the watchdog)
     reset_optimizer_state(engine)  Adam moments and step counts start afresh
     partitions_weights(engine)     ZeRO-3: no rank holds the whole model
+    (with frozen weights, e.g. LoRA's base, checkpoints leave every one of them out: see build_engine)
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def deepspeed_config(cfg: Config) -> dict:
     }
     if t.grad_clip > 0:
         ds["gradient_clipping"] = t.grad_clip
-    if cfg.model.dtype == "bf16":
+    if cfg.model.dtype == "bf16" and cfg.model.lora is None:
+        # (with LoRA the base stays bf16 and the fp32 adapters train in DeepSpeed's fp32 mode)
         # check_grad_overflow: ZeRO skips an update whose gradient norm is not finite (fp32 and fp16 always do)
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
     elif cfg.model.dtype == "fp16":
@@ -91,16 +93,38 @@ def build_engine(cfg: Config, model: torch.nn.Module):
     import deepspeed
 
     t = cfg.train
-    optimizer = make_adamw(model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+    # Only what trains reaches the optimizer (LoRA: the adapters; frozen layers have no state to keep).
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(trainable, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                            weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    ds_config = deepspeed_config(cfg)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                   config=deepspeed_config(cfg))
-    if dist.world_size() == 1 and t.zero_stage == 0 and cfg.model.dtype == "fp32":
+                                                   config=ds_config)
+    if len(trainable) < sum(1 for _ in model.parameters()):
+        _exclude_tied_frozen_weights(engine)
+    if dist.world_size() == 1 and t.zero_stage == 0 and "bf16" not in ds_config and "fp16" not in ds_config:
         # One rank has nothing to all-reduce, but DeepSpeed would still copy every gradient into a
         # flat bucket and back at each step (one more model-sized buffer at the memory peak).
         engine.enable_backward_allreduce = False
     return engine, scheduler
+
+
+def _exclude_tied_frozen_weights(engine) -> None:
+    """``save_checkpoint(exclude_frozen_parameters=True)`` drops frozen weights by their ``named_parameters`` names,
+    which list a tied weight once: its other name (``lm_head.weight`` tied to the embeddings) stayed in every
+    checkpoint, a vocabulary-sized matrix (113 MB for SmolLM2-135M) beside a LoRA adapter of a few MB."""
+    plain = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        sd = plain(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for n, p in engine.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    sd.pop(n, None)
+        return sd
+
+    engine.module_state_dict = module_state_dict
 
 
 def begin_micro_batch(engine) -> None:

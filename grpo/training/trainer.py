@@ -4,7 +4,8 @@ One step, on every rank:
   data -> rollout (the rollout service: generate, score) -> algorithm hook ``process_batch``
   (shaping / filtering / refill / correction / pruning) -> reference (async) -> old log-probs /
   entropy (only if needed) -> advantages -> mu optimizer passes over micro-batches -> weight sync
-  to the generation engine -> metrics reduced over ranks -> ``on_step_end`` -> checkpoint.
+  to the generation engine -> metrics reduced over ranks -> ``on_step_end`` -> reference sync
+  (``ref.sync_every``) -> checkpoint.
 
 Algorithms see none of this class: their hooks get a StepContext (algos/base.py).
 """
@@ -25,11 +26,13 @@ from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
 from grpo.foundation.config import Config, ConfigError, dump_config
 from grpo.foundation.logprobs import completion_logprobs
-from grpo.foundation.modeling import eos_token_ids, load_model, load_tokenizer
+from grpo.foundation import lora
+from grpo.foundation.modeling import eos_token_ids, load_model, load_policy, load_tokenizer
 from grpo.reference.handle import make_reference
 from grpo.rollout.service import RolloutService, engine_class
 from grpo.training import deepspeed_engine as ds
-from grpo.training.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, save_checkpoint,
+                                     write_weights)
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog
 from grpo.training.metrics import MetricsLogger, step_metrics
@@ -61,15 +64,19 @@ class Trainer:
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
         self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool)
 
-        model = load_model(cfg.model)
+        model = load_policy(cfg.model)  # with model.lora: adapters injected, only they train
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.engine, self.scheduler = ds.build_engine(cfg, model)
         self.model = self.engine.module
         self.device = self.engine.device
         self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
+        # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
         self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer,
-                                        vocab_size=model.config.get_text_config().vocab_size)
+                                        vocab_size=model.config.get_text_config().vocab_size, policy=self.model)
+        if cfg.ref.sync_every and self.reference is None:
+            raise ConfigError(f"ref.sync_every={cfg.ref.sync_every}: algorithm {cfg.algo.name!r} uses no reference "
+                              "here; set ref.sync_every=0")
 
         self.step = 0
         self._last_batch: Optional[RolloutBatch] = None
@@ -81,6 +88,11 @@ class Trainer:
             self.step = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             self.algo.load_state_dict(state.get("algo", {}))
+            ref_state = state.get("reference") or {}
+            if self.reference is not None and ref_state.get("folder"):  # it had been synced: bring it back
+                self.reference.restore(ref_state["folder"], ref_state.get("version"))
+                if self.reference.kind == "adapters-off":
+                    lora.set_base_name(self.model, ref_state["folder"])
             self.rollout.sync_weights()  # the engine generates with the restored weights
             if dist.is_main():
                 print(f"resumed from {ckpt} at step {self.step}", flush=True)
@@ -99,12 +111,54 @@ class Trainer:
                            reset_optimizer=lambda: ds.reset_optimizer_state(self.engine))
 
     def reset_reference(self) -> tuple[str, int]:
-        """pi_ref <- pi_theta (collective): the policy is exported to OUT/reference/step-N and the
-        reference takes it; returns (that folder, the reference's new version)."""
+        """pi_ref <- pi_theta (collective; ProRL's resets): ``sync_reference(1.0)``."""
+        return self.sync_reference(1.0)
+
+    def sync_reference(self, alpha: float = 1.0) -> tuple[str, int]:
+        """pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, whatever the reference's kind (collective).
+
+        The new reference's weights are written to OUT/reference/step-N (an HF folder: what a resumed run
+        reloads, and what a reference server loads). In-process copy: mixed in place. Server: rank 0 mixes
+        the server's present weights (the folder of the last sync, or the initial model) with the policy's
+        and the server reloads the folder (alpha = 1: the policy's export). LoRA's adapters-off reference:
+        the mix is merged into the policy's base and the adapter keeps the rest, so the policy itself does
+        not change (grpo.foundation.lora.sync_base). Returns (that folder, the reference's new version).
+        """
         # absolute: a reference server resolves the folder on its side, not in this run's working directory
-        folder = export_model(self.engine, self.tokenizer, (self.out / "reference" / f"step-{self.step}").resolve())
-        whole = None if ds.partitions_weights(self.engine) else self.model
-        return str(folder), self.reference.load_policy(str(folder), whole)
+        folder = str((self.out / "reference" / f"step-{self.step}").resolve())
+        ref = self.reference
+        if ref is None:
+            raise RuntimeError("sync_reference: this run has no reference (beta = 0)")
+        if ref.kind == "adapters-off":
+            lora.sync_base(self.model, alpha)  # the same arithmetic on every rank
+            if dist.is_main():
+                write_weights(self.model, lora.base_state_dict(self.model), self.tokenizer, folder)
+            dist.barrier()
+            lora.set_base_name(self.model, folder)  # adapters saved from now on name their new base
+            return folder, ref.synced(folder)
+        if alpha == 1.0 and (ref.remote or ds.partitions_weights(self.engine)):
+            export_model(self.engine, self.tokenizer, folder)
+            return folder, ref.load_policy(folder, None if ref.remote else self._whole_policy(folder))
+        need = dist.is_main() or not ref.remote or ds.partitions_weights(self.engine)  # (ZeRO-3: collective)
+        policy = self._whole_policy(folder) if need else None
+        version = ref.mix(policy, alpha, folder, self._write_reference, self._current_reference)
+        return folder, version
+
+    def _whole_policy(self, folder: str) -> dict[str, torch.Tensor]:
+        """The policy's weights under transformers' names (LoRA: merged), whole. Under ZeRO-3 they are
+        exported to ``folder`` first (collective) and read back."""
+        if ds.partitions_weights(self.engine):
+            export_model(self.engine, self.tokenizer, folder)
+            return load_model(self.cfg.model, folder, apply_freeze=False).state_dict()
+        return lora.merged_state_dict(self.model) if lora.has_lora(self.model) else self.model.state_dict()
+
+    def _write_reference(self, state_dict: dict[str, torch.Tensor], folder: str) -> None:
+        write_weights(self.model, state_dict, self.tokenizer, folder)
+
+    def _current_reference(self) -> dict[str, torch.Tensor]:
+        """A server's present weights (rank 0): the folder of the last sync, else the model it started with."""
+        source = self.reference.folder or self.cfg.ref.model or self.cfg.model.name_or_path
+        return load_model(self.cfg.model, source, apply_freeze=False).state_dict()
 
     # ------------------------------------------------------------------ data -> rollout -> rewards
     def _rank_indices(self, n: Optional[int] = None) -> list[int]:
@@ -249,6 +303,8 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def save(self) -> Path:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "algo": self.algo.state_dict()}
+        if self.reference is not None and self.reference.folder:
+            state["reference"] = {"folder": self.reference.folder, "version": self.reference.version}
         return save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state)
 
     def train(self) -> list[dict]:
@@ -279,6 +335,8 @@ class Trainer:
             if self.evaluator is not None and self.evaluator.due(self.step):
                 metrics.update(self.evaluate())
             self.algo.on_step_end(self.context(), metrics)  # may add metrics (e.g. ProRL's reference version)
+            if cfg.ref.sync_every and self.step % cfg.ref.sync_every == 0:
+                _, metrics["ref/version"] = self.sync_reference(cfg.ref.mixup_alpha)
             history.append({"step": self.step, **metrics})
             self.logger.log(self.step, metrics, self._samples_for_log())
             if cfg.train.save_every and self.step % cfg.train.save_every == 0:
