@@ -57,11 +57,12 @@ class EnvSetup:
         self.kwargs = dict(env_cfg.kwargs)
         specs = env_cfg.tools
         if specs is None:
-            specs = [type("Spec", (), {"fn": n, "kwargs": {}})() for n in getattr(self.cls, "default_tools", [])]
+            specs = [type("Spec", (), {"fn": n, "kwargs": {}, "name": None})()
+                     for n in getattr(self.cls, "default_tools", [])]
         tools = {}
         for s in specs:
             resolve_tool(s.fn)  # a wrong name fails now, not in a worker
-            tools[s.fn.split(":")[-1]] = (s.fn, dict(s.kwargs))
+            tools[s.name or s.fn.split(":")[-1]] = (s.fn, dict(s.kwargs))
         self.toolbox = ToolBox(tools, env_cfg.tool_workers, env_cfg.tool_timeout, env_cfg.max_tool_output_chars)
         self._takes_tools = "tools" in inspect.signature(self.cls).parameters
 

@@ -44,6 +44,23 @@ class ToolCall:
 
 
 @dataclass
+class WarmUp:
+    """Imports the run's tools in a worker before its first real call (not counted against any deadline)."""
+
+    fns: list[str]
+
+    def run(self) -> Outcome:
+        from envs import resolve_tool
+
+        for fn in self.fns:
+            try:
+                resolve_tool(fn)
+            except Exception:  # noqa: BLE001 - the real call will report it
+                pass
+        return Outcome("ok")
+
+
+@dataclass
 class ToolResult:
     ok: bool
     output: Optional[str] = None  # the tool's answer when ok
@@ -65,6 +82,20 @@ class ToolBox:
     def __post_init__(self) -> None:
         self.pool = WorkerPool(self.num_workers, self.timeout) if self.tools else None
         self._reported: set[tuple[str, str]] = set()
+        self._warm_at = -1  # the pool's restart count when its workers were last warmed up
+
+    def _warm_up(self) -> None:
+        """Every worker imports the tools' modules (a new worker after a restart too), under the pool's
+        start-up allowance, so that importing a tool never counts against a call's timeout."""
+        p = self.pool
+        if p.num_workers == 0 or self._warm_at == p.restarts:
+            return
+        timeout, p.timeout = p.timeout, 300.0
+        try:
+            p.run([WarmUp(sorted({spec for spec, _ in self.tools.values()})) for _ in range(p.num_workers)])
+        finally:
+            p.timeout = timeout
+        self._warm_at = p.restarts
 
     def call(self, name: str, args: str) -> ToolResult:
         if name not in self.tools:
@@ -74,6 +105,8 @@ class ToolBox:
     def call_many(self, calls: list[tuple[str, str]]) -> list[ToolResult]:
         """Several calls at once, spread over the workers."""
         jobs = [ToolCall(self.tools[n][0], self.tools[n][1], str(a), self.max_output_chars) for n, a in calls]
+        if jobs:
+            self._warm_up()
         out = []
         for (name, _), o in zip(calls, self.pool.run(jobs) if jobs else []):
             self.counts["tool_calls"] += 1

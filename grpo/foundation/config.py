@@ -128,10 +128,12 @@ class RolloutConfig:
 
 @dataclass
 class ToolSpec:
-    """A tool an environment may call: a registered name or ``pkg.module:function`` (args text -> str)."""
+    """A tool an environment may call: a registered name or ``pkg.module:function`` (args text -> str);
+    ``name`` is what the environment calls it (default: the function's name)."""
 
     fn: str = "calculator"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    name: Optional[str] = None
 
 
 @dataclass
