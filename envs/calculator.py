@@ -11,9 +11,10 @@ Rewards, at the end (the last step's reward is their sum, earlier steps earn 0):
                                        (the result appears in the answer as a whole number), else 0
     outcome reward R^O = correct_weight * correct + format_weight * [the answer is a bare integer]
 
-``correct`` is 1 for the right answer; with ``partial_credit`` (default) a wrong one earns the share of
-its characters that match the right answer position by position (the digits task's reward), which
-gives an untrained model a gradient. ``reward_terms()`` = {"turn": R^T, "outcome": R^O} (mt-grpo reads them).
+``correct`` is 1 for the right answer. A wrong one earns partial credit (``partial_credit``), which gives
+an untrained model a gradient: ``numeric`` (default) the larger of 1 / (1 + |answer - right answer|)
+(for an integer answer) and the ``chars`` credit, ``chars`` the share of characters that match position by position (the digits
+task's reward), ``none`` nothing. ``reward_terms()`` = {"turn": R^T, "outcome": R^O} (mt-grpo reads them).
 
 Defaults suit the tiny char model with ``data.prefill: "="`` (configs/mt-grpo.yaml): the prompt is
 ``7+5``, the call ``=7+5`` (the prefill writes the ``=``), the tool answers ``12``, the answer is ``12``.
@@ -50,12 +51,15 @@ class CalculatorEnv(Environment):
 
     def __init__(self, tools: Optional[ToolBox] = None, call_open: str = "=", call_close: str = "",
                  answer_open: str = "", answer_close: str = "", turn_weight: float = 1.0,
-                 correct_weight: float = 1.0, format_weight: float = 0.2, partial_credit: bool = True,
+                 correct_weight: float = 1.0, format_weight: float = 0.2, partial_credit: str = "numeric",
                  **_: Any):
         super().__init__(tools)
         self.call_open, self.call_close = call_open, call_close
         self.answer_open, self.answer_close = answer_open, answer_close
         self.turn_weight, self.correct_weight, self.format_weight = turn_weight, correct_weight, format_weight
+        if partial_credit not in ("numeric", "chars", "none"):
+            raise ValueError(f"env.kwargs.partial_credit={partial_credit!r} is invalid: choose from "
+                             "['numeric', 'chars', 'none']")
         self.partial_credit = partial_credit
 
     # ----------------------------------------------------------------- tasks
@@ -127,10 +131,15 @@ class CalculatorEnv(Environment):
 
     def _finish(self, action: str) -> StepResult:
         answer, formatted = self._answer(action)
-        if self.partial_credit:
+        if formatted and answer == self.gold:
+            correct = 1.0
+        elif self.partial_credit == "chars":
             correct = char_match(answer, self.gold)
+        elif self.partial_credit == "numeric":
+            near = 1.0 / (1.0 + abs(int(answer) - int(self.gold))) if re.fullmatch(r"-?\d{1,12}", answer) else 0.0
+            correct = max(near, char_match(answer, self.gold))
         else:
-            correct = float(formatted and answer == self.gold)
+            correct = 0.0
         used = self.result is not None and re.search(rf"(?<![\d/]){re.escape(self.result)}(?![\d/])", answer)
         self.terms = {"turn": self.turn_weight * float(bool(used)),
                       "outcome": self.correct_weight * correct + self.format_weight * float(formatted)}

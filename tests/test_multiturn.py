@@ -198,3 +198,32 @@ def test_maze_tasks_and_moves():
     assert env.step("?").reward == pytest.approx(-0.1) and env.step("r").observation == ".AG\n.#.\n..."
     res = env.step("r")
     assert res.done and res.reward == 1.0
+
+
+def test_calculator_rewards_and_parsing():
+    box = ToolBox({"calculator": ("calculator", {})}, num_workers=0)
+    row = {"prompt": "7+5", "answer": "12"}
+
+    def play(first: str, second: str | None = None, **kw) -> tuple[dict, bool]:
+        env = CalculatorEnv(tools=box, **kw)
+        env.reset(row)
+        res = env.step(first)
+        if not res.done:
+            assert res.observation["role"] == "tool"
+            res = env.step(second)
+        return env.reward_terms(), res.done
+
+    assert play("=7+5", "12")[0] == {"turn": 1.0, "outcome": pytest.approx(1.2)}
+    assert play("=7+4", "11")[0] == {"turn": 1.0, "outcome": pytest.approx(0.5 + 0.2)}  # numeric partial credit
+    assert play("=7+5", "13")[0] == {"turn": 0.0, "outcome": pytest.approx(0.5 + 0.2)}  # result not used
+    assert play("=7+5", "1x")[0] == {"turn": 0.0, "outcome": pytest.approx(0.5)}  # chars credit, no format
+    assert play("=7+", "12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2)}  # the call failed: "error"
+    assert play("12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2)}  # no call: the answer at once
+    assert play("=7+5", "it is 12")[0] == {"turn": 1.0, "outcome": pytest.approx(0.0)}  # not a bare integer
+    assert play("=7+4", "11", partial_credit="none")[0]["outcome"] == pytest.approx(0.2)
+    assert play("=7+5", "02", partial_credit="chars")[0]["outcome"] == pytest.approx(0.5 + 0.2)
+    tags = dict(call_open="<calc>", call_close="</calc>", answer_open="<answer>", answer_close="</answer>")
+    assert play("I add. <calc>7 + 5</calc>", "So <answer>12</answer>", **tags)[0] == {"turn": 1.0, "outcome": pytest.approx(1.2)}
+    rows = CalculatorEnv.tasks(200, seed=0, max_value=9, ops="+-", style="words")
+    assert all(int(r["answer"]) >= 0 for r in rows) and all("?" in r["prompt"] for r in rows)
+    assert box.pop_counts()["tool_calls"] == 9
