@@ -1,6 +1,7 @@
 """Calculator: arithmetic problems in MT-GRPO's two-turn shape (arXiv 2505.11821).
 
-    turn 1   the policy reasons (optional) and calls the calculator: ``{call_open}EXPR{call_close}``
+    turn 1   the policy reasons (optional) and calls the calculator: ``{call_open}EXPR{call_close}``, ending
+             its turn (EOS or a stop string: a call cut off at the turn's token limit is malformed)
     env      the calculator's result as a ``tool`` message (``error`` when the call failed)
     turn 2   the policy answers: a bare integer, or ``{answer_open}N{answer_close}`` when tags are set
 
@@ -9,7 +10,7 @@ Rewards, at the end (the last step's reward is their sum, earlier steps earn 0):
 
     turn reward R^T    = turn_weight   if the call was well formed, executed, and its result is the answer
                                        (the result appears in the answer as a whole number), else 0
-    outcome reward R^O = correct_weight * correct + format_weight * [the answer is a bare integer]
+    outcome reward R^O = correct_weight * correct + format_weight * [the answer is a bare integer, turn ended]
 
 ``correct`` is 1 for the right answer. A wrong one earns partial credit (``partial_credit``), which gives
 an untrained model a gradient: ``numeric`` (default) the larger of 1 / (1 + |answer - right answer|)
@@ -119,18 +120,22 @@ class CalculatorEnv(Environment):
         return span, bool(re.fullmatch(r"-?\d+", span))
 
     def step(self, action: str) -> StepResult:
+        cut = bool(getattr(action, "truncated", False))  # the turn hit its token limit: not well formed
         if not self.called:
             expr = self._call(action)
             if expr is not None:
                 self.called = True
+                if cut:  # a call that did not end is not sent to the tool
+                    return StepResult({"role": "tool", "content": "error"}, 0.0, False, {"invalid": True})
                 res = self.tools.call("calculator", expr)
                 self.result = res.output if res.ok else None
                 obs = {"role": "tool", "content": res.output if res.ok else "error"}
                 return StepResult(obs, 0.0, False, {"tool_call": True, "tool_ok": res.ok})
-        return self._finish(action)
+        return self._finish(action, cut)
 
-    def _finish(self, action: str) -> StepResult:
+    def _finish(self, action: str, cut: bool = False) -> StepResult:
         answer, formatted = self._answer(action)
+        formatted = formatted and not cut  # the answer must end its turn (EOS) to count as formatted
         if formatted and answer == self.gold:
             correct = 1.0
         elif self.partial_credit == "chars":

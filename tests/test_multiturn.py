@@ -69,9 +69,9 @@ def test_calculator_trajectory_masks_turns_and_rewards():
     assert b.prompt_ids[0] == ids("u:3+4\na:")
     tool_state = state_key({"role": "tool", "content": "7"})
     assert b.turns[0] == [Turn(0, 5, 5 + n, 0.0, state_key("3+4")), Turn(5 + n, 7 + n, 7 + n, 2.2, tool_state)]
-    assert b.reward_terms["turn"].tolist() == [1.0, 0.0] and b.reward_terms["outcome"].tolist() == pytest.approx([1.2, 0.2])
-    assert b.rewards.tolist() == pytest.approx([2.2, 0.2])  # the sum of the step rewards
-    # row 1 answered "8" without calling: one turn, no environment tokens, char match 0 + format 0.2
+    assert b.reward_terms["turn"].tolist() == [1.0, 0.0] and b.reward_terms["outcome"].tolist() == pytest.approx([1.2, 0.7])
+    assert b.rewards.tolist() == pytest.approx([2.2, 0.7])  # the sum of the step rewards
+    # row 1 answered "8" without calling: one turn, no environment tokens, 1 / (1 + |8 - 7|) + format 0.2
     assert b.completion_ids[1] == ids("8") + [EOS] and b.mask[1].sum() == 2 and len(b.turns[1]) == 1
     assert not b.truncated.any()
     m = mt.pop_metrics()
@@ -227,3 +227,23 @@ def test_calculator_rewards_and_parsing():
     rows = CalculatorEnv.tasks(200, seed=0, max_value=9, ops="+-", style="words")
     assert all(int(r["answer"]) >= 0 for r in rows) and all("?" in r["prompt"] for r in rows)
     assert box.pop_counts()["tool_calls"] == 9
+
+
+def test_a_call_or_answer_cut_at_the_token_limit_is_malformed():
+    from grpo.rollout.multiturn import Action
+
+    box = ToolBox({"calculator": ("calculator", {})}, num_workers=0)
+    env = CalculatorEnv(tools=box)
+    env.reset({"prompt": "7+5", "answer": "12"})
+    res = env.step(Action.of("=1111", truncated=True))
+    assert res.observation == {"role": "tool", "content": "error"} and res.info["invalid"]
+    assert box.pop_counts()["tool_calls"] == 0  # never sent to the tool
+    env.step(Action.of("12", truncated=True))
+    assert env.reward_terms() == {"turn": 0.0, "outcome": pytest.approx(1.0)}  # right, but no format credit
+    # the runner says which turns were cut: "7+5~" has no EOS within its 3 tokens
+    es = env_setup("calculator")
+    mt = MultiTurnRollout(service(lambda t, r: "7+5~" if "t:" not in t else "12", "rollout.max_completion_length=3"),
+                          es.factory, max_turns=2, max_trajectory_tokens=24, prefill="=",
+                          tool_counts=es.toolbox.pop_counts)
+    b = mt.rollout([[1]], [{"prompt": "7+5", "answer": "12"}], [0])
+    assert TOK.decode(b.completion_ids[0]) == "7+5\nt:error\na:12</s>" and b.reward_terms["turn"].tolist() == [0, 0]

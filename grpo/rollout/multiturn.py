@@ -64,6 +64,19 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class Action(str):
+    """The text of a policy turn (EOS removed), as ``env.step`` gets it; ``truncated`` is true when the
+    turn ended at its token limit (no EOS, no stop string): an environment may treat it as malformed."""
+
+    truncated: bool = False
+
+    @classmethod
+    def of(cls, text: str, truncated: bool) -> "Action":
+        a = cls(text)
+        a.truncated = truncated
+        return a
+
+
 class Environment(Protocol):
     def reset(self, row: dict[str, Any]) -> Observation: ...
 
@@ -189,7 +202,7 @@ class MultiTurnRollout:
     def _take_turn(self, tr: _Trajectory, new: list[int], first: bool) -> None:
         """Append the policy's turn ``new``, step the environment, append its observation (or end)."""
         eos = set(self.service.eos_ids)
-        new, _ = self._cut_at_stop(new)
+        new, stopped = self._cut_at_stop(new)
         start = len(tr.tokens)
         tr.tokens += new
         tr.policy += [1] * len(new)
@@ -198,7 +211,8 @@ class MultiTurnRollout:
         action = self.service.tokenizer.decode(body)
         if first:
             action = self.prefill + action
-        res, ok = self._env_call(tr.env.step, action)
+        ended = stopped or (bool(new) and new[-1] in eos)
+        res, ok = self._env_call(tr.env.step, Action.of(action, truncated=not ended))
         if ok and not isinstance(res, StepResult):
             res, ok = self._bad_result(res)
         reward = float(res.reward) if ok else 0.0
