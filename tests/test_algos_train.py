@@ -49,7 +49,7 @@ ALGOS: dict[str, tuple[list[str], list[str]]] = {
               CLIP + ["prorl/ref_version", "prorl/reset", "kl", "dapo/kept_frac"]),
     "dcpo": ([], CLIP + ["dcpo/times_sampled_mean"]),
     # multi-turn: the built-in environments instead of the digits task (rewards are the environment's)
-    "mt-grpo": (["env.name=calculator", "data.source=env", "data.chat_template=true", "data.prefill==",
+    "mt-grpo": (["env.name=calculator", "data.source=env", "data.chat_template=true", "data.prefill='='",
                  "rollout.max_completion_length=4", "rollout.max_turns=2", "rollout.max_trajectory_tokens=24",
                  "env.tool_workers=0"], CLIP + ["reward/turn/mean", "reward/outcome/mean", "env/turns_mean",
                                                 "env/tool_calls", "env/tool_errors"]),
