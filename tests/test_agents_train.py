@@ -60,5 +60,6 @@ def test_both_train_on_two_ranks(tmp_path):
         rows = read_metrics(tmp_path / name / "metrics.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]
         for r in rows:
-            assert r["env/turns_mean"] >= 1 and r["grad_norm"] > 0
-    assert all(r["env/tool_calls"] == 16 for r in read_metrics(tmp_path / "mt-grpo" / "metrics.jsonl"))
+            assert r["env/turns_mean"] >= 1 and r["grad_norm"] >= 0  # 0 when every group is all-equal
+    # every first turn is a call (the prefill "="): 2 turns; only calls that ended (EOS) reach the tool
+    assert all(r["env/turns_mean"] == 2 and r["env/tool_calls"] <= 16 for r in read_metrics(tmp_path / "mt-grpo" / "metrics.jsonl"))
