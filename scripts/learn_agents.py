@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # name -> (the reward that the last 10% of steps must reach, the rise over the first 10% it must show)
-THRESHOLDS = {"mt-grpo": (0.5, 0.4), "gigpo": (0.2, 0.5)}
+THRESHOLDS = {"mt-grpo": (0.5, 0.4), "gigpo": (0.5, 0.5)}
 PANELS = {
     "mt-grpo": [("reward/mean", "reward R^T + R^O (max 2.2)"), ("reward/turn/mean", "turn reward R^T"),
                 ("reward/outcome/mean", "outcome reward R^O (max 1.2)"), ("env/tool_errors", "tool errors per step")],
