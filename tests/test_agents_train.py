@@ -33,10 +33,17 @@ def mean(rows, key):
 def test_short_learning_check(algo, single_rank_env, tmp_path):
     """mt-grpo: the calculator's reward (R^T + R^O, at most 2.2) rises by >= 0.3;
     gigpo: the maze's reward (+1 at the goal, -0.1 per invalid action) rises by >= 0.3."""
+    import torch
+
     from grpo.training.trainer import Trainer
 
     cfg = load_config(ROOT / "configs" / f"{algo}.yaml", None, [f"train.output_dir={tmp_path}", *QUIET, *SHORT[algo]])
-    history = Trainer(cfg).train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as scripts/learn_agents.py: two threads on a busy 2-core machine spin 5-10x slower
+    try:
+        history = Trainer(cfg).train()
+    finally:
+        torch.set_num_threads(threads)
     first, last = mean(history[:5], "reward/mean"), mean(history[-5:], "reward/mean")
     assert last >= first + 0.3, f"{algo}: reward {first:.3f} -> {last:.3f}"
 
