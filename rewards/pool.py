@@ -45,6 +45,12 @@ class Outcome:
     status: str
     values: Optional[list[float]] = None
     error: Optional[str] = None
+    value: Any = None  # the answer of a call that runs itself (a tool call: envs/sandbox.py)
+
+
+def dispatch(call: Any) -> Outcome:
+    """A reward :class:`Call`, or any picklable object with ``run() -> Outcome`` (a tool call)."""
+    return call.run() if hasattr(call, "run") else run_call(call)
 
 
 def run_call(call: Call) -> Outcome:
@@ -84,7 +90,7 @@ def _worker_main(conn: Connection) -> None:
             return
         if call is None:
             return
-        conn.send(run_call(call))
+        conn.send(dispatch(call))
 
 
 class _Worker:
@@ -150,7 +156,7 @@ class WorkerPool:
 
     def run(self, calls: list[Call]) -> list[Outcome]:
         if not self.num_workers:
-            return [run_call(c) for c in calls]
+            return [dispatch(c) for c in calls]
         results: list[Optional[Outcome]] = [None] * len(calls)
         queue = deque(range(len(calls)))
         idle = list(range(len(self._workers)))

@@ -1,6 +1,6 @@
 """The package's layering: imports run one way, along the data flow, and nowhere in a circle.
 
-    foundation -> data -> rollout -> rewards -> reference -> algos -> training -> train.py, scripts
+    foundation -> data -> rollout -> rewards -> envs -> reference -> algos -> training -> train.py, scripts
 
 Two checks against the table below: every import statement in the code (function-level ones
 included, so a lazy import cannot dodge a cycle), and every module imported alone in a fresh
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("grpo", "algos", "rewards")
+PACKAGES = ("grpo", "algos", "rewards", "envs")
 
 # layer -> module prefix (longest prefix wins)
 LAYER_OF_PREFIX = {
@@ -25,6 +25,7 @@ LAYER_OF_PREFIX = {
     "grpo.data": "data",
     "grpo.rollout": "rollout",
     "rewards": "rewards",
+    "envs": "envs",
     "grpo.reference": "reference",
     "algos": "algos",
     "grpo.training": "training",
@@ -36,9 +37,10 @@ ALLOWED = {
     "data": {"foundation", "data"},
     "rollout": {"foundation", "rollout"},
     "rewards": {"foundation", "rewards"},
+    "envs": {"foundation", "rollout", "rewards", "envs"},  # environments and tools (multi-turn rollouts)
     "reference": {"foundation", "reference"},
     "algos": {"foundation", "rewards", "algos"},  # rollout and reference reach algorithms through StepContext
-    "training": {"foundation", "data", "rollout", "rewards", "reference", "algos", "training"},
+    "training": {"foundation", "data", "rollout", "rewards", "envs", "reference", "algos", "training"},
 }
 
 
@@ -143,7 +145,7 @@ for m in mods:
         os.close(r)
         try:
             __import__(m)
-            loaded = sorted(k for k in sys.modules if k.split(".")[0] in ("grpo", "algos", "rewards"))
+            loaded = sorted(k for k in sys.modules if k.split(".")[0] in ("grpo", "algos", "rewards", "envs"))
             msg = json.dumps({"ok": True, "loaded": loaded})
         except BaseException as e:
             msg = json.dumps({"ok": False, "error": repr(e)})

@@ -10,12 +10,34 @@ import torch
 from grpo.foundation.logprobs import Packed, pack
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One policy turn of a multi-turn trajectory (grpo/rollout/multiturn.py), in completion columns.
+
+    The policy wrote columns [start, end) (mask 1); the environment's answer to it, when one was
+    appended, fills [end, obs_end) (mask 0); ``reward`` is the environment's step reward for this
+    action and ``state`` the observation the action was taken in (exact-match key of GiGPO's anchor
+    states; the first turn's is the reset observation).
+    """
+
+    start: int
+    end: int
+    obs_end: int
+    reward: float
+    state: str
+
+
 @dataclass
 class RolloutBatch:
     """One rank's rows, group-major (row i belongs to group i // group_size).
 
     Per-token tensors are [rows, L_max] with L_max = max_completion_length; ``mask`` is 1
     on completion tokens up to and including EOS.
+
+    Multi-turn trajectories (``env.name`` set): the completion is every token after the prompt, the
+    policy's turns and the environment's observations interleaved; L_max = rollout.max_trajectory_tokens,
+    ``mask`` is 1 on the policy's tokens only (observations are out of the loss, the KL and the entropy),
+    ``turns`` holds each row's :class:`Turn` list, ``rewards`` the sum of its step rewards.
     """
 
     prompt_ids: list[list[int]]
@@ -35,6 +57,7 @@ class RolloutBatch:
     entropy: Optional[torch.Tensor] = None  # old policy's, detached
     sampler_logp: Optional[torch.Tensor] = None  # the generation engine's per-token log-probs, when it has them
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row algorithm tensors
+    turns: Optional[list[list[Turn]]] = None  # multi-turn rollouts: each row's turns (None: single-turn)
 
     def __len__(self) -> int:
         return len(self.completion_ids)

@@ -102,7 +102,8 @@ class DataConfig:
     ``columns`` and ``prompt_template`` override them.
     """
 
-    source: Literal["builtin", "countdown", "arithmetic", "jsonl", "parquet", "hub"] = "builtin"
+    # "env": the environment's own generated tasks (``env.name``; see envs/)
+    source: Literal["builtin", "countdown", "arithmetic", "jsonl", "parquet", "hub", "env"] = "builtin"
     path: Optional[str] = None
     split: str = "train"
     hub_config: Optional[str] = None  # hub dataset configuration (gsm8k: "main")
@@ -143,6 +144,42 @@ class RolloutConfig:
     # The generation engine (grpo/rollout/): a registered name ("hf": the training model itself) or
     # "package.module:Class" implementing grpo.rollout.engine.GenerationEngine.
     engine: str = "hf"
+    # Multi-turn rollouts (only with ``env.name``): at most ``max_turns`` policy turns per trajectory, each
+    # at most ``max_completion_length`` tokens; policy and environment tokens together at most
+    # ``max_trajectory_tokens`` (the width L_max of the batch). Running out of either ends the trajectory.
+    max_turns: int = 4
+    max_trajectory_tokens: int = 128
+
+
+@dataclass
+class ToolSpec:
+    """A tool an environment may call: a registered name or ``pkg.module:function`` (args text -> str);
+    ``name`` is what the environment calls it (default: the function's name)."""
+
+    fn: str = "calculator"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    name: Optional[str] = None
+
+
+@dataclass
+class EnvConfig:
+    """The environment of multi-turn rollouts (envs/). No ``name``: single-turn rollouts as always.
+
+    ``name`` is a registered environment (``calculator``, ``maze``) or ``package.module:Class``;
+    ``kwargs`` go to its constructor (and to its task generator with ``data.source: env``).
+    ``tools`` (default: the environment's own) run in sandboxed worker processes, each call within
+    ``tool_timeout`` seconds (``tool_workers: 0`` runs them in the trainer, without a timeout).
+    ``stop``: strings that end a policy turn besides EOS (the turn is cut after the first one).
+    """
+
+    name: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: Optional[list[ToolSpec]] = None
+    stop: list[str] = field(default_factory=list)
+    tool_timeout: float = 5.0
+    tool_workers: int = 1
+    max_tool_output_chars: int = 2000  # a longer tool answer counts as an error (garbage)
+    num_examples: int = 1000  # tasks generated with data.source: env
 
 
 @dataclass
@@ -273,6 +310,7 @@ class Config:
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     reward_pool: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 # --------------------------------------------------------------------------- validation
@@ -351,6 +389,7 @@ def validate(cfg: Config) -> None:
     if not 0 <= cfg.ref.port <= 65535:
         raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
     _validate_ref_sync(cfg)
+    _validate_env(cfg)
 
 
 def _validate_lora(cfg: Config) -> None:
@@ -390,6 +429,32 @@ def _validate_ref_sync(cfg: Config) -> None:
     if r.sync_every and cfg.algo.beta <= 0:
         raise ConfigError(f"ref.sync_every={r.sync_every} needs a reference, but algo.beta={cfg.algo.beta} "
                           "(no KL term): set algo.beta > 0 or ref.sync_every=0")
+
+
+def _validate_env(cfg: Config) -> None:
+    e, r = cfg.env, cfg.rollout
+    _positive("rollout.max_turns", r.max_turns)
+    _positive("rollout.max_trajectory_tokens", r.max_trajectory_tokens)
+    if e.name is None:
+        if cfg.data.source == "env":
+            raise ConfigError("data.source='env' needs an environment: set env.name (e.g. calculator or maze)")
+        return
+    if not e.name.strip():
+        raise ConfigError("env.name is empty: name an environment (calculator, maze) or give 'package.module:Class'")
+    _positive("env.tool_timeout", e.tool_timeout)
+    _positive("env.tool_workers", e.tool_workers, allow_zero=True)
+    _positive("env.max_tool_output_chars", e.max_tool_output_chars)
+    _positive("env.num_examples", e.num_examples)
+    if any(not s for s in e.stop):
+        raise ConfigError("env.stop holds an empty string: every stop string must be non-empty")
+    if r.max_trajectory_tokens < r.max_completion_length:
+        raise ConfigError(
+            f"rollout.max_trajectory_tokens={r.max_trajectory_tokens} is smaller than rollout.max_completion_length="
+            f"{r.max_completion_length}: the trajectory (all turns and observations) must hold at least one turn"
+        )
+    if cfg.eval.every:
+        raise ConfigError(f"eval.every={cfg.eval.every}: held-out evaluation of multi-turn environments is not "
+                          "implemented; set eval.every=0 (the training reward is the environment's)")
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -61,7 +61,25 @@ class Reference(Protocol):
     def reload(self, checkpoint_dir: str) -> dict: ...
 
 
-class InProcessReference:
+class _LocalReference:
+    """What the references computed in this process share: an answer that is ready when submitted."""
+
+    source: str
+    version: int
+
+    def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
+        fut: Future = Future()
+        fut.set_result(self.logprobs(packed, temperature))
+        return fut
+
+    def info(self) -> dict:
+        return {"model": self.source, "version": self.version}
+
+
+class InProcessReference(_LocalReference):
     """A frozen copy of the reference model on this rank's device."""
 
     def __init__(self, cfg: Config, device: torch.device):
@@ -77,14 +95,6 @@ class InProcessReference:
         return sliced_logprobs(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
                                max_rows=self.cfg.train.micro_batch_size)[0]
 
-    def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
-        fut: Future = Future()
-        fut.set_result(self.logprobs(packed, temperature))
-        return fut
-
-    def info(self) -> dict:
-        return {"model": self.source, "version": self.version}
-
     def reload(self, checkpoint_dir: str) -> dict:
         from grpo.foundation.modeling import load_model
 
@@ -96,7 +106,7 @@ class InProcessReference:
         return self.info()
 
 
-class AdapterDisabledReference:
+class AdapterDisabledReference(_LocalReference):
     """The reference for free with LoRA: the policy itself with its adapters switched off, i.e. its frozen base.
 
     ``model`` is the trainer's model (the DeepSpeed engine's module): nothing is copied or loaded. Its
@@ -122,14 +132,6 @@ class AdapterDisabledReference:
                                        max_rows=self.cfg.train.micro_batch_size)[0]
         finally:
             self.model.train(was_training)
-
-    def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
-        fut: Future = Future()
-        fut.set_result(self.logprobs(packed, temperature))
-        return fut
-
-    def info(self) -> dict:
-        return {"model": self.source, "version": self.version}
 
     def reload(self, checkpoint_dir: str) -> dict:
         from grpo.foundation.lora import load_base

@@ -22,6 +22,7 @@ import torch
 from algos import get_algorithm
 from algos.base import Algorithm, StepContext
 from grpo.data.sources import PromptDataset, PromptSampler, load_source
+from grpo.data.tasks import system_prompt
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
 from grpo.foundation.config import Config, ConfigError, dump_config
@@ -29,6 +30,7 @@ from grpo.foundation.logprobs import completion_logprobs
 from grpo.foundation import lora
 from grpo.foundation.modeling import eos_token_ids, load_model, load_policy, load_tokenizer
 from grpo.reference.handle import make_reference
+from grpo.rollout.multiturn import MultiTurnRollout
 from grpo.rollout.service import RolloutService, engine_class
 from grpo.training import deepspeed_engine as ds
 from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, save_checkpoint,
@@ -37,6 +39,19 @@ from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog
 from grpo.training.metrics import MetricsLogger, step_metrics
 from rewards import CombinedReward
+
+
+def make_env_setup(cfg: Config):
+    """The run's environment and tool box (envs/), or None for single-turn rollouts."""
+    if not cfg.env.name:
+        return None
+    from envs import EnvConfigError
+    from envs.base import EnvSetup
+
+    try:
+        return EnvSetup(cfg.env)
+    except (EnvConfigError, ValueError) as e:
+        raise ConfigError(str(e)) from e
 
 
 class Trainer:
@@ -59,10 +74,15 @@ class Trainer:
 
         self.algo: Algorithm = get_algorithm(cfg.algo.name)(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
-        source = load_source(cfg.data, cfg.train.seed)
+        self.env = make_env_setup(cfg)  # multi-turn rollouts when env.name is set (None: single-turn)
+        if cfg.data.source == "env":
+            source = self.env.tasks(cfg.env.num_examples, cfg.data.seed)
+        else:
+            source = load_source(cfg.data, cfg.train.seed)
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
-        self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool)
+        # with an environment the rewards are its own: no reward functions, no reward workers
+        self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool) if self.env is None else None
 
         model = load_policy(cfg.model)  # with model.lora: adapters injected, only they train
         self.eos_ids = eos_token_ids(model, self.tokenizer)
@@ -70,6 +90,12 @@ class Trainer:
         self.model = self.engine.module
         self.device = self.engine.device
         self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards)
+        self.multiturn = None
+        if self.env is not None:
+            self.multiturn = MultiTurnRollout(
+                self.rollout, self.env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
+                stop=cfg.env.stop, system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
+                tool_counts=self.env.toolbox.pop_counts)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
         self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer,
@@ -171,7 +197,10 @@ class Trainer:
         return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def generate(self, indices: list[int]) -> RolloutBatch:
-        """G scored completions for each of these dataset prompts."""
+        """G scored completions (multi-turn trajectories with an environment) for each of these dataset prompts."""
+        if self.multiturn is not None:
+            return self.multiturn.rollout([self.dataset.ids[i] for i in indices],
+                                          [self.dataset.items[i] for i in indices], indices)
         return self.rollout.rollout([self.dataset.ids[i] for i in indices], [self.dataset.items[i] for i in indices],
                                     indices)
 
@@ -195,7 +224,9 @@ class Trainer:
     def step_norms(self, batch: RolloutBatch) -> core.StepNorms:
         """Sequence and token counts of the whole step, over all ranks."""
         counts = dist.all_reduce_sum(torch.tensor([float(len(batch)), float(batch.mask.sum())], dtype=torch.float64))
-        return core.StepNorms(float(counts[0]), float(counts[1]), self.cfg.rollout.max_completion_length)
+        # L_max: the batch's width (max_trajectory_tokens for multi-turn trajectories)
+        L_max = self.cfg.rollout.max_trajectory_tokens if self.multiturn else self.cfg.rollout.max_completion_length
+        return core.StepNorms(float(counts[0]), float(counts[1]), L_max)
 
     @staticmethod
     def _total_lengths(batch: RolloutBatch) -> list[int]:
@@ -256,7 +287,10 @@ class Trainer:
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else cfg.train.lr
         m = step_metrics(scored, stats, loss_sum, grad_norm, lr, ctx.metrics, timings,
                          entropy=batch.entropy, mask=batch.mask)
-        m.update(self.rewards.pop_metrics())
+        if self.rewards is not None:
+            m.update(self.rewards.pop_metrics())
+        if self.multiturn is not None:
+            m.update(self.multiturn.pop_metrics())
         if self.reference is not None:
             m.update(self.reference.pop_metrics())
         self.watchdog.record(self.step + 1, finite, m["loss"], grad_norm)  # may stop the run
@@ -316,7 +350,10 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the reward and evaluation worker pools (idempotent)."""
-        self.rewards.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.env is not None:
+            self.env.close()
         if self.evaluator is not None:
             self.evaluator.close()
 

@@ -1,0 +1,130 @@
+"""Tool calls in sandboxed worker processes: rewards/pool.py's pool (own process per worker, a hard
+timeout per call, a hung worker killed and replaced, exceptions returned as tracebacks).
+
+A :class:`ToolBox` is what an environment gets: ``call(name, args) -> ToolResult``. A call that
+raises, passes ``timeout`` seconds, or returns something that is not a string of at most
+``max_output_chars`` characters is a failed call (``ok`` false): it is counted and the environment
+decides what that trajectory sees; the run goes on. Only the tool's name, its kwargs and the
+argument text cross the process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rewards.pool import Outcome, WorkerPool
+
+log = logging.getLogger("tools")
+
+
+@dataclass
+class ToolCall:
+    """One call of tool ``fn`` (a registered name or ``pkg.mod:function``) on ``args`` (runs in a worker)."""
+
+    fn: str
+    kwargs: dict[str, Any]
+    args: str
+    max_output_chars: int = 2000
+
+    def run(self) -> Outcome:
+        from envs import resolve_tool
+
+        try:
+            out = resolve_tool(self.fn)(self.args, **self.kwargs)
+            if not isinstance(out, str):
+                raise TypeError(f"tool {self.fn!r} returned {type(out).__name__}, not str")
+            if len(out) > self.max_output_chars:
+                raise ValueError(f"tool {self.fn!r} returned {len(out)} characters (limit {self.max_output_chars})")
+            return Outcome("ok", value=out)
+        except Exception:  # noqa: BLE001 - any failure of the tool is this call's, reported back
+            return Outcome("error", error=traceback.format_exc())
+
+
+@dataclass
+class WarmUp:
+    """Imports the run's tools in a worker before its first real call (not counted against any deadline)."""
+
+    fns: list[str]
+
+    def run(self) -> Outcome:
+        from envs import resolve_tool
+
+        for fn in self.fns:
+            try:
+                resolve_tool(fn)
+            except Exception:  # noqa: BLE001 - the real call will report it
+                pass
+        return Outcome("ok")
+
+
+@dataclass
+class ToolResult:
+    ok: bool
+    output: Optional[str] = None  # the tool's answer when ok
+    status: str = "ok"  # ok | error | timeout
+    error: Optional[str] = None
+
+
+@dataclass
+class ToolBox:
+    """The tools of one run (name -> (spec, kwargs)), one worker pool shared by all environments."""
+
+    tools: dict[str, tuple[str, dict]]
+    num_workers: int = 1
+    timeout: float = 5.0
+    max_output_chars: int = 2000
+    counts: dict[str, float] = field(default_factory=lambda: {"tool_calls": 0.0, "tool_errors": 0.0,
+                                                               "tool_timeouts": 0.0})
+
+    def __post_init__(self) -> None:
+        self.pool = WorkerPool(self.num_workers, self.timeout) if self.tools else None
+        self._reported: set[tuple[str, str]] = set()
+        self._warm_at = -1  # the pool's restart count when its workers were last warmed up
+
+    def _warm_up(self) -> None:
+        """Every worker imports the tools' modules (a new worker after a restart too), under the pool's
+        start-up allowance, so that importing a tool never counts against a call's timeout."""
+        p = self.pool
+        if p.num_workers == 0 or self._warm_at == p.restarts:
+            return
+        timeout, p.timeout = p.timeout, 300.0
+        try:
+            p.run([WarmUp(sorted({spec for spec, _ in self.tools.values()})) for _ in range(p.num_workers)])
+        finally:
+            p.timeout = timeout
+        self._warm_at = p.restarts
+
+    def call(self, name: str, args: str) -> ToolResult:
+        if name not in self.tools:
+            raise KeyError(f"no tool named {name!r}; this run has {sorted(self.tools)} (env.tools)")
+        return self.call_many([(name, args)])[0]
+
+    def call_many(self, calls: list[tuple[str, str]]) -> list[ToolResult]:
+        """Several calls at once, spread over the workers."""
+        jobs = [ToolCall(self.tools[n][0], self.tools[n][1], str(a), self.max_output_chars) for n, a in calls]
+        if jobs:
+            self._warm_up()
+        out = []
+        for (name, _), o in zip(calls, self.pool.run(jobs) if jobs else []):
+            self.counts["tool_calls"] += 1
+            if o.status == "ok":
+                out.append(ToolResult(True, o.value))
+                continue
+            self.counts["tool_timeouts" if o.status == "timeout" else "tool_errors"] += 1
+            if (name, o.status) not in self._reported:
+                self._reported.add((name, o.status))
+                log.warning("tool %r: %s (later ones are only counted)\n%s", name, o.status, o.error or "")
+            out.append(ToolResult(False, None, o.status, o.error))
+        return out
+
+    def pop_counts(self) -> dict[str, float]:
+        out = dict(self.counts)
+        self.counts = {k: 0.0 for k in self.counts}
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()

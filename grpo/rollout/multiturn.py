@@ -1,0 +1,342 @@
+"""Multi-turn rollouts: the policy and an environment take turns on one token sequence.
+
+Per trajectory (one environment per row, made from its dataset row)::
+
+    prompt   = chat template of env.reset(row) (+ data.prefill)       generation prompt included
+    repeat:  the policy writes one turn (until EOS, a stop string, its per-turn limit or the budget)
+             env.step(turn text) -> observation, step reward, done
+             the observation is appended with the chat template's roles, and the policy goes on
+             from the end of the same sequence
+
+Every turn is one call of the rollout service on every rank (the first ``generate`` shares each
+group's prompt prefill; later ones ``continue_sequences``), so ZeRO-3's collective generation holds:
+the loop runs while any rank has a trajectory going (``collective_rounds``).
+
+The batch: the completion is every token after the prompt, policy and environment tokens
+interleaved; ``mask`` is 1 on the policy's tokens only (observation tokens are out of the loss, the
+KL and the entropy); ``turns`` holds each turn's columns, step reward and state (the observation
+it was taken in); ``rewards`` is the sum of the step rewards and ``reward_terms`` the environment's
+named terms (``env.reward_terms()`` when it has it, else ``{"env": return}``).
+
+Limits: at most ``rollout.max_turns`` policy turns (a trajectory still going then is a step-limit
+hit), each at most ``rollout.max_completion_length`` tokens, and at most
+``rollout.max_trajectory_tokens`` tokens after the prompt in all, policy and environment together
+(the batch's width L_max; an observation that does not fit ends the trajectory: a budget hit).
+Both kinds of end set ``truncated``.
+
+Prefix reuse: the ``hf`` engine prefills ``prompt + everything so far`` in one forward pass per turn
+(the KV cache is not kept between turns); decoding never re-runs the prefix. Training log-probs
+are computed on the whole sequence at once (exactly the naive recomputation; tests/test_multiturn.py).
+
+Environments and their tools are the caller's (the trainer builds them from ``env``; envs/):
+anything with ``reset(row) -> observation`` and ``step(action_text) -> StepResult``. An exception in
+``reset`` or ``step`` ends that trajectory (counted as ``env/errors``), never the run.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Union
+
+import torch
+
+from grpo.foundation import dist
+from grpo.foundation.batch import RolloutBatch, Turn
+from grpo.rollout.engine import completion_mask
+
+log = logging.getLogger("multiturn")
+
+Observation = Union[str, dict, list]  # text (a user message), one message, or several messages
+
+
+@dataclass
+class StepResult:
+    """What ``env.step`` returns. ``observation`` is ignored when ``done``.
+
+    ``info`` may hold ``invalid: True`` (the action could not be parsed: counted as an invalid action)."""
+
+    observation: Optional[Observation] = None
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Action(str):
+    """The text of a policy turn (EOS removed), as ``env.step`` gets it; ``truncated`` is true when the
+    turn ended at its token limit (no EOS, no stop string): an environment may treat it as malformed."""
+
+    truncated: bool = False
+
+    @classmethod
+    def of(cls, text: str, truncated: bool) -> "Action":
+        a = cls(text)
+        a.truncated = truncated
+        return a
+
+
+class Environment(Protocol):
+    def reset(self, row: dict[str, Any]) -> Observation: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+def messages_of(obs: Observation, role: str = "user") -> list[dict[str, str]]:
+    if isinstance(obs, str):
+        return [{"role": role, "content": obs}]
+    if isinstance(obs, dict):
+        return [obs]
+    return list(obs)
+
+
+def state_key(obs: Observation) -> str:
+    """The exact-match key of an observation (GiGPO's anchor states): its text, roles included."""
+    return "\x1e".join(f"{m.get('role', '')}\x1f{m.get('content', '')}" for m in messages_of(obs))
+
+
+class ChatRenderer:
+    """Observations as tokens, with the tokenizer's chat template (the roles and separators it writes).
+
+    The first observation renders as the prompt (system prompt, generation prompt, prefill). A later
+    one renders as what the template writes after an assistant message and before the next
+    assistant turn: ``template(history + [assistant X, obs], gen prompt)`` minus ``template(history +
+    [assistant X])``, preceded by the template's end of the assistant message (less the EOS the policy
+    wrote itself when its turn ended with it).
+    """
+
+    _X = "\u2063\u2063"  # placeholder content of the assistant message
+
+    def __init__(self, tokenizer, eos_ids: list[int], system_prompt: Optional[str] = None, prefill: str = ""):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn rollouts need a tokenizer with a chat template (roles of the turns)")
+        self.tok, self.system, self.prefill = tokenizer, system_prompt, prefill or ""
+        self.eos_texts = [tokenizer.decode([e]) for e in eos_ids]
+        probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._X}]
+        base = tokenizer.apply_chat_template(probe, tokenize=False)
+        self._base_len = len(base)
+        self._probe = probe
+        self.assistant_tail = base[base.rindex(self._X) + len(self._X):]  # e.g. "<|im_end|>\n" or "\n"
+
+    def _template(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def first(self, obs: Observation) -> list[int]:
+        messages = messages_of(obs)
+        if self.system and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": self.system}] + messages
+        text = self._template(messages, True) + self.prefill
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    def later(self, obs: Observation, ended_with_eos: bool) -> list[int]:
+        full = self._template(self._probe + messages_of(obs), True)
+        tail = self.assistant_tail
+        if ended_with_eos:
+            for e in self.eos_texts:
+                if tail.startswith(e):
+                    tail = tail[len(e):]
+                    break
+        return self.tok(tail + full[self._base_len:], add_special_tokens=False).input_ids
+
+
+@dataclass
+class _Trajectory:
+    env: Any
+    prompt: list[int]
+    state: str  # the observation the next action is taken in
+    tokens: list[int] = field(default_factory=list)
+    policy: list[int] = field(default_factory=list)  # 1 per policy token, 0 per environment token
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+
+
+class MultiTurnRollout:
+    """Drives the rollout service turn by turn; ``rollout`` returns the step's scored :class:`RolloutBatch`."""
+
+    COUNTERS = ("trajectories", "turns", "invalid_actions", "step_limit_hits", "budget_hits", "env_errors")
+
+    def __init__(self, service, make_env: Callable[[dict], Any], max_turns: int, max_trajectory_tokens: int,
+                 stop: Optional[list[str]] = None, system_prompt: Optional[str] = None, prefill: str = "",
+                 tool_counts: Optional[Callable[[], dict[str, float]]] = None):
+        self.service, self.make_env = service, make_env
+        self.max_turns, self.budget = max_turns, max_trajectory_tokens
+        self.stop = list(stop or [])
+        self.prefill = prefill or ""
+        self.render = ChatRenderer(service.tokenizer, service.eos_ids, system_prompt, prefill)
+        self.tool_counts = tool_counts  # () -> {"tool_calls": n, "tool_errors": n, "tool_timeouts": n} since last call
+        self.counts = {k: 0.0 for k in self.COUNTERS}
+        self.env_time = 0.0
+        self._reported_error = False
+
+    # ----------------------------------------------------------------- pieces
+    def _cut_at_stop(self, toks: list[int]) -> tuple[list[int], bool]:
+        """The turn up to and including the first token that completes a stop string (stopped?)."""
+        if not self.stop:
+            return toks, False
+        tok = self.service.tokenizer
+        for k in range(1, len(toks) + 1):
+            text = tok.decode(toks[:k])
+            if any(s in text for s in self.stop):
+                return toks[:k], True
+        return toks, False
+
+    def _env_call(self, fn: Callable, *args) -> tuple[Any, bool]:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args), True
+        except Exception:  # noqa: BLE001 - an environment's failure costs its trajectory, not the run
+            self.counts["env_errors"] += 1
+            if not self._reported_error:
+                self._reported_error = True
+                log.warning("an environment raised; its trajectory ends (later errors are only counted):\n%s",
+                            traceback.format_exc())
+            return None, False
+        finally:
+            self.env_time += time.perf_counter() - t0
+
+    def _end(self, tr: _Trajectory, truncated: bool = False) -> None:
+        tr.done, tr.truncated = True, truncated
+
+    def _take_turn(self, tr: _Trajectory, new: list[int], first: bool) -> None:
+        """Append the policy's turn ``new``, step the environment, append its observation (or end)."""
+        eos = set(self.service.eos_ids)
+        new, stopped = self._cut_at_stop(new)
+        start = len(tr.tokens)
+        tr.tokens += new
+        tr.policy += [1] * len(new)
+        self.counts["turns"] += 1
+        body = new[:-1] if new and new[-1] in eos else new
+        action = self.service.tokenizer.decode(body)
+        if first:
+            action = self.prefill + action
+        ended = stopped or (bool(new) and new[-1] in eos)
+        res, ok = self._env_call(tr.env.step, Action.of(action, truncated=not ended))
+        if ok and not isinstance(res, StepResult):
+            res, ok = self._bad_result(res)
+        reward = float(res.reward) if ok else 0.0
+        if ok and res.info.get("invalid"):
+            self.counts["invalid_actions"] += 1
+        turn = dict(start=start, end=len(tr.tokens), reward=reward, state=tr.state)
+        if not ok or res.done:
+            tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
+            return self._end(tr)
+        if len(tr.turns) + 1 >= self.max_turns:
+            tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
+            self.counts["step_limit_hits"] += 1
+            return self._end(tr, truncated=True)
+        obs, ok = self._env_call(self.render.later, res.observation, bool(new) and new[-1] in eos)
+        if not ok:
+            tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
+            return self._end(tr)
+        if len(tr.tokens) + len(obs) + 1 > self.budget:  # room for the observation and >= 1 policy token
+            tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
+            self.counts["budget_hits"] += 1
+            return self._end(tr, truncated=True)
+        tr.tokens += obs
+        tr.policy += [0] * len(obs)
+        tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
+        tr.state = state_key(res.observation)
+
+    def _bad_result(self, res: Any) -> tuple[None, bool]:
+        self.counts["env_errors"] += 1
+        if not self._reported_error:
+            self._reported_error = True
+            log.warning("env.step returned %r, not a StepResult; its trajectory ends", type(res).__name__)
+        return None, False
+
+    # ----------------------------------------------------------------- the loop
+    def rollout(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int],
+                n: Optional[int] = None) -> RolloutBatch:
+        """G trajectories for each dataset row (``prompts`` is not used: the prompt is the environment's
+        first observation). Collective under ZeRO-3: call it on every rank."""
+        svc = self.service
+        G = svc.cfg.num_generations if n is None else n
+        rows = [i for i in range(len(items)) for _ in range(G)]
+        trs: list[_Trajectory] = []
+        for i in rows:
+            env, ok = self._env_call(self.make_env, items[i])
+            obs, ok = self._env_call(env.reset, items[i]) if ok else (None, False)
+            if not ok:  # the trajectory cannot start: an empty one (no tokens, no turns, reward 0)
+                trs.append(_Trajectory(env=None, prompt=self.render.first(items[i].get("prompt", "")), state="",
+                                       done=True))
+                continue
+            trs.append(_Trajectory(env=env, prompt=self.render.first(obs), state=state_key(obs)))
+        self.counts["trajectories"] += len(trs)
+        per_turn = svc.cfg.max_completion_length
+
+        # turn 1: one prefill per group where its G prompts are equal (they are, for deterministic resets)
+        params = svc.params
+        shared = all(len({tuple(trs[g * G + j].prompt) for j in range(G)}) == 1 for g in range(len(items)))
+        first_room = min(per_turn, self.budget)
+        import dataclasses
+
+        if shared:
+            comp = svc.generate([trs[g * G].prompt for g in range(len(items))],
+                                dataclasses.replace(params, max_tokens=first_room), n=G)
+            firsts = comp.tokens
+        else:
+            firsts = [t for t, _ in svc.continue_sequences([tr.prompt for tr in trs], [[] for _ in trs],
+                                                           [first_room] * len(trs))]
+        for tr, toks in zip(trs, firsts):
+            if not tr.done:
+                self._take_turn(tr, toks, first=True)
+        while True:
+            active = [tr for tr in trs if not tr.done]
+            if not svc.collective_rounds(1 if active else 0):
+                break
+            room = [min(per_turn, self.budget - len(tr.tokens)) for tr in active]
+            outs = svc.continue_sequences([tr.prompt for tr in active], [tr.tokens for tr in active], room)
+            for tr, (toks, _) in zip(active, outs):
+                self._take_turn(tr, toks, first=False)
+        svc.timings["env"] = svc.timings.get("env", 0.0) + self.env_time
+        self.env_time = 0.0
+        return self._batch(trs, items, prompt_index, rows, G)
+
+    def _batch(self, trs: list[_Trajectory], items, prompt_index, rows, G) -> RolloutBatch:
+        svc, W = self.service, self.budget
+        mask = completion_mask([0] * len(trs), W)
+        for r, tr in enumerate(trs):
+            mask[r, : len(tr.policy)] = torch.tensor(tr.policy, dtype=mask.dtype)
+        rewards = [sum(t.reward for t in tr.turns) for tr in trs]
+        terms: list[dict[str, float]] = []
+        for tr, ret in zip(trs, rewards):
+            got = getattr(tr.env, "reward_terms", None) if tr.env is not None else None
+            value, ok = self._env_call(got) if callable(got) else ({"env": ret}, True)
+            terms.append(value if ok and isinstance(value, dict) else {})
+        names = sorted({k for t in terms for k in t}) or ["env"]
+        tok = svc.tokenizer
+        return RolloutBatch(
+            prompt_ids=[tr.prompt for tr in trs],
+            completion_ids=[tr.tokens for tr in trs],
+            mask=mask,
+            truncated=torch.tensor([tr.truncated for tr in trs], dtype=torch.bool),
+            group_size=G,
+            prompt_index=[prompt_index[i] for i in rows],
+            items=[items[i] for i in rows],
+            prompt_text=tok.batch_decode([tr.prompt for tr in trs], skip_special_tokens=False),
+            completion_text=tok.batch_decode([tr.tokens for tr in trs], skip_special_tokens=False),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            reward_terms={k: torch.tensor([float(t.get(k, 0.0)) for t in terms], dtype=torch.float32)
+                          for k in names},
+            turns=[tr.turns for tr in trs],
+        )
+
+    # ----------------------------------------------------------------- metrics
+    def pop_metrics(self) -> dict[str, float]:
+        """Counts since the last call, summed over ranks (collective: every rank calls it)."""
+        tools = self.tool_counts() if self.tool_counts is not None else {}
+        keys = list(self.COUNTERS) + ["tool_calls", "tool_errors", "tool_timeouts"]
+        local = torch.tensor([float(self.counts.get(k, tools.get(k, 0.0))) for k in keys], dtype=torch.float64)
+        s = dict(zip(keys, dist.all_reduce_sum(local).tolist()))
+        self.counts = {k: 0.0 for k in self.COUNTERS}
+        n = max(s["trajectories"], 1.0)
+        return {
+            "env/turns_mean": s["turns"] / n,
+            "env/tool_calls": s["tool_calls"], "env/tool_errors": s["tool_errors"] + s["tool_timeouts"],
+            "env/tool_timeouts": s["tool_timeouts"],
+            "env/invalid_actions": s["invalid_actions"], "env/invalid_per_trajectory": s["invalid_actions"] / n,
+            "env/step_limit_frac": s["step_limit_hits"] / n, "env/budget_frac": s["budget_hits"] / n,
+            "env/errors": s["env_errors"],
+        }

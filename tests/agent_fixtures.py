@@ -1,0 +1,46 @@
+"""Helpers of the multi-turn tests: a scripted multi-turn engine, misbehaving tools and environments."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
+from grpo.rollout.multiturn import StepResult
+
+
+class ScriptedTurns:
+    """Answers every generation call with ``script(decoded prompt + prefix, row) -> text`` (+ EOS unless the
+    text ends with '~', which is dropped: a turn without EOS), cut at ``params.max_tokens``."""
+
+    def __init__(self, setup: EngineSetup, script):
+        self.setup, self.script, self.calls = setup, script, []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+        self.calls.append((len(prompts), n, params.max_tokens))
+        tok, eos = self.setup.tokenizer, self.setup.eos_ids[0]
+        out = []
+        for p in prompts:
+            for r in range(n):
+                text = self.script(tok.decode(p), r)
+                ids = tok(text.rstrip("~"), add_special_tokens=False).input_ids + ([] if text.endswith("~") else [eos])
+                out.append(ids[: params.max_tokens])
+        return Completions(tokens=out, truncated=torch.tensor([not t or t[-1] != eos for t in out]))
+
+    def sync_weights(self) -> None:
+        pass
+
+
+class RaisingEnv:
+    """Raises in ``step`` on the rows whose prompt says so."""
+
+    def __init__(self, **_):
+        pass
+
+    def reset(self, row):
+        self.row = row
+        return row["prompt"]
+
+    def step(self, action):
+        if self.row.get("explode"):
+            raise RuntimeError("environment failure")
+        return StepResult(None, 1.0, True)

@@ -1,0 +1,22 @@
+"""Misbehaving tools for tests/test_multiturn.py (a light module: sandbox workers import it)."""
+
+from __future__ import annotations
+
+import time
+
+
+def hang(args: str, **_) -> str:
+    time.sleep(60)
+    return "never"
+
+
+def boom(args: str, **_) -> str:
+    raise RuntimeError("tool failure")
+
+
+def garbage(args: str, **_):
+    return {"not": "a string"}
+
+
+def huge(args: str, **_) -> str:
+    return "9" * 100_000

@@ -1,0 +1,249 @@
+"""Multi-turn rollouts: one token sequence per trajectory, policy and environment tokens interleaved;
+the mask covers exactly the policy's tokens; turns, step rewards and states; step limit, token budget,
+stop strings; tools in the sandbox (a hanging, raising or garbage tool costs its trajectory only);
+training log-probs of a multi-turn sequence equal a naive float64 recomputation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from envs.base import EnvSetup
+from envs.calculator import CalculatorEnv
+from envs.maze import MazeEnv
+from envs.sandbox import ToolBox
+from grpo.foundation.batch import Turn
+from grpo.foundation.config import ConfigError
+from grpo.foundation.logprobs import completion_logprobs
+from grpo.foundation.tiny import build_tiny
+from grpo.rollout.engine import EngineSetup
+from grpo.rollout.multiturn import MultiTurnRollout, state_key
+from grpo.rollout.service import RolloutService
+from grpo.training.configure import load_config
+from tests.agent_fixtures import RaisingEnv, ScriptedTurns
+
+TOK = build_tiny()[1]
+EOS = TOK.eos_token_id
+
+
+def ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False).input_ids
+
+
+def service(script, *overrides, model=None):
+    cfg = load_config(overrides=["rollout.num_generations=2", *overrides])
+    setup = EngineSetup(cfg, model, TOK, [EOS], TOK.pad_token_id)
+    engine = ScriptedTurns(setup, script) if script is not None else None
+    return RolloutService(setup, engine=engine)
+
+
+def env_setup(name: str, tools=None, workers: int = 0, timeout: float = 5.0, **kwargs) -> EnvSetup:
+    over = [f"env.name={name}", f"env.tool_workers={workers}", f"env.tool_timeout={timeout}"]
+    cfg = load_config(overrides=over)
+    cfg.env.kwargs = kwargs
+    if tools is not None:
+        cfg.env.tools = tools
+    return EnvSetup(cfg.env)
+
+
+def calc_script(text: str, r: int) -> str:
+    """Row 0 of a group calls the calculator and copies its result; row 1 answers at once (no tool)."""
+    if "t:" in text:
+        return text.rsplit("t:", 1)[1].split("\n")[0]
+    return "=3+4" if r == 0 else "8"
+
+
+def test_calculator_trajectory_masks_turns_and_rewards():
+    es = env_setup("calculator")
+    row = {"prompt": "3+4", "answer": "7"}
+    mt = MultiTurnRollout(service(calc_script, "rollout.max_completion_length=5"), es.factory, max_turns=2,
+                          max_trajectory_tokens=24, tool_counts=es.toolbox.pop_counts)
+    b = mt.rollout([[1]], [row], [0])
+    # row 0: "=3+4" EOS | "\nt:7\na:" (tool message, masked) | "7" EOS
+    turn1, obs, turn2 = ids("=3+4") + [EOS], ids("\nt:7\na:"), ids("7") + [EOS]
+    assert b.completion_ids[0] == turn1 + obs + turn2
+    n = len(obs)
+    assert b.mask[0].tolist() == [1.0] * 5 + [0.0] * n + [1.0] * 2 + [0.0] * (24 - 7 - n)
+    assert b.prompt_ids[0] == ids("u:3+4\na:")
+    tool_state = state_key({"role": "tool", "content": "7"})
+    assert b.turns[0] == [Turn(0, 5, 5 + n, 0.0, state_key("3+4")), Turn(5 + n, 7 + n, 7 + n, 2.2, tool_state)]
+    assert b.reward_terms["turn"].tolist() == [1.0, 0.0] and b.reward_terms["outcome"].tolist() == pytest.approx([1.2, 0.7])
+    assert b.rewards.tolist() == pytest.approx([2.2, 0.7])  # the sum of the step rewards
+    # row 1 answered "8" without calling: one turn, no environment tokens, 1 / (1 + |8 - 7|) + format 0.2
+    assert b.completion_ids[1] == ids("8") + [EOS] and b.mask[1].sum() == 2 and len(b.turns[1]) == 1
+    assert not b.truncated.any()
+    m = mt.pop_metrics()
+    assert m["env/tool_calls"] == 1 and m["env/tool_errors"] == 0 and m["env/turns_mean"] == 1.5
+    # the mask is exactly the policy's tokens: everything the environment wrote is 0
+    for i in range(2):
+        pol = [c for c in range(len(b.completion_ids[i])) if any(t.start <= c < t.end for t in b.turns[i])]
+        assert b.mask[i].nonzero().flatten().tolist() == pol
+
+
+def test_step_limit_budget_and_stop_strings():
+    rows = MazeEnv.tasks(2, seed=3, size=3)
+    es = env_setup("maze")
+    # invalid actions only ("x"): every turn costs 0.1, the state recurs, the step limit ends it
+    mt = MultiTurnRollout(service(lambda t, r: "x~", "rollout.max_completion_length=1"), es.factory, max_turns=3,
+                          max_trajectory_tokens=200)
+    b = mt.rollout([[1], [1]], rows, [0, 1])
+    assert all(len(t) == 3 for t in b.turns) and b.truncated.all()
+    assert b.rewards.tolist() == pytest.approx([-0.3] * 4)
+    assert all(len({t.state for t in turns}) == 1 for turns in b.turns)  # the same state three times
+    m = mt.pop_metrics()
+    assert m["env/step_limit_frac"] == 1 and m["env/invalid_actions"] == 12 and m["env/budget_frac"] == 0
+    # a budget that holds one observation but not two
+    obs = len(ids("\nu:" + rows[0]["prompt"] + "\na:"))
+    mt = MultiTurnRollout(service(lambda t, r: "x~", "rollout.max_completion_length=1"), es.factory, max_turns=9,
+                          max_trajectory_tokens=2 * obs + 2)
+    b = mt.rollout([[1]], rows[:1], [0])
+    assert [len(t) for t in b.turns] == [2, 2] and b.truncated.all()
+    assert all(len(c) <= 2 * obs + 2 for c in b.completion_ids)
+    assert mt.pop_metrics()["env/budget_frac"] == 1
+    # a stop string ends the turn after it (what follows is dropped)
+    mt = MultiTurnRollout(service(lambda t, r: "r;zz", "rollout.max_completion_length=4"), es.factory, max_turns=1,
+                          max_trajectory_tokens=50, stop=[";"])
+    b = mt.rollout([[1]], rows[:1], [0])
+    assert b.completion_ids[0] == ids("r;")
+
+
+def test_a_raising_environment_costs_its_trajectory_only():
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: RaisingEnv(), max_turns=2, max_trajectory_tokens=20)
+    b = mt.rollout([[1], [1]], [{"prompt": "ok"}, {"prompt": "bad", "explode": True}], [0, 1])
+    assert b.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert mt.pop_metrics()["env/errors"] == 2
+
+
+@pytest.mark.parametrize("tool", ["hang", "boom", "garbage", "huge"])
+def test_a_bad_tool_costs_its_trajectory_not_the_run(tool):
+    from grpo.foundation.config import ToolSpec
+
+    es = env_setup("calculator", tools=[ToolSpec(fn=f"tests.agent_tools:{tool}", name="calculator")], workers=1,
+                   timeout=1.0)
+    try:
+        mt = MultiTurnRollout(service(calc_script, "rollout.max_completion_length=5"), es.factory, max_turns=2,
+                              max_trajectory_tokens=24, tool_counts=es.toolbox.pop_counts)
+        t0 = time.perf_counter()
+        b = mt.rollout([[1]], [{"prompt": "3+4", "answer": "7"}], [0])
+        assert time.perf_counter() - t0 < 30
+        # the call failed: the tool message says "error", the answer copies it, no turn reward
+        assert TOK.decode(b.completion_ids[0]).startswith("=3+4</s>\nt:error\na:error")
+        assert b.reward_terms["turn"].tolist() == [0.0, 0.0]
+        m = mt.pop_metrics()
+        assert m["env/tool_calls"] == 1 and m["env/tool_errors"] == 1
+        assert m["env/tool_timeouts"] == (1 if tool == "hang" else 0)
+        # the pool goes on after a killed worker: the next call is answered (and fails the same way)
+        assert es.toolbox.call("calculator", "1+1").status == ("timeout" if tool == "hang" else "error")
+    finally:
+        es.close()
+
+
+def test_the_calculator_tool_runs_in_a_worker_and_never_evals():
+    box = ToolBox({"calculator": ("calculator", {})}, num_workers=1, timeout=10.0)
+    try:
+        assert box.call("calculator", " (2+3)*4 ").output == "20"
+        assert box.call("calculator", "7/2").output == "7/2"
+        for bad in ["__import__('os').system('echo pwned')", "2**99999", "1/0", "", "9" * 300]:
+            assert not box.call("calculator", bad).ok
+        assert box.pop_counts() == {"tool_calls": 7, "tool_errors": 5, "tool_timeouts": 0}
+    finally:
+        box.close()
+
+
+def test_multi_turn_logprobs_equal_a_naive_float64_recomputation():
+    torch.manual_seed(0)
+    model, _ = build_tiny(seed=1)
+    model = model.double()
+    svc = service(None, "rollout.max_completion_length=2", model=model)
+    es = env_setup("maze")
+    mt = MultiTurnRollout(svc, es.factory, max_turns=3, max_trajectory_tokens=64)
+    b = mt.rollout([[1], [1]], MazeEnv.tasks(2, seed=0), [0, 1])
+    assert any(len(t) > 1 for t in b.turns)
+    lp, _ = completion_logprobs(model, b.packed(None, TOK.pad_token_id), 1.0, 7)
+    for i in range(len(b)):
+        seq = torch.tensor([b.prompt_ids[i] + b.completion_ids[i]])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0].double()
+        P, C = len(b.prompt_ids[i]), len(b.completion_ids[i])
+        naive = torch.log_softmax(logits[P - 1 : P + C - 1], -1).gather(-1, seq[0, P:].unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(lp[i, :C].detach(), naive, atol=1e-10, rtol=0)
+
+
+def test_env_config_is_validated():
+    with pytest.raises(ConfigError, match="data.source='env' needs an environment"):
+        load_config(overrides=["data.source=env"])
+    with pytest.raises(ConfigError, match="max_trajectory_tokens=2 is smaller"):
+        load_config(overrides=["env.name=maze", "rollout.max_trajectory_tokens=2"])
+    with pytest.raises(ConfigError, match="rollout.max_turns=0"):
+        load_config(overrides=["rollout.max_turns=0"])
+    with pytest.raises(ConfigError, match="unknown config key 'env.nam'"):
+        load_config(overrides=["env.nam=maze"])
+    from grpo.training.trainer import make_env_setup
+
+    with pytest.raises(ConfigError, match=r"env.name='labyrinth' is unknown: choose from \['calculator', 'maze'\]"):
+        make_env_setup(load_config(overrides=["env.name=labyrinth"]))
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        make_env_setup(load_config(overrides=["env.name=nowhere.mod:Env"]))
+
+
+def test_maze_tasks_and_moves():
+    rows = MazeEnv.tasks(50, seed=1, size=4, walls=3)
+    assert len(rows) == 50 and all(r["distance"] >= 1 for r in rows)
+    env = MazeEnv()
+    obs = env.reset({"prompt": "", "size": 3, "walls": [[1, 1]], "start": [0, 0], "goal": [0, 2]})
+    assert obs == "A.G\n.#.\n..."
+    assert env.step("u").observation == "A.G\n.#.\n..." and env.step("u").reward == 0.0  # bump: valid, no move
+    assert env.step("?").reward == pytest.approx(-0.1) and env.step("r").observation == ".AG\n.#.\n..."
+    res = env.step("r")
+    assert res.done and res.reward == 1.0
+
+
+def test_calculator_rewards_and_parsing():
+    box = ToolBox({"calculator": ("calculator", {})}, num_workers=0)
+    row = {"prompt": "7+5", "answer": "12"}
+
+    def play(first: str, second: str | None = None, **kw) -> tuple[dict, bool]:
+        env = CalculatorEnv(tools=box, **kw)
+        env.reset(row)
+        res = env.step(first)
+        if not res.done:
+            assert res.observation["role"] == "tool"
+            res = env.step(second)
+        return env.reward_terms(), res.done
+
+    assert play("=7+5", "12")[0] == {"turn": 1.0, "outcome": pytest.approx(1.2)}
+    assert play("=7+4", "11")[0] == {"turn": 1.0, "outcome": pytest.approx(0.5 + 0.2)}  # numeric partial credit
+    assert play("=7+5", "13")[0] == {"turn": 0.0, "outcome": pytest.approx(0.5 + 0.2)}  # result not used
+    assert play("=7+5", "1x")[0] == {"turn": 0.0, "outcome": pytest.approx(0.5)}  # chars credit, no format
+    assert play("=7+", "12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2)}  # the call failed: "error"
+    assert play("12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2)}  # no call: the answer at once
+    assert play("=7+5", "it is 12")[0] == {"turn": 1.0, "outcome": pytest.approx(0.0)}  # not a bare integer
+    assert play("=7+4", "11", partial_credit="none")[0]["outcome"] == pytest.approx(0.2)
+    assert play("=7+5", "02", partial_credit="chars")[0]["outcome"] == pytest.approx(0.5 + 0.2)
+    tags = dict(call_open="<calc>", call_close="</calc>", answer_open="<answer>", answer_close="</answer>")
+    assert play("I add. <calc>7 + 5</calc>", "So <answer>12</answer>", **tags)[0] == {"turn": 1.0, "outcome": pytest.approx(1.2)}
+    rows = CalculatorEnv.tasks(200, seed=0, max_value=9, ops="+-", style="words")
+    assert all(int(r["answer"]) >= 0 for r in rows) and all("?" in r["prompt"] for r in rows)
+    assert box.pop_counts()["tool_calls"] == 9
+
+
+def test_a_call_or_answer_cut_at_the_token_limit_is_malformed():
+    from grpo.rollout.multiturn import Action
+
+    box = ToolBox({"calculator": ("calculator", {})}, num_workers=0)
+    env = CalculatorEnv(tools=box)
+    env.reset({"prompt": "7+5", "answer": "12"})
+    res = env.step(Action.of("=1111", truncated=True))
+    assert res.observation == {"role": "tool", "content": "error"} and res.info["invalid"]
+    assert box.pop_counts()["tool_calls"] == 0  # never sent to the tool
+    env.step(Action.of("12", truncated=True))
+    assert env.reward_terms() == {"turn": 0.0, "outcome": pytest.approx(1.0)}  # right, but no format credit
+    # the runner says which turns were cut: "7+5~" has no EOS within its 3 tokens
+    es = env_setup("calculator")
+    mt = MultiTurnRollout(service(lambda t, r: "7+5~" if "t:" not in t else "12", "rollout.max_completion_length=3"),
+                          es.factory, max_turns=2, max_trajectory_tokens=24, prefill="=",
+                          tool_counts=es.toolbox.pop_counts)
+    b = mt.rollout([[1]], [{"prompt": "7+5", "answer": "12"}], [0])
+    assert TOK.decode(b.completion_ids[0]) == "7+5\nt:error\na:12</s>" and b.reward_terms["turn"].tolist() == [0, 0]
