@@ -112,6 +112,7 @@ class Algorithm:
     defaults: ClassVar[dict[str, Any]] = {}  # overrides of AlgoConfig's shared defaults
     knobs: ClassVar[tuple[str, ...]] = ()  # main knobs shown by --list-algos
     group_relative: ClassVar[bool] = True  # advantages compare a prompt's completions: needs G >= 2
+    token_level_pg: ClassVar[bool] = True  # the loss has a per-token policy-gradient term (algo.tis_cap applies)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -181,12 +182,12 @@ class Algorithm:
         eps_low = self.a.clip_eps_low if eps_low is None else eps_low
         eps_high = self.a.clip_eps_high if eps_high is None else eps_high
         surr = core.clipped_surrogate(ratio, self.token_advantages(mb), eps_low, eps_high, self.a.dual_clip)
-        per_token = -surr.value
-        stats = {
+        per_token, stats = self.tis(-surr.value, logp, mb)
+        stats.update({
             "clip_frac_low": masked_stat(surr.clipped_low.float(), mb.mask),
             "clip_frac_high": masked_stat(surr.clipped_high.float(), mb.mask),
             "ratio_mean": masked_stat(ratio, mb.mask),
-        }
+        })
         per_token, kl_stats = self.add_kl(per_token, logp, mb)
         stats.update(kl_stats)
         return per_token, stats
@@ -221,6 +222,22 @@ class Algorithm:
             loss = loss + core.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
             stats.update(kl_stats)
         return LossOutput(loss, stats)
+
+    def tis(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        """``algo.tis_cap``: the policy-gradient term per token times min(pi_old / pi_sampler, C) (the KL term
+        is not weighted). pi_sampler is what the generation engine reported when it drew the token."""
+        cap = self.a.tis_cap
+        if cap is None:
+            return per_token, {}
+        if mb.sampler_logp is None:
+            raise RuntimeError(
+                f"algo.tis_cap={cap} needs the sampler's log-probs, but the generation engine "
+                f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use an engine that reports them "
+                f"(rollout.engine=vllm) or set algo.tis_cap=null"
+            )
+        w = core.tis_weight(self.old_logp(logp, mb), mb.sampler_logp, mb.mask, cap)
+        return per_token * w, {"tis/weight_mean": masked_stat(w, mb.mask),
+                               "tis/capped_frac": masked_stat((w >= cap).float(), mb.mask)}
 
     def add_kl(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
         if self.a.beta <= 0:

@@ -95,12 +95,12 @@ class GPG(Algorithm):
         return RolloutBatch.concat([batch, more]).select_groups(groups)
 
     def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
-        per_token = -self.alpha * logp * self.token_advantages(mb)
+        per_token, stats = self.tis(-self.alpha * logp * self.token_advantages(mb), logp, mb)
         ratio = core.token_ratio(logp, self.old_logp(logp, mb)).detach()  # 1 on-policy; logged only
         zero = torch.zeros_like(logp)
-        stats = {
+        stats.update({
             "clip_frac_low": masked_stat(zero, mb.mask),
             "clip_frac_high": masked_stat(zero, mb.mask),
             "ratio_mean": masked_stat(ratio, mb.mask),
-        }
+        })
         return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

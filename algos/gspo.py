@@ -17,6 +17,7 @@ from grpo.foundation import core
 
 class GSPO(Algorithm):
     name = "gspo"
+    token_level_pg = False  # one ratio per sequence: algo.tis_cap does not apply
     paper = "GSPO (arXiv 2507.18071)"
     summary = "sequence ratio s_i (geometric mean), sequence-level clip 3e-4/4e-4, no KL"
     defaults = {"beta": 0.0, "clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "aggregation": "seq-mean-token-mean",

@@ -17,6 +17,7 @@ from grpo.foundation import core
 
 class GSPOToken(GSPO):
     name = "gspo-token"
+    token_level_pg = True  # per-token surrogate (ppo_token_loss)
     paper = "GSPO-token (arXiv 2507.18071)"
     summary = "GSPO's sequence ratio carried per token (token-level advantages possible)"
 

@@ -43,6 +43,8 @@ class PSPO(Algorithm):
     def loss(self, logp, mb, norms) -> LossOutput:
         rho = core.token_ratio(logp, self.old_logp(logp, mb))
         smoothed = (1.0 - self.opt.alpha) * rho + self.opt.alpha
-        per_token, stats = self.add_kl(-smoothed * self.token_advantages(mb), logp, mb)
+        per_token, stats = self.tis(-smoothed * self.token_advantages(mb), logp, mb)
+        per_token, kl_stats = self.add_kl(per_token, logp, mb)
+        stats.update(kl_stats)
         stats.update(ratio_mean=masked_stat(rho, mb.mask), smoothed_ratio_mean=masked_stat(smoothed, mb.mask))
         return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

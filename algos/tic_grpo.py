@@ -32,6 +32,7 @@ class TICOptions:
 
 class TICGRPO(Algorithm):
     name = "tic-grpo"
+    token_level_pg = False  # one ratio per sequence: algo.tis_cap does not apply
     paper = "TIC-GRPO, trajectory importance correction (arXiv 2508.02833)"
     tag = "unverified"
     summary = "trajectory ratio exp(sum Delta) (clamped at +-20), sequence-level clip"

@@ -26,7 +26,7 @@ def test_a_scripted_engine_trains_through_the_config(single_rank_env, tmp_path):
     cfg = load_config(DEMO, "grpo", [
         f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false", "train.max_steps=3",
         "rollout.prompts_per_step=4", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
-        "rollout.engine=tests.scripted_engine:ScriptedEngine"])
+        "rollout.engine=tests.scripted_engine:ScriptedEngine", "algo.tis_cap=2.0"])
     tr = Trainer(cfg)
     assert type(tr.rollout.engine).__name__ == "ScriptedEngine"
     history = tr.train()
@@ -40,6 +40,9 @@ def test_a_scripted_engine_trains_through_the_config(single_rank_env, tmp_path):
     assert b.sampler_logp is not None and torch.equal(b.sampler_logp, -0.5 * b.mask)
     assert all(torch.isfinite(torch.tensor(h["loss"])) and h["grad_norm"] > 0 for h in history)
     assert "time/weight_sync" in history[0]
+    # the engine's made-up log-probs (-0.5) against the trainer's: a gap is logged, TIS weights the loss
+    for h in history:
+        assert 0 < h["sampler_gap/mean"] <= h["sampler_gap/max"] and 0 < h["tis/weight_mean"] <= 2.0
 
 
 def test_unknown_or_incomplete_engines_fail_with_the_choices(single_rank_env, tmp_path):

@@ -204,6 +204,9 @@ class AlgoConfig:
     adv_eps: float = 1e-4
     adv_scope: Literal["group", "batch"] = "group"
     num_iterations: int = 1  # mu: optimizer passes per generation batch
+    # Truncated importance sampling: each token's policy-gradient term times min(pi_old / pi_sampler, C),
+    # pi_sampler from the generation engine's own log-probs (engines that return them, e.g. vllm).
+    tis_cap: Optional[float] = None  # C; null = off
     options: Any = None  # the algorithm's own Options instance (filled by load_config)
 
 
@@ -357,6 +360,19 @@ def validate(cfg: Config) -> None:
     _positive("algo.clip_eps_high", a.clip_eps_high, allow_zero=True)
     if a.clip_eps_low >= 1:
         raise ConfigError(f"algo.clip_eps_low={a.clip_eps_low!r} is invalid: it must be < 1")
+    if a.tis_cap is not None:
+        _positive("algo.tis_cap", a.tis_cap)
+        if r.engine == "hf":
+            raise ConfigError(
+                f"algo.tis_cap={a.tis_cap!r} needs the sampler's own log-probs, and rollout.engine=hf samples with "
+                f"the training model itself (there is no sampler/trainer gap to correct): use rollout.engine=vllm "
+                f"or set algo.tis_cap=null"
+            )
+        if cfg.env.name:
+            raise ConfigError(
+                f"algo.tis_cap={a.tis_cap!r} is not supported with multi-turn rollouts (env.name={cfg.env.name!r}): "
+                f"set algo.tis_cap=null"
+            )
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={a.dual_clip!r} is invalid: it must be > 1 (or null)")
     _positive("algo.adv_eps", a.adv_eps, allow_zero=True)
@@ -753,6 +769,11 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
             f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
             f"compare the completions of one prompt, so with fewer than 2 every advantage is 0. Set "
             f"rollout.num_generations >= 2 (papers use 8 to 64)"
+        )
+    if cfg.algo.tis_cap is not None and not getattr(algorithm, "token_level_pg", True):
+        raise ConfigError(
+            f"algo.tis_cap={cfg.algo.tis_cap!r} weights each token's policy-gradient term, and {name} has a "
+            f"sequence-level loss: set algo.tis_cap=null, or pick a token-level algorithm"
         )
     algorithm.validate(cfg)
     return cfg

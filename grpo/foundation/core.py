@@ -107,6 +107,13 @@ def token_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(logp - old_logp)
 
 
+def tis_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling: w_{i,t} = min(pi_old / pi_sampler, C) = min(exp(l_old - l_sampler), C),
+    without gradient; 1 outside the mask (padding never overflows into a NaN)."""
+    d = torch.where(mask.bool(), old_logp.detach() - sampler_logp, torch.zeros_like(sampler_logp))
+    return torch.exp(d).clamp(max=cap)
+
+
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO: log s_i = (1/|o_i|) sum_t m (l - l_old) (the mean, not the sum)."""
     return ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)

@@ -208,6 +208,29 @@ def plot_metrics(metrics_path: Path, png: Path) -> Optional[Path]:
     return png
 
 
+class SamplerGap:
+    """|log pi_trainer - log pi_sampler| over a step's policy tokens: how far the generation engine's own
+    log-probs (other kernels, other precision) are from the trainer's for the same tokens under the same
+    weights. Logged as ``sampler_gap/mean`` and ``sampler_gap/max`` when the engine reports log-probs."""
+
+    def __init__(self) -> None:
+        self.acc = torch.zeros(2, dtype=torch.float64)  # sum, count
+        self.max = torch.zeros(1, dtype=torch.float64)
+
+    def add(self, trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> None:
+        d = (trainer_logp.detach().double() - sampler_logp.double()).abs().cpu() * mask.double().cpu()
+        self.acc += torch.stack([d.sum(), mask.double().sum().cpu()])
+        if d.numel():
+            self.max = torch.maximum(self.max, d.max().reshape(1))
+
+    def metrics(self) -> dict[str, float]:
+        """Collective: every rank calls it."""
+        acc, mx = dist.all_reduce_sum(self.acc), dist.all_reduce_max(self.max)
+        if acc[1] == 0:
+            return {}
+        return {"sampler_gap/mean": float(acc[0] / acc[1]), "sampler_gap/max": float(mx[0])}
+
+
 def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss_sum: torch.Tensor,
                  grad_norm: float, lr: float, hook_metrics: dict[str, float], timings: dict[str, float],
                  entropy: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> dict[str, float]:

@@ -37,7 +37,7 @@ from grpo.training.checkpoint import (export_model, latest_checkpoint, load_chec
                                      write_weights)
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog
-from grpo.training.metrics import MetricsLogger, step_metrics
+from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
 from rewards import CombinedReward
 
 
@@ -267,10 +267,11 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_norm = float("nan")
         finite = True
+        gap = SamplerGap() if batch.sampler_logp is not None else None
         if not ctx.skip_update:
             for i in range(cfg.algo.num_iterations):
                 stats = {}
-                loss_sum = self.accumulate_gradients(batch, norms, stats)
+                loss_sum = self.accumulate_gradients(batch, norms, stats, gap if i == 0 else None)
                 finite, grad_norm = self.optimizer_step(loss_sum)
                 if not finite:
                     break
@@ -293,6 +294,8 @@ class Trainer:
             m.update(self.multiturn.pop_metrics())
         if self.reference is not None:
             m.update(self.reference.pop_metrics())
+        if gap is not None:
+            m.update(gap.metrics())
         self.watchdog.record(self.step + 1, finite, m["loss"], grad_norm)  # may stop the run
         m["nonfinite_steps"] = float(self.watchdog.total)
         self.health.check(self.step + 1, m)
@@ -312,8 +315,10 @@ class Trainer:
         gn = ds.grad_norm(self.engine, stage0)
         return math.isfinite(loss) and math.isfinite(gn), gn
 
-    def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict) -> torch.Tensor:
-        """Backward over every micro-batch of this rank; returns this rank's share of the loss."""
+    def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict,
+                             gap: Optional[SamplerGap] = None) -> torch.Tensor:
+        """Backward over every micro-batch of this rank; returns this rank's share of the loss.
+        ``gap``: the first pass of the step measures the sampler/trainer gap on the way."""
         cfg = self.cfg
         chunks = micro_batches(self._total_lengths(batch), cfg.train.micro_batch_size)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -323,6 +328,8 @@ class Trainer:
             mb = batch.select(rows).to(self.device)
             logp, _ = completion_logprobs(self.model, mb.packed(None, self.tokenizer.pad_token_id),
                                           cfg.rollout.temperature, cfg.train.logprob_chunk_size)
+            if gap is not None:  # before any update of this step: logp is pi_old
+                gap.add(mb.old_logp if mb.old_logp is not None else logp, mb.sampler_logp, mb.mask)
             out = self.algo.loss(logp.float(), mb, norms)
             # DeepSpeed averages gradients over ranks: multiply by the world size so the
             # summed shares give exactly the gradient of the whole step's loss.
