@@ -113,7 +113,8 @@ def test_reward_rises_on_builtin_task(tmp_path):
     # algo.beta=0: as when demo.yaml set it (it now keeps grpo's 0.04, which would add a reference forward per step)
     run_deepspeed(["--config", "configs/demo.yaml", "algo.beta=0", "logging.progress_bar=false", "data.builtin.digits=1",
                    "rollout.max_completion_length=2", "rollout.prompts_per_step=16", "rollout.num_generations=8",
-                   "train.max_steps=300", "train.lr=2e-3", "train.save_every=0", f"train.output_dir={out}"], num_ranks=1)
+                   "train.max_steps=120", "train.lr=2e-3", "train.save_every=0", f"train.output_dir={out}"], num_ranks=1)
     rewards = [r["reward/mean"] for r in read_metrics(out / "metrics.jsonl")]
+    # measured (python train.py, same settings): first 30 steps 0.017, steps 91-120 0.429 (0.476 at 150)
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
-    assert last >= 0.4 and last >= 5 * first, (first, last)
+    assert last >= 0.3 and last >= 5 * first, (first, last)
