@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
     args = p.parse_args()
     if args.lora:  # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
         load_policy = trainer_module.load_policy
@@ -72,6 +73,7 @@ def main() -> None:
         "algo.beta=0", "train.lr=0", f"train.micro_batch_size={args.micro}", f"train.zero_stage={args.zero}",
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
+        f"model.name_or_path={args.model}",
     ])
     if args.zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
         base = ds_module.deepspeed_config

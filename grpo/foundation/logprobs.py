@@ -155,6 +155,11 @@ def _plain_linear(head: torch.nn.Module) -> bool:
     return type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id")
 
 
+def _partitioned_linear(head: torch.nn.Module) -> bool:
+    """A bare nn.Linear whose weight is a ZeRO-3 partition."""
+    return type(head) is torch.nn.Linear and hasattr(head.weight, "ds_id")
+
+
 def head_logprobs(
     head: torch.nn.Module,
     hidden: torch.Tensor,
@@ -174,6 +179,14 @@ def head_logprobs(
         lp, ent = _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
                                            chunk_size, with_entropy)
         return lp, ent
+    if fused and _partitioned_linear(head) and not torch.is_grad_enabled():
+        # ZeRO-3 without gradients (old log-probs, the reference): gather the head once, then the fused
+        # path. One collective per call, however many chunks: ranks with unequal token counts stay in step.
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for p in (head.weight, head.bias) if p is not None]):
+            return _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
+                                            chunk_size, with_entropy)
     fn = _chunk_logprob_entropy if with_entropy else _chunk_logprob
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []

@@ -26,7 +26,7 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.config import Config
 from grpo.foundation.logprobs import Packed
-from grpo.reference.base import AdapterDisabledReference, InProcessReference, Reference
+from grpo.reference.base import AdapterDisabledReference, InProcessReference, Loader, Reference
 
 StateDict = dict[str, torch.Tensor]
 
@@ -157,11 +157,14 @@ def adapters_off_reference(cfg: Config) -> bool:
 
 
 def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None,
-                   vocab_size: Optional[int] = None, policy: Optional[torch.nn.Module] = None) -> Optional[ReferenceHandle]:
+                   vocab_size: Optional[int] = None, policy: Optional[torch.nn.Module] = None,
+                   load: Optional[Loader] = None, synced: bool = False) -> Optional[ReferenceHandle]:
     """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried.
 
     ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both. ``policy`` is
     the trainer's model: with LoRA (``adapters_off_reference``) it is the reference, adapters off.
+    ``load`` and ``synced``: how an in-process copy is built (partitioned under ZeRO-3) and whether its
+    forwards are collective.
     """
     if not needed:
         return None
@@ -173,4 +176,4 @@ def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=No
         if policy is None:
             raise ValueError("make_reference: with model.lora the reference is the policy; pass it as policy=")
         return ReferenceHandle(AdapterDisabledReference(cfg, policy))
-    return ReferenceHandle(InProcessReference(cfg, device))
+    return ReferenceHandle(InProcessReference(cfg, device, load, synced))

@@ -38,6 +38,7 @@ from grpo.training.checkpoint import (export_model, latest_checkpoint, load_chec
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog
 from grpo.training.metrics import MetricsLogger, step_metrics
+from grpo.training.partitioned import frozen_partitioned, load_partitioned
 from rewards import CombinedReward
 
 
@@ -84,7 +85,10 @@ class Trainer:
         # with an environment the rewards are its own: no reward functions, no reward workers
         self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool) if self.env is None else None
 
-        model = load_policy(cfg.model)  # with model.lora: adapters injected, only they train
+        # ZeRO-3 over several ranks: built partitioned, so no rank ever holds the whole model (LoRA, which
+        # ZeRO-3 refuses, loads through load_policy)
+        zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and self.world > 1 else None
+        model = load_policy(cfg.model) if zero3 is None else load_partitioned(cfg, cfg.model.name_or_path, zero3)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.engine, self.scheduler = ds.build_engine(cfg, model)
         self.model = self.engine.module
@@ -98,8 +102,10 @@ class Trainer:
                 tool_counts=self.env.toolbox.pop_counts)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
-        self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer,
-                                        vocab_size=model.config.get_text_config().vocab_size, policy=self.model)
+        self.reference = make_reference(
+            cfg, self.algo.needs_reference, self.device, self.tokenizer,
+            vocab_size=model.config.get_text_config().vocab_size, policy=self.model, synced=zero3 is not None,
+            load=None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)))
         if cfg.ref.sync_every and self.reference is None:
             raise ConfigError(f"ref.sync_every={cfg.ref.sync_every}: algorithm {cfg.algo.name!r} uses no reference "
                               "here; set ref.sync_every=0")
