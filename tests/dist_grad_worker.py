@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 from grpo.foundation import core, dist  # noqa: E402
-from grpo.foundation.batch import RolloutBatch  # noqa: E402
+from grpo.foundation.batch import RolloutBatch, micro_batches  # noqa: E402
 from grpo.training.configure import load_config  # noqa: E402
 import grpo.training.deepspeed_engine as ds_module  # noqa: E402
 import grpo.training.trainer as trainer_module  # noqa: E402
@@ -28,6 +28,7 @@ from grpo.training.trainer import Trainer  # noqa: E402
 LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, k_proj, v_proj, o_proj, up_proj, down_proj]}"
 
 GROUPS, G, WIDTH = 4, 4, 6
+CHUNK_Z3 = 7  # rank 0 needs 2 and 3 chunks for its micro-batches, rank 1 needs 2 and 2
 
 
 def global_batch(vocab: int) -> RolloutBatch:
@@ -74,6 +75,8 @@ def main() -> None:
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
         f"model.name_or_path={args.model}",
+        # ZeRO-3: LM-head chunks of 7 tokens, so the ranks' micro-batches need unequal numbers of them
+        *([f"train.logprob_chunk_size={CHUNK_Z3}"] if args.zero == 3 else []),
     ])
     if args.zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
         base = ds_module.deepspeed_config
@@ -93,6 +96,10 @@ def main() -> None:
     batch = full.select(rows)
     batch.advantages = trainer.algo.advantages(batch, None)
     results = {}
+    if args.zero == 3:  # each rank's LM-head chunks per micro-batch: the test checks that they differ
+        mbs = micro_batches(trainer._total_lengths(batch), args.micro)
+        chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
+        results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
     for aggregation in core.AGGREGATIONS:
         cfg.algo.aggregation = aggregation
         loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})

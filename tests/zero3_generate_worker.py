@@ -123,6 +123,45 @@ def partitioned_checks(folder: str, rank: int) -> dict[str, bool]:
     got = sliced_logprobs(ref, packed, 1.0, 4, max_rows=2, synced=True)[0]
     want = sliced_logprobs(whole, packed, 1.0, 4, max_rows=2)[0]
     out[f"partitioned reference: rank {rank}'s log-probs equal the whole model's"] = torch.allclose(got, want, atol=1e-5)
+    out.update(partitioned_sync_checks(cfg, conf, folder, whole))
+    return out
+
+
+def partitioned_sync_checks(cfg, conf: dict, folder: str, whole: torch.nn.Module) -> dict[str, bool]:
+    """A partitioned in-process reference is synced like a server's: pi_ref <- 0.5 pi_theta + 0.5 pi_ref is
+    mixed and written by rank 0, then loaded partitioned on every rank (its weights by the formula), and a
+    reload takes a folder's weights."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from grpo.foundation.modeling import load_model, load_tokenizer
+    from grpo.reference.base import InProcessReference
+    from grpo.reference.handle import ReferenceHandle
+    from grpo.training.checkpoint import write_weights
+    from grpo.training.partitioned import frozen_partitioned
+
+    handle = ReferenceHandle(InProcessReference(cfg, torch.device("cpu"), lambda s: frozen_partitioned(cfg, s, conf),
+                                                synced=True))
+    start = whole.state_dict()
+    g = torch.Generator().manual_seed(5)  # the same "policy" on every rank
+    policy = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in start.items()}
+    mixed = str(Path(folder).parent / "reference-mixed")
+    tok = load_tokenizer(folder)
+    version = handle.mix(policy, 0.5, mixed, write=lambda sd, f: write_weights(whole, sd, tok, f),
+                         current=lambda: load_model(cfg.model, folder).state_dict())
+    names = [name for name, _ in handle.impl.model.named_parameters()]
+
+    def gathered_equal(want: dict) -> bool:
+        ok = True
+        for name, q in handle.impl.model.named_parameters():
+            with GatheredParameters([q]):
+                ok = ok and torch.allclose(q.data, want[name], atol=1e-6)
+        return ok
+
+    out = {"partitioned reference: synced like a server's": handle.partitioned and version == 1,
+           "partitioned reference: mixed weights by the formula": gathered_equal(
+               {k: 0.5 * policy[k] + 0.5 * start[k] for k in names})}
+    handle.reload(folder)  # back to the folder's weights
+    out["partitioned reference: a reload takes the folder's weights"] = gathered_equal(start)
     return out
 
 

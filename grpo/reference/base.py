@@ -8,6 +8,7 @@ log-probs, so a remote request can run while the trainer scores rewards and comp
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import Future
 from typing import Callable, Optional, Protocol
 
@@ -112,6 +113,7 @@ class InProcessReference(_LocalReference):
 
     def reload(self, checkpoint_dir: str) -> dict:
         self.model = None  # the old copy goes before the new one comes
+        gc.collect()  # (a partitioned copy and its engine refer to each other)
         self.model = self.load(checkpoint_dir)
         self.version += 1
         self.source = checkpoint_dir

@@ -87,7 +87,7 @@ class Trainer:
 
         # ZeRO-3 over several ranks: built partitioned, so no rank ever holds the whole model (LoRA, which
         # ZeRO-3 refuses, loads through load_policy)
-        zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and self.world > 1 else None
+        zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and cfg.train.zero3_init and self.world > 1 else None
         model = load_policy(cfg.model) if zero3 is None else load_partitioned(cfg, cfg.model.name_or_path, zero3)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.engine, self.scheduler = ds.build_engine(cfg, model)
@@ -168,9 +168,10 @@ class Trainer:
             dist.barrier()
             lora.set_base_name(self.model, folder)  # adapters saved from now on name their new base
             return folder, ref.synced(folder)
-        if alpha == 1.0 and (ref.remote or ds.partitions_weights(self.engine)):
+        if alpha == 1.0 and (ref.remote or ref.partitioned or ds.partitions_weights(self.engine)):
             export_model(self.engine, self.tokenizer, folder)
-            return folder, ref.load_policy(folder, None if ref.remote else self._whole_policy(folder))
+            whole = None if ref.remote or ref.partitioned else self._whole_policy(folder)
+            return folder, ref.load_policy(folder, whole)
         need = dist.is_main() or not ref.remote or ds.partitions_weights(self.engine)  # (ZeRO-3: collective)
         policy = self._whole_policy(folder) if need else None
         version = ref.mix(policy, alpha, folder, self._write_reference, self._current_reference)
