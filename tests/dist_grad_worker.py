@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 from grpo.foundation import core, dist  # noqa: E402
-from grpo.foundation.batch import RolloutBatch  # noqa: E402
+from grpo.foundation.batch import RolloutBatch, micro_batches  # noqa: E402
 from grpo.training.configure import load_config  # noqa: E402
 import grpo.training.deepspeed_engine as ds_module  # noqa: E402
 import grpo.training.trainer as trainer_module  # noqa: E402
@@ -28,6 +28,7 @@ from grpo.training.trainer import Trainer  # noqa: E402
 LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, k_proj, v_proj, o_proj, up_proj, down_proj]}"
 
 GROUPS, G, WIDTH = 4, 4, 6
+CHUNK_Z3 = 7  # rank 0 needs 2 and 3 chunks for its micro-batches, rank 1 needs 2 and 2
 
 
 def global_batch(vocab: int) -> RolloutBatch:
@@ -54,6 +55,7 @@ def main() -> None:
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
     args = p.parse_args()
     if args.lora:  # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
         load_policy = trainer_module.load_policy
@@ -72,6 +74,9 @@ def main() -> None:
         "algo.beta=0", "train.lr=0", f"train.micro_batch_size={args.micro}", f"train.zero_stage={args.zero}",
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
+        f"model.name_or_path={args.model}",
+        # ZeRO-3: LM-head chunks of 7 tokens, so the ranks' micro-batches need unequal numbers of them
+        *([f"train.logprob_chunk_size={CHUNK_Z3}"] if args.zero == 3 else []),
     ])
     if args.zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
         base = ds_module.deepspeed_config
@@ -91,6 +96,10 @@ def main() -> None:
     batch = full.select(rows)
     batch.advantages = trainer.algo.advantages(batch, None)
     results = {}
+    if args.zero == 3:  # each rank's LM-head chunks per micro-batch: the test checks that they differ
+        mbs = micro_batches(trainer._total_lengths(batch), args.micro)
+        chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
+        results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
     for aggregation in core.AGGREGATIONS:
         cfg.algo.aggregation = aggregation
         loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})

@@ -37,6 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--model", required=True, help="the tiny model as an HF folder")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend=None)
     rank = dist.rank()
@@ -78,6 +79,7 @@ def main() -> None:
     checks["evaluation counted 5 problems"] = on_engine["eval/num_problems"] == 5
     for ev in (ev_zero3, ev_plain):
         ev.close()
+    checks.update(partitioned_checks(args.model, rank))
     merged = {k: v for part in dist.all_gather_object(checks) for k, v in part.items()}
     if rank == 0:
         Path(args.out).write_text(json.dumps(merged, indent=1))
@@ -87,6 +89,80 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def partitioned_checks(folder: str, rank: int) -> dict[str, bool]:
+    """A model built partitioned (zero.Init, each rank filling its share from the files) holds exactly the
+    weights of the whole model; as the in-process reference, with unequal rows per rank and more
+    completion tokens than one LM-head chunk, its log-probs equal the whole model's."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from grpo.foundation.logprobs import pack
+    from grpo.foundation.modeling import load_model
+    from grpo.reference.base import sliced_logprobs
+    from grpo.training.deepspeed_engine import deepspeed_config
+    from grpo.training.partitioned import frozen_partitioned, load_partitioned
+
+    cfg = load_config(overrides=[f"model.name_or_path={folder}", "train.zero_stage=3", "train.logprob_chunk_size=4"])
+    conf = deepspeed_config(cfg)
+    conf["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition every weight
+    whole = load_model(cfg.model).eval()
+    part = load_partitioned(cfg, folder, conf)
+    out = {"partitioned build: every weight is split": all(q.ds_tensor.numel() < q.ds_numel for q in part.parameters())}
+    same = True
+    for (name, q), w in zip(part.named_parameters(), whole.parameters()):
+        with GatheredParameters([q]):
+            same = same and torch.equal(q.data, w.data)
+    out["partitioned build: the gathered weights equal the whole model's"] = same
+    ref = frozen_partitioned(cfg, folder, conf)
+    g = torch.Generator().manual_seed(11 + rank)
+    rows = 5 if rank == 0 else 2  # unequal rows: 3 slices of 2 against 1
+    prompts = [torch.randint(4, 60, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(rows)]
+    comps = [torch.randint(4, 60, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(rows)]
+    packed = pack(prompts, comps, 0, 12)
+    got = sliced_logprobs(ref, packed, 1.0, 4, max_rows=2, synced=True)[0]
+    want = sliced_logprobs(whole, packed, 1.0, 4, max_rows=2)[0]
+    out[f"partitioned reference: rank {rank}'s log-probs equal the whole model's"] = torch.allclose(got, want, atol=1e-5)
+    out.update(partitioned_sync_checks(cfg, conf, folder, whole))
+    return out
+
+
+def partitioned_sync_checks(cfg, conf: dict, folder: str, whole: torch.nn.Module) -> dict[str, bool]:
+    """A partitioned in-process reference is synced like a server's: pi_ref <- 0.5 pi_theta + 0.5 pi_ref is
+    mixed and written by rank 0, then loaded partitioned on every rank (its weights by the formula), and a
+    reload takes a folder's weights."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from grpo.foundation.modeling import load_model, load_tokenizer
+    from grpo.reference.base import InProcessReference
+    from grpo.reference.handle import ReferenceHandle
+    from grpo.training.checkpoint import write_weights
+    from grpo.training.partitioned import frozen_partitioned
+
+    handle = ReferenceHandle(InProcessReference(cfg, torch.device("cpu"), lambda s: frozen_partitioned(cfg, s, conf),
+                                                synced=True))
+    start = whole.state_dict()
+    g = torch.Generator().manual_seed(5)  # the same "policy" on every rank
+    policy = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in start.items()}
+    mixed = str(Path(folder).parent / "reference-mixed")
+    tok = load_tokenizer(folder)
+    version = handle.mix(policy, 0.5, mixed, write=lambda sd, f: write_weights(whole, sd, tok, f),
+                         current=lambda: load_model(cfg.model, folder).state_dict())
+    names = [name for name, _ in handle.impl.model.named_parameters()]
+
+    def gathered_equal(want: dict) -> bool:
+        ok = True
+        for name, q in handle.impl.model.named_parameters():
+            with GatheredParameters([q]):
+                ok = ok and torch.allclose(q.data, want[name], atol=1e-6)
+        return ok
+
+    out = {"partitioned reference: synced like a server's": handle.partitioned and version == 1,
+           "partitioned reference: mixed weights by the formula": gathered_equal(
+               {k: 0.5 * policy[k] + 0.5 * start[k] for k in names})}
+    handle.reload(folder)  # back to the folder's weights
+    out["partitioned reference: a reload takes the folder's weights"] = gathered_equal(start)
+    return out
 
 
 if __name__ == "__main__":

@@ -225,6 +225,9 @@ class TrainConfig:
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
     grad_clip: float = 1.0  # 0 = off
     zero_stage: Literal[0, 1, 2, 3] = 0
+    # ZeRO-3 over > 1 rank: build the policy and the in-process reference partitioned from the start
+    # (deepspeed.zero.Init; an HF folder with safetensors weights). false: whole on every rank, then partitioned
+    zero3_init: bool = True
     seed: int = 0
     output_dir: str = "runs/default"
     save_every: int = 0  # 0 = only at the end

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from grpo.foundation import dist
+
 
 @dataclass
 class Packed:
@@ -155,6 +157,21 @@ def _plain_linear(head: torch.nn.Module) -> bool:
     return type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id")
 
 
+def _partitioned_linear(head: torch.nn.Module) -> bool:
+    """A bare nn.Linear whose weight is a ZeRO-3 partition."""
+    return type(head) is torch.nn.Linear and hasattr(head.weight, "ds_id")
+
+
+def partitioned(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weights are ZeRO-3 partitions, gathered (collectively, when there are several
+    ranks) inside every call: every rank must then make the same sequence of calls."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _collective_max(n: int) -> int:
+    return int(dist.all_reduce_max(torch.tensor([float(n)], dtype=torch.float64))[0])
+
+
 def head_logprobs(
     head: torch.nn.Module,
     hidden: torch.Tensor,
@@ -174,10 +191,24 @@ def head_logprobs(
         lp, ent = _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
                                            chunk_size, with_entropy)
         return lp, ent
+    if fused and _partitioned_linear(head) and not torch.is_grad_enabled():
+        # ZeRO-3 without gradients (old log-probs, the reference): gather the head once, then the fused
+        # path. One collective per call, however many chunks: ranks with unequal token counts stay in step.
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for p in (head.weight, head.bias) if p is not None]):
+            return _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
+                                            chunk_size, with_entropy)
     fn = _chunk_logprob_entropy if with_entropy else _chunk_logprob
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
+    starts = list(range(0, hidden.shape[0], chunk_size))
+    if partitioned(head):
+        # ZeRO-3: the head's weight is gathered in each chunk's call (and again in its backward). A rank with
+        # fewer completion tokens runs empty chunks so that every rank makes as many calls as the busiest
+        # one; their (empty) outputs join the result, so their backward passes run too.
+        starts += [hidden.shape[0]] * (_collective_max(len(starts)) - len(starts))
     lps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk_size):
+    for s in starts:
         h, y = hidden[s : s + chunk_size], targets[s : s + chunk_size]
         if use_ckpt:
             out = checkpoint(fn, head, h, y, temperature, softcap, use_reentrant=False)
@@ -270,7 +301,10 @@ def completion_logprobs(
     pos = packed.start.to(device)[rows] + tcols  # position of the completion token
     targets = ids[rows, pos]
     prompts, which = _prompt_groups(packed) if share_prefix and B > 1 else ([], [])
-    if prompts and len(prompts) < B and _can_share_prefix(model):
+    share = bool(prompts) and len(prompts) < B and _can_share_prefix(model)
+    if partitioned(model):  # ZeRO-3: one forward pass or two (prompts, then completions) on every rank alike
+        share = not dist.any_rank(not (share and width > 1))
+    if share:
         h = _shared_prefix_hidden(model, packed, prompts, which, device)[rows, tcols]
     else:
         hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state

@@ -76,6 +76,12 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
                 f"model.name_or_path={name!r}: cannot load the model ({e}). "
                 f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
             ) from e
+    return prepare_model(model, cfg, apply_freeze)
+
+
+def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool = True) -> PreTrainedModel:
+    """What the config asks of a loaded model: frozen bottom layers (unless ``apply_freeze`` is off),
+    gradient checkpointing."""
     if cfg.freeze_bottom_layers and apply_freeze:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:

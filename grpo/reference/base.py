@@ -8,11 +8,13 @@ log-probs, so a remote request can run while the trainer scores rewards and comp
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import Future
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
+from grpo.foundation import dist
 from grpo.foundation.config import Config
 from grpo.foundation.logprobs import Packed, completion_logprobs
 
@@ -39,16 +41,26 @@ def sliced_logprobs(
     max_rows: Optional[int] = None,
     max_tokens: Optional[int] = None,
     with_entropy: bool = False,
+    synced: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """[rows, width] float32 CPU log-probs (and entropy) of ``packed``, one forward pass per row slice.
 
     The in-process reference and the reference server both call this, so the same rows in the
-    same slices give bit-identical results whichever side computes them.
+    same slices give bit-identical results whichever side computes them. ``synced`` (a model
+    partitioned under ZeRO-3, whose weights are gathered inside every forward): every rank runs
+    as many forward passes as the busiest one, each the same sequence of module calls.
     """
     lps, ents = [], []
-    for sl in row_slices(packed.input_ids.shape[0], packed.input_ids.shape[1], max_rows, max_tokens):
+    slices = row_slices(packed.input_ids.shape[0], packed.input_ids.shape[1], max_rows, max_tokens)
+    if synced:
+        extra = int(dist.all_reduce_max(torch.tensor([float(len(slices))], dtype=torch.float64))[0]) - len(slices)
+        idle = Packed(torch.zeros((1, 2), dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
+                      torch.ones(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1)
+        for _ in range(extra):  # a rank with fewer rows joins the others' weight gathers
+            completion_logprobs(model, idle, temperature, chunk_size, share_prefix=False)
+    for sl in slices:
         part = Packed(packed.input_ids[sl], packed.attention_mask[sl], packed.start[sl], packed.length[sl], packed.width)
-        lp, ent = completion_logprobs(model, part, temperature, chunk_size, with_entropy)
+        lp, ent = completion_logprobs(model, part, temperature, chunk_size, with_entropy, share_prefix=not synced)
         lps.append(lp.float().cpu())
         if ent is not None:
             ents.append(ent.float().cpu())
@@ -79,28 +91,30 @@ class _LocalReference:
         return {"model": self.source, "version": self.version}
 
 
+Loader = Callable[[str], torch.nn.Module]  # an HF folder or name -> the frozen reference model
+
+
 class InProcessReference(_LocalReference):
-    """A frozen copy of the reference model on this rank's device."""
+    """A frozen copy of the reference model on this rank's device.
 
-    def __init__(self, cfg: Config, device: torch.device):
-        from grpo.foundation.modeling import load_model
+    ``load`` builds it (default: whole, on ``device``); under ZeRO-3 the trainer passes one that builds
+    it partitioned over the ranks like the policy, and ``synced`` makes its forwards collective."""
 
-        self.cfg = cfg
-        self.model = load_model(cfg.model, cfg.ref.model or cfg.model.name_or_path).to(device).eval()
-        self.model.requires_grad_(False)
-        self.version = 0
+    def __init__(self, cfg: Config, device: torch.device, load: Optional[Loader] = None, synced: bool = False):
+        self.cfg, self.synced = cfg, synced
+        self.load = load or (lambda source: load_whole(cfg, source, device))
         self.source = cfg.ref.model or cfg.model.name_or_path
+        self.model = self.load(self.source)
+        self.version = 0
 
     def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
         return sliced_logprobs(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
-                               max_rows=self.cfg.train.micro_batch_size)[0]
+                               max_rows=self.cfg.train.micro_batch_size, synced=self.synced)[0]
 
     def reload(self, checkpoint_dir: str) -> dict:
-        from grpo.foundation.modeling import load_model
-
-        device = next(self.model.parameters()).device
-        self.model = load_model(self.cfg.model, checkpoint_dir).to(device).eval()
-        self.model.requires_grad_(False)
+        self.model = None  # the old copy goes before the new one comes
+        gc.collect()  # (a partitioned copy and its engine refer to each other)
+        self.model = self.load(checkpoint_dir)
         self.version += 1
         self.source = checkpoint_dir
         return self.info()
@@ -141,3 +155,12 @@ class AdapterDisabledReference(_LocalReference):
         self.version += 1
         self.source = checkpoint_dir
         return self.info()
+
+
+def load_whole(cfg: Config, source: str, device: torch.device) -> torch.nn.Module:
+    """The reference model, whole, frozen, on ``device``."""
+    from grpo.foundation.modeling import load_model
+
+    model = load_model(cfg.model, source).to(device).eval()
+    model.requires_grad_(False)
+    return model

@@ -26,7 +26,7 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.config import Config
 from grpo.foundation.logprobs import Packed
-from grpo.reference.base import AdapterDisabledReference, InProcessReference, Reference
+from grpo.reference.base import AdapterDisabledReference, InProcessReference, Loader, Reference
 
 StateDict = dict[str, torch.Tensor]
 
@@ -37,6 +37,9 @@ class ReferenceHandle:
         self.kind = ("adapters-off" if isinstance(impl, AdapterDisabledReference)
                      else "in-process" if isinstance(impl, InProcessReference) else "server")
         self.remote = self.kind == "server"
+        # an in-process copy partitioned over the ranks (ZeRO-3): no rank holds its whole state dict, so it is
+        # synced like a server's (rank 0 writes the new weights, every rank loads them partitioned)
+        self.partitioned = self.kind == "in-process" and impl.synced
         self._version: Optional[int] = None if self.remote else impl.version
         self.folder: Optional[str] = None  # where the current weights came from (None: the initial model)
 
@@ -85,7 +88,7 @@ class ReferenceHandle:
         """pi_ref <- pi_theta, where ``folder`` holds the policy's export. An in-process reference copies
         ``weights`` (the whole policy's state dict, transformers' names) directly when given; otherwise it
         loads the folder. Collective; returns the new version."""
-        if self.remote or weights is None:
+        if self.remote or self.partitioned or weights is None:
             return self.reload(folder)
         return self.mix(weights, 1.0, folder)
 
@@ -96,16 +99,17 @@ class ReferenceHandle:
 
         ``policy``: the whole policy's weights (transformers' names) on every rank, or only on rank 0 for a
         server. In-process: the copy is mixed in place on every rank, then rank 0 writes it to ``folder``
-        with ``write(state_dict, folder)`` (when given). Server: rank 0 mixes ``current()`` (the server's
-        present weights, loaded from where they came from) with the policy, writes the result to ``folder``
-        and the server reloads it. Collective; returns the new version.
+        with ``write(state_dict, folder)`` (when given). Server, and an in-process copy partitioned under
+        ZeRO-3: rank 0 mixes ``current()`` (the present weights, loaded from where they came from) with the
+        policy, writes the result to ``folder`` and the reference reloads it. Collective; returns the new
+        version.
         """
         from grpo.foundation.weights import mix_state_
 
         if self.kind == "adapters-off":
             raise RuntimeError("the adapters-off reference is synced in the policy's base (lora.sync_base), "
                                "then told with synced()")
-        if self.remote:
+        if self.remote or self.partitioned:
             if dist.is_main():
                 ref = current()
                 mix_state_(ref, policy, alpha)
@@ -157,11 +161,14 @@ def adapters_off_reference(cfg: Config) -> bool:
 
 
 def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=None,
-                   vocab_size: Optional[int] = None, policy: Optional[torch.nn.Module] = None) -> Optional[ReferenceHandle]:
+                   vocab_size: Optional[int] = None, policy: Optional[torch.nn.Module] = None,
+                   load: Optional[Loader] = None, synced: bool = False) -> Optional[ReferenceHandle]:
     """None when the algorithm does not use a reference (beta = 0): nothing is loaded or queried.
 
     ``tokenizer`` and ``vocab_size`` are the policy's: a reference server must match both. ``policy`` is
     the trainer's model: with LoRA (``adapters_off_reference``) it is the reference, adapters off.
+    ``load`` and ``synced``: how an in-process copy is built (partitioned under ZeRO-3) and whether its
+    forwards are collective.
     """
     if not needed:
         return None
@@ -173,4 +180,4 @@ def make_reference(cfg: Config, needed: bool, device: torch.device, tokenizer=No
         if policy is None:
             raise ValueError("make_reference: with model.lora the reference is the policy; pass it as policy=")
         return ReferenceHandle(AdapterDisabledReference(cfg, policy))
-    return ReferenceHandle(InProcessReference(cfg, device))
+    return ReferenceHandle(InProcessReference(cfg, device, load, synced))

@@ -38,6 +38,7 @@ from grpo.training.checkpoint import (export_model, latest_checkpoint, load_chec
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
+from grpo.training.partitioned import frozen_partitioned, load_partitioned
 from rewards import CombinedReward
 
 
@@ -84,7 +85,10 @@ class Trainer:
         # with an environment the rewards are its own: no reward functions, no reward workers
         self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool) if self.env is None else None
 
-        model = load_policy(cfg.model)  # with model.lora: adapters injected, only they train
+        # ZeRO-3 over several ranks: built partitioned, so no rank ever holds the whole model (LoRA, which
+        # ZeRO-3 refuses, loads through load_policy)
+        zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and cfg.train.zero3_init and self.world > 1 else None
+        model = load_policy(cfg.model) if zero3 is None else load_partitioned(cfg, cfg.model.name_or_path, zero3)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.engine, self.scheduler = ds.build_engine(cfg, model)
         self.model = self.engine.module
@@ -98,8 +102,10 @@ class Trainer:
                 tool_counts=self.env.toolbox.pop_counts)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
-        self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer,
-                                        vocab_size=model.config.get_text_config().vocab_size, policy=self.model)
+        self.reference = make_reference(
+            cfg, self.algo.needs_reference, self.device, self.tokenizer,
+            vocab_size=model.config.get_text_config().vocab_size, policy=self.model, synced=zero3 is not None,
+            load=None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)))
         if cfg.ref.sync_every and self.reference is None:
             raise ConfigError(f"ref.sync_every={cfg.ref.sync_every}: algorithm {cfg.algo.name!r} uses no reference "
                               "here; set ref.sync_every=0")
@@ -162,9 +168,10 @@ class Trainer:
             dist.barrier()
             lora.set_base_name(self.model, folder)  # adapters saved from now on name their new base
             return folder, ref.synced(folder)
-        if alpha == 1.0 and (ref.remote or ds.partitions_weights(self.engine)):
+        if alpha == 1.0 and (ref.remote or ref.partitioned or ds.partitions_weights(self.engine)):
             export_model(self.engine, self.tokenizer, folder)
-            return folder, ref.load_policy(folder, None if ref.remote else self._whole_policy(folder))
+            whole = None if ref.remote or ref.partitioned else self._whole_policy(folder)
+            return folder, ref.load_policy(folder, whole)
         need = dist.is_main() or not ref.remote or ds.partitions_weights(self.engine)  # (ZeRO-3: collective)
         policy = self._whole_policy(folder) if need else None
         version = ref.mix(policy, alpha, folder, self._write_reference, self._current_reference)

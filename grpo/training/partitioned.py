@@ -1,0 +1,150 @@
+"""Models built partitioned under ZeRO-3: no rank ever holds all of a model's weights.
+
+``load_partitioned`` builds the architecture under ``deepspeed.zero.Init`` (each module's weights
+are split over the ranks as soon as the module exists) and then fills this rank's share of every
+weight from the safetensors files, reading only its own bytes of each tensor.
+``frozen_partitioned`` wraps such a model in an optimizer-less ZeRO-3 engine for the in-process
+reference, whose forwards are then collective like the policy's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from grpo.foundation import dist
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.modeling import DTYPES, load_model, prepare_model
+from grpo.foundation.tiny import BUILTIN_NAME
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ConfigError(f"{folder}: no safetensors weights to load partitioned under ZeRO-3 (model.safetensors "
+                      f"or an index); re-save the model with save_pretrained(safe_serialization=True), or set "
+                      f"train.zero3_init=false (each rank then loads the whole model first)")
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def safetensors_index(path: Path) -> tuple[int, dict]:
+    """Where a .safetensors file's data starts, and its header: name -> {dtype, shape, data_offsets}."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def fill_partition(param: torch.nn.Parameter, f, data_start: int, entry: dict, rank: int) -> None:
+    """Copy this rank's slice of a checkpoint tensor (flattened) into the ZeRO-3 partition of ``param``.
+
+    ``f``: the .safetensors file, open; ``entry``: the tensor's header entry. Only this rank's bytes are read
+    (plain reads, no memory map), so a rank holds neither a whole weight nor mapped pages of the file."""
+    numel = math.prod(entry["shape"])
+    if numel != param.ds_numel:
+        raise ConfigError(f"checkpoint tensor of {numel} elements for a parameter of {param.ds_numel}")
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+    size = param.ds_tensor.numel()
+    lo, hi = min(rank * size, numel), min((rank + 1) * size, numel)
+    with torch.no_grad():
+        param.ds_tensor.zero_()  # the padding of the last rank's partition
+        if lo == hi:
+            return
+        dest = param.ds_tensor[: hi - lo]
+        buf = dest if dest.dtype == dtype else torch.empty(hi - lo, dtype=dtype)
+        esize = buf.element_size()
+        f.seek(data_start + entry["data_offsets"][0] + lo * esize)
+        if f.readinto(buf.view(torch.uint8).numpy()) != (hi - lo) * esize:
+            raise ConfigError(f"{f.name}: truncated tensor data")
+        if buf is not dest:
+            dest.copy_(buf)
+
+
+def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Module:
+    """The model of ``source`` (an HF folder) built under ZeRO-3 partitioning; the built-in tiny model is
+    built whole (DeepSpeed partitions it when its engine starts)."""
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from grpo.foundation.lora import is_adapter_folder
+
+    if source == BUILTIN_NAME or not Path(source).is_dir() or is_adapter_folder(source):
+        return load_model(cfg.model, source)  # (an adapter folder: its base with the adapter merged in)
+    m = cfg.model
+    dtype = DTYPES[m.dtype]
+    config = AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+    kwargs = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+    # No initialisation: every weight comes from the files (and the partitions are empty tensors here).
+    # The dtype comes from the DeepSpeed config (model.dtype): zero.Init's own dtype argument is ignored on
+    # a CPU (DeepSpeed 0.19 takes bf16 there whatever it is given).
+    with _init_without_broadcast()(config_dict_or_path=ds_config), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code, **kwargs)
+    model.tie_weights()  # skipped with the initialisation; tied weights are stored once in the files
+    params = dict(model.named_parameters())
+    filled, rank = set(), dist.rank()
+    for path in weight_files(Path(source)):
+        data_start, header = safetensors_index(path)
+        with open(path, "rb", buffering=0) as f:
+            for key, entry in header.items():
+                if key in params:
+                    fill_partition(params[key], f, data_start, entry, rank)
+                    filled.add(key)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ConfigError(f"{source}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    try:  # EOS ids and other defaults, as from_pretrained would read them
+        model.generation_config = GenerationConfig.from_pretrained(source)
+    except OSError:
+        pass
+    model.eval()
+    return prepare_model(model, m)
+
+
+def _init_without_broadcast():
+    """``deepspeed.zero.Init`` that partitions each new weight without first broadcasting it from rank 0.
+
+    The broadcast makes random initialisations agree; here every weight is then read from the files, and
+    on the receiving ranks it would write each module's weights whole once (at 135M parameters the 113 MiB
+    embedding, most of the partitioned build's peak there). Without it an uninitialised weight is never
+    written whole, so it never becomes resident. (A DeepSpeed version without ``_zero_init_param`` keeps
+    its broadcast: more transient memory, the same weights.)"""
+    import deepspeed
+
+    class Init(deepspeed.zero.Init):
+        def _zero_init_param(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return Init
+
+
+def frozen_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Module:
+    """A frozen model (the in-process reference) kept partitioned over the ranks by an optimizer-less
+    ZeRO-3 engine: each rank holds 1/world of its weights, and its forwards are collective."""
+    import deepspeed
+
+    model = load_partitioned(cfg, source, ds_config)
+    model.requires_grad_(False)
+    conf = {k: v for k, v in ds_config.items() if k != "gradient_clipping"}
+    engine, *_ = deepspeed.initialize(model=model, config=conf)
+    engine.module.eval()
+    # the engine owns the gathering hooks: it lives as long as the module (a plain attribute, not a submodule,
+    # so the module's state_dict, train() and modules() do not walk into it)
+    engine.module.__dict__["_grpo_engine"] = engine
+    return engine.module
