@@ -56,7 +56,7 @@ def calc_script(text: str, r: int) -> str:
 
 
 def test_calculator_trajectory_masks_turns_and_rewards():
-    es = env_setup("calculator")
+    es = env_setup("calculator", partial_credit="numeric")
     row = {"prompt": "3+4", "answer": "7"}
     mt = MultiTurnRollout(service(calc_script, "rollout.max_completion_length=5"), es.factory, max_turns=2,
                           max_trajectory_tokens=24, tool_counts=es.toolbox.pop_counts)
@@ -241,13 +241,13 @@ def test_a_call_or_answer_cut_at_the_token_limit_is_malformed():
     from grpo.rollout.multiturn import Action
 
     box = ToolBox({"calculator": ("calculator", {})}, num_workers=0)
-    env = CalculatorEnv(tools=box)
+    env = CalculatorEnv(tools=box, partial_credit="numeric")
     env.reset({"prompt": "7+5", "answer": "12"})
     res = env.step(Action.of("=1111", truncated=True))
     assert res.observation == {"role": "tool", "content": "error"} and res.info["invalid"]
     assert box.pop_counts()["tool_calls"] == 0  # never sent to the tool
     env.step(Action.of("12", truncated=True))
-    assert env.reward_terms() == {"turn": 0.0, "outcome": pytest.approx(1.0), "exact": 0.0}  # right, but no format
+    assert env.reward_terms() == {"turn": 0.0, "outcome": pytest.approx(1.0), "exact": 0.0}  # chars credit, no format
     # the runner says which turns were cut: "7+5~" has no EOS within its 3 tokens
     es = env_setup("calculator")
     mt = MultiTurnRollout(service(lambda t, r: "7+5~" if "t:" not in t else "12", "rollout.max_completion_length=3"),
