@@ -12,13 +12,19 @@ Rewards, at the end (the last step's reward is their sum, earlier steps earn 0):
                                        (the result appears in the answer as a whole number), else 0
     outcome reward R^O = correct_weight * correct + format_weight * [the answer is a bare integer, turn ended]
 
-``correct`` is 1 for the right answer. A wrong one earns partial credit (``partial_credit``), which gives
-an untrained model a gradient: ``numeric`` (default) the larger of 1 / (1 + |answer - right answer|)
-(for an integer answer) and the ``chars`` credit, ``chars`` the share of characters that match position by position (the digits
-task's reward), ``none`` nothing. ``reward_terms()`` = {"turn": R^T, "outcome": R^O} (mt-grpo reads them).
+``correct`` is 1 for the right answer (a bare integer, equal to it), else 0 with ``partial_credit: none``
+(default). A wrong answer can earn partial credit instead: ``numeric`` the larger of 1 / (1 + |answer -
+right answer|) (for an integer answer) and the ``chars`` credit, ``chars`` the share of characters that
+match position by position (the digits task's reward). Off by default because a policy games it: the
+tiny model learned a constant call (``=1``) whose copied result is near or shares a leading digit with
+many answers, and stayed there (README, "Learning on a CPU").
+``reward_terms()`` = {"turn": R^T, "outcome": R^O, "exact": [right answer]} (mt-grpo reads the first two;
+``exact`` is logged as ``reward/exact/mean``, the exact-answer accuracy, partial credit never in it).
 
-Defaults suit the tiny char model with ``data.prefill: "="`` (configs/mt-grpo.yaml): the prompt is
+Defaults suit the tiny char models with ``data.prefill: "="`` (configs/mt-grpo.yaml): the prompt is
 ``7+5``, the call ``=7+5`` (the prefill writes the ``=``), the tool answers ``12``, the answer is ``12``.
+``bare_frac`` makes that share of the problems a bare number (``3``: call ``=3``, answer ``3``; symbols
+style only), the easiest problems of a curriculum for a model that must first learn to copy.
 ``style: words`` renders word problems ("Ann has 7 apples and gets 5 more. ...") for real models,
 with tags such as ``call_open: "<calc>", call_close: "</calc>"``.
 """
@@ -52,7 +58,7 @@ class CalculatorEnv(Environment):
 
     def __init__(self, tools: Optional[ToolBox] = None, call_open: str = "=", call_close: str = "",
                  answer_open: str = "", answer_close: str = "", turn_weight: float = 1.0,
-                 correct_weight: float = 1.0, format_weight: float = 0.2, partial_credit: str = "numeric",
+                 correct_weight: float = 1.0, format_weight: float = 0.2, partial_credit: str = "none",
                  **_: Any):
         super().__init__(tools)
         self.call_open, self.call_close = call_open, call_close
@@ -66,9 +72,11 @@ class CalculatorEnv(Environment):
     # ----------------------------------------------------------------- tasks
     @classmethod
     def tasks(cls, num_examples: int, seed: int, max_value: int = 9, ops: str = "+-*", style: str = "symbols",
-              **_: Any) -> list[dict[str, Any]]:
+              bare_frac: float = 0.0, **_: Any) -> list[dict[str, Any]]:
         if style not in ("symbols", "words"):
             raise ValueError(f"env.kwargs.style={style!r} is invalid: choose from ['symbols', 'words']")
+        if not 0.0 <= bare_frac <= 1.0 or (bare_frac and style != "symbols"):
+            raise ValueError(f"env.kwargs.bare_frac={bare_frac!r} is invalid: a share in [0, 1], with style: symbols")
         bad = set(ops) - set(_WORDS)
         if not ops or bad:
             raise ValueError(f"env.kwargs.ops={ops!r} is invalid: use some of '+-*'")
@@ -81,6 +89,8 @@ class CalculatorEnv(Environment):
                 a, b = b, a
             value = a + b if op == "+" else a - b if op == "-" else a * b
             expr = f"{a}{op}{b}"
+            if bare_frac and rng.random() < bare_frac:  # a bare number: its value is itself (no draw when 0)
+                value, expr = a, str(a)
             prompt = expr if style == "symbols" else _WORDS[op].format(n=rng.choice(_NAMES), a=a, b=b,
                                                                        t=rng.choice(_THINGS))
             rows.append({"prompt": prompt, "answer": str(value), "expression": expr})
@@ -91,7 +101,7 @@ class CalculatorEnv(Environment):
         self.gold = str(row["answer"])
         self.result: Optional[str] = None  # the tool's answer, when a call executed
         self.called = False
-        self.terms = {"turn": 0.0, "outcome": 0.0}
+        self.terms = {"turn": 0.0, "outcome": 0.0, "exact": 0.0}
         return str(row["prompt"])
 
     def _call(self, text: str) -> Optional[str]:
@@ -147,7 +157,8 @@ class CalculatorEnv(Environment):
             correct = 0.0
         used = self.result is not None and re.search(rf"(?<![\d/]){re.escape(self.result)}(?![\d/])", answer)
         self.terms = {"turn": self.turn_weight * float(bool(used)),
-                      "outcome": self.correct_weight * correct + self.format_weight * float(formatted)}
+                      "outcome": self.correct_weight * correct + self.format_weight * float(formatted),
+                      "exact": float(formatted and answer == self.gold)}
         return StepResult(None, self.terms["turn"] + self.terms["outcome"], True,
                           {"invalid": not answer})
 

@@ -56,7 +56,7 @@ def calc_script(text: str, r: int) -> str:
 
 
 def test_calculator_trajectory_masks_turns_and_rewards():
-    es = env_setup("calculator")
+    es = env_setup("calculator", partial_credit="numeric")
     row = {"prompt": "3+4", "answer": "7"}
     mt = MultiTurnRollout(service(calc_script, "rollout.max_completion_length=5"), es.factory, max_turns=2,
                           max_trajectory_tokens=24, tool_counts=es.toolbox.pop_counts)
@@ -213,19 +213,27 @@ def test_calculator_rewards_and_parsing():
             res = env.step(second)
         return env.reward_terms(), res.done
 
-    assert play("=7+5", "12")[0] == {"turn": 1.0, "outcome": pytest.approx(1.2)}
-    assert play("=7+4", "11")[0] == {"turn": 1.0, "outcome": pytest.approx(0.5 + 0.2)}  # numeric partial credit
-    assert play("=7+5", "13")[0] == {"turn": 0.0, "outcome": pytest.approx(0.5 + 0.2)}  # result not used
-    assert play("=7+5", "1x")[0] == {"turn": 0.0, "outcome": pytest.approx(0.5)}  # chars credit, no format
-    assert play("=7+", "12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2)}  # the call failed: "error"
-    assert play("12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2)}  # no call: the answer at once
-    assert play("=7+5", "it is 12")[0] == {"turn": 1.0, "outcome": pytest.approx(0.0)}  # not a bare integer
-    assert play("=7+4", "11", partial_credit="none")[0]["outcome"] == pytest.approx(0.2)
+    N = dict(partial_credit="numeric")
+    assert play("=7+5", "12")[0] == {"turn": 1.0, "outcome": pytest.approx(1.2), "exact": 1.0}
+    assert play("=7+4", "11")[0] == {"turn": 1.0, "outcome": pytest.approx(0.2), "exact": 0.0}  # no partial credit (default)
+    assert play("=7+4", "11", **N)[0] == {"turn": 1.0, "outcome": pytest.approx(0.5 + 0.2), "exact": 0.0}  # numeric
+    assert play("=7+5", "13", **N)[0] == {"turn": 0.0, "outcome": pytest.approx(0.5 + 0.2), "exact": 0.0}  # result not used
+    assert play("=7+5", "1x", **N)[0] == {"turn": 0.0, "outcome": pytest.approx(0.5), "exact": 0.0}  # chars credit, no format
+    assert play("=7+", "12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2), "exact": 1.0}  # the call failed: "error"
+    assert play("12")[0] == {"turn": 0.0, "outcome": pytest.approx(1.2), "exact": 1.0}  # no call: the answer at once
+    assert play("=7+5", "it is 12")[0] == {"turn": 1.0, "outcome": pytest.approx(0.0), "exact": 0.0}  # not a bare integer
     assert play("=7+5", "02", partial_credit="chars")[0]["outcome"] == pytest.approx(0.5 + 0.2)
     tags = dict(call_open="<calc>", call_close="</calc>", answer_open="<answer>", answer_close="</answer>")
-    assert play("I add. <calc>7 + 5</calc>", "So <answer>12</answer>", **tags)[0] == {"turn": 1.0, "outcome": pytest.approx(1.2)}
+    assert play("I add. <calc>7 + 5</calc>", "So <answer>12</answer>", **tags)[0]["turn"] == 1.0
     rows = CalculatorEnv.tasks(200, seed=0, max_value=9, ops="+-", style="words")
     assert all(int(r["answer"]) >= 0 for r in rows) and all("?" in r["prompt"] for r in rows)
+    rows = CalculatorEnv.tasks(400, seed=0, max_value=4, ops="+", bare_frac=0.5)
+    bare = [r for r in rows if "+" not in r["prompt"]]
+    assert 150 < len(bare) < 250 and all(r["answer"] == r["prompt"] for r in bare)
+    assert all(r["answer"] == str(sum(map(int, r["prompt"].split("+")))) for r in rows if r not in bare)
+    assert CalculatorEnv.tasks(50, seed=3, ops="+-") == CalculatorEnv.tasks(50, seed=3, ops="+-", bare_frac=0.0)
+    with pytest.raises(ValueError, match="bare_frac"):
+        CalculatorEnv.tasks(5, seed=0, style="words", bare_frac=0.5)
     assert box.pop_counts()["tool_calls"] == 9
 
 
@@ -233,13 +241,13 @@ def test_a_call_or_answer_cut_at_the_token_limit_is_malformed():
     from grpo.rollout.multiturn import Action
 
     box = ToolBox({"calculator": ("calculator", {})}, num_workers=0)
-    env = CalculatorEnv(tools=box)
+    env = CalculatorEnv(tools=box, partial_credit="numeric")
     env.reset({"prompt": "7+5", "answer": "12"})
     res = env.step(Action.of("=1111", truncated=True))
     assert res.observation == {"role": "tool", "content": "error"} and res.info["invalid"]
     assert box.pop_counts()["tool_calls"] == 0  # never sent to the tool
     env.step(Action.of("12", truncated=True))
-    assert env.reward_terms() == {"turn": 0.0, "outcome": pytest.approx(1.0)}  # right, but no format credit
+    assert env.reward_terms() == {"turn": 0.0, "outcome": pytest.approx(1.0), "exact": 0.0}  # chars credit, no format
     # the runner says which turns were cut: "7+5~" has no EOS within its 3 tokens
     es = env_setup("calculator")
     mt = MultiTurnRollout(service(lambda t, r: "7+5~" if "t:" not in t else "12", "rollout.max_completion_length=3"),
@@ -247,3 +255,17 @@ def test_a_call_or_answer_cut_at_the_token_limit_is_malformed():
                           tool_counts=es.toolbox.pop_counts)
     b = mt.rollout([[1]], [{"prompt": "7+5", "answer": "12"}], [0])
     assert TOK.decode(b.completion_ids[0]) == "7+5\nt:error\na:12</s>" and b.reward_terms["turn"].tolist() == [0, 0]
+
+
+def test_tiny_arith_is_the_tiny_model_over_a_small_vocabulary():
+    from grpo.foundation.config import ModelConfig
+    from grpo.foundation.modeling import load_model, load_tokenizer
+
+    tok = load_tokenizer("builtin:tiny-arith")
+    model = load_model(ModelConfig(name_or_path="builtin:tiny-arith"))
+    assert len(tok) == 31 and model.config.vocab_size == 31
+    text = tok.apply_chat_template([{"role": "user", "content": "3+1"}, {"role": "tool", "content": "error"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text)["input_ids"]
+    assert tok.unk_token_id not in ids and tok.decode(ids) == text == "u:3+1\nt:error\na:"
+    assert tok("x")["input_ids"] == [tok.unk_token_id]  # any other character

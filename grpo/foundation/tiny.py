@@ -17,6 +17,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARSET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n+-*/=<>:;,.?!()[]#_'\"$\\{}"
+# builtin:tiny-arith: the same model over a small action vocabulary (arithmetic, the chat template's role
+# letters u/a/t/s and the calculator's "error"); any other character is <unk>. 29 tokens instead of 97.
+ARITH_CHARSET = string.digits + "+-*/=() :\nuatsero"
+BUILTINS = {BUILTIN_NAME: CHARSET, "builtin:tiny-arith": ARITH_CHARSET}
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
@@ -73,8 +77,8 @@ def make_tiny_model(
     return model
 
 
-def build_tiny(seed: int = 0, **model_kwargs) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    tok = make_char_tokenizer()
+def build_tiny(seed: int = 0, name: str = BUILTIN_NAME, **model_kwargs) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    tok = make_char_tokenizer(BUILTINS[name])
     model = make_tiny_model(
         len(tok), seed=seed, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, **model_kwargs,
