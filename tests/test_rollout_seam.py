@@ -45,7 +45,7 @@ def test_a_scripted_engine_trains_through_the_config(single_rank_env, tmp_path):
 def test_unknown_or_incomplete_engines_fail_with_the_choices(single_rank_env, tmp_path):
     from grpo.training.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"rollout.engine='vlm' is unknown: choose from \['hf'\]"):
+    with pytest.raises(ConfigError, match=r"rollout.engine='vlm' is unknown: choose from \['hf', 'vllm'\]"):
         engine_class("vlm")
     with pytest.raises(ConfigError, match="cannot be imported"):
         engine_class("tests.no_such_module:Engine")

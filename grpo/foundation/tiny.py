@@ -1,7 +1,7 @@
 """A tiny Llama-style model and a character-level tokenizer, built offline in seconds.
 
-Used by the tests and the demo (``model.name_or_path: builtin:tiny-char``) and written to
-a folder with ``python -m grpo.foundation.tiny OUT_DIR``. Same seed -> same weights, on every rank.
+Used by the tests and the demo (``model.name_or_path: builtin:tiny-char``, or ``builtin:tiny-char-h64``
+with head_dim 64 for vLLM) and written to a folder with ``python -m grpo.foundation.tiny OUT_DIR [NAME]``. Same seed -> same weights, on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BUILTIN_NAME = "builtin:tiny-char"
+# Every builtin model: its name -> make_tiny_model's arguments. ``tiny-char-h64`` has the same sizes with one
+# head of width 64 (tiny-char's heads are 16 wide, which vLLM's CPU attention refuses): the vllm engine's.
+BUILTIN_MODELS = {BUILTIN_NAME: {}, "builtin:tiny-char-h64": {"num_heads": 1}}
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARSET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n+-*/=<>:;,.?!()[]#_'\"$\\{}"
 CHAT_TEMPLATE = (
@@ -73,6 +76,15 @@ def make_tiny_model(
     return model
 
 
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN_MODELS
+
+
+def build_builtin(name: str, seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """The builtin model ``name`` (a key of BUILTIN_MODELS) and its tokenizer."""
+    return build_tiny(seed=seed, **BUILTIN_MODELS[name])
+
+
 def build_tiny(seed: int = 0, **model_kwargs) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     tok = make_char_tokenizer()
     model = make_tiny_model(
@@ -93,6 +105,6 @@ def write_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m grpo.foundation.tiny OUT_DIR")
-    print(write_tiny(sys.argv[1]))
+    if len(sys.argv) not in (2, 3):
+        sys.exit(f"usage: python -m grpo.foundation.tiny OUT_DIR [{' | '.join(BUILTIN_MODELS)}]")
+    print(write_tiny(sys.argv[1], **BUILTIN_MODELS[sys.argv[2] if len(sys.argv) == 3 else BUILTIN_NAME]))

@@ -161,6 +161,7 @@ class Trainer:
                 write_weights(self.model, lora.base_state_dict(self.model), self.tokenizer, folder)
             dist.barrier()
             lora.set_base_name(self.model, folder)  # adapters saved from now on name their new base
+            self.rollout.sync_weights()  # the merged policy is the same up to rounding: the engine gets it exactly
             return folder, ref.synced(folder)
         if alpha == 1.0 and (ref.remote or ds.partitions_weights(self.engine)):
             export_model(self.engine, self.tokenizer, folder)
@@ -243,6 +244,7 @@ class Trainer:
         batch = algo.process_batch(batch, ctx)
         scored = ctx.scored or batch  # what the step's reward / advantage metrics describe
         timings = self.rollout.pop_timings()
+        self.rollout.offload()  # vllm on CUDA: its memory is the training passes' until the next sync
 
         t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id
@@ -293,6 +295,7 @@ class Trainer:
             m.update(self.multiturn.pop_metrics())
         if self.reference is not None:
             m.update(self.reference.pop_metrics())
+        m.update(self.rollout.pop_metrics())
         self.watchdog.record(self.step + 1, finite, m["loss"], grad_norm)  # may stop the run
         m["nonfinite_steps"] = float(self.watchdog.total)
         self.health.check(self.step + 1, m)
