@@ -142,6 +142,12 @@ class RolloutService:
         if release is not None:
             release()
 
+    def close(self) -> None:
+        """The engine lets go of what it holds beyond this process's lifetime rules (idempotent)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def pop_metrics(self) -> dict[str, float]:
         """The engine's own metrics since the last call (none for ``hf``)."""
         pop = getattr(self.engine, "pop_metrics", None)

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -106,6 +107,8 @@ class VLLMEngine:
         else:
             kwargs.update(kv_cache_memory_bytes=int(v.cpu_kv_cache_gb * (1 << 30)))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # every reload says the rotary embedding loaded nothing: it has no weights (its tables are computed)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         dist.default_single_process_env()  # external_launcher reads RANK / LOCAL_RANK / MASTER_* (a world of one)
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op: give it back after
         try:
@@ -263,6 +266,16 @@ class VLLMEngine:
                 f"sampled tokens differ from the trainer's by up to {worst:.4g} nats (this rank: {gap:.4g} over "
                 f"{count} tokens) > rollout.vllm.check_tolerance={tol}. The samples would come from stale weights; "
                 "stopping instead of training on them.")
+
+    def close(self) -> None:
+        """Drop vLLM's process groups now. vLLM's own teardown (when the engine is collected, at exit at the
+        latest) would also destroy the default group, which is the trainer's: it is left to the trainer."""
+        from vllm.distributed import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+            ps._WORLD = None
 
     def pop_metrics(self) -> dict[str, float]:
         out, self.metrics = self.metrics, {}

@@ -352,7 +352,8 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the reward and evaluation worker pools (idempotent)."""
+        """Stop the reward and evaluation worker pools and the generation engine's resources (idempotent)."""
+        self.rollout.close()
         if self.rewards is not None:
             self.rewards.close()
         if self.env is not None:
