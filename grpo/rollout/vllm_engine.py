@@ -111,20 +111,23 @@ class VLLMEngine:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         dist.default_single_process_env()  # external_launcher reads RANK / LOCAL_RANK / MASTER_* (a world of one)
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op: give it back after
-        try:
-            self.llm = vllm.LLM(**kwargs)
-        except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; the message says what it could not do
-            arch = getattr(_plain_model(setup.model).config, "architectures", None)
-            raise RuntimeError(f"vLLM {vllm.__version__} cannot load the model {cfg.model.name_or_path!r} "
-                               f"(architecture {arch}, built from {self.folder}): {type(e).__name__}: {e}") from e
-        finally:
-            torch.set_num_threads = set_threads
         self._vllm = vllm
         self.asleep = False
         self.syncs = 0
         self.metrics: dict[str, float] = {}
         self._last: Optional[tuple[list[list[int]], list[list[int]]]] = None  # (prompts, completions) last sampled
-        self.sync_weights()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+            self.sync_weights()
+            # one token: kernels that refuse the model's shapes (e.g. CPU attention and head_dim 16) fail here
+            self._run([[setup.pad_id]], self._params(SamplingParams(max_tokens=1), 1))
+        except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; the message says what it could not do
+            plain = _plain_model(setup.model)
+            arch = getattr(plain.config, "architectures", None) or [type(plain).__name__]
+            raise RuntimeError(f"vLLM {vllm.__version__} cannot load the model {cfg.model.name_or_path!r} "
+                               f"(architecture {arch}, built from {self.folder}): {type(e).__name__}: {e}") from e
+        finally:
+            torch.set_num_threads = set_threads
 
     # ------------------------------------------------------------------ generation
     def _params(self, params: SamplingParams, n: int, **extra):
@@ -241,7 +244,8 @@ class VLLMEngine:
             return 0.0, 0
         was_training = model.training
         model.eval()
-        trainer, _ = completion_logprobs(model, pack(prompts, comps, self.setup.pad_id), 1.0)
+        with torch.no_grad():
+            trainer, _ = completion_logprobs(model, pack(prompts, comps, self.setup.pad_id), 1.0)
         model.train(was_training)
         sp = self._params(SamplingParams(max_tokens=1), 1, prompt_logprobs=0)
         outs = self._run([p + c for p, c in zip(prompts, comps)], sp)
@@ -249,7 +253,7 @@ class VLLMEngine:
         count = 0
         for i, (p, c, out) in enumerate(zip(prompts, comps, outs)):
             ours = [float(out.prompt_logprobs[len(p) + j][t].logprob) for j, t in enumerate(c)]
-            d = (torch.tensor(ours, dtype=torch.float64) - trainer[i, : len(c)].double().cpu()).abs()
+            d = (torch.tensor(ours, dtype=torch.float64) - trainer[i, : len(c)].detach().double().cpu()).abs()
             gap, count = max(gap, float(d.max())), count + len(c)
         return gap, count
 

