@@ -148,3 +148,38 @@ def test_an_architecture_vllm_cannot_run_is_named(tmp_path, single_rank_env):
     with pytest.raises(RuntimeError, match=r"vLLM .* cannot load the model 'builtin:tiny-char' \(architecture "
                                            r"\['LlamaForCausalLM'\]"):
         make_engine(tmp_path, "builtin:tiny-char")
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_synced_weights(tmp_path):
+    """Killed after its step-2 checkpoint, the run resumes and vLLM serves the restored weights from its first
+    generation on (the initial weights, which vLLM held before the resume's sync, would be far off)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    args = [f"model.name_or_path={TINY}", "rollout.engine=vllm", "algo.beta=0", "train.lr=1e-2",
+            "train.save_every=2", f"train.output_dir={tmp_path}", "rollout.vllm.cpu_kv_cache_gb=0.25",
+            "rollout.prompts_per_step=8", "rollout.num_generations=4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([sys.executable, "train.py", "--config", "configs/demo.yaml", "train.max_steps=1000", *args],
+                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / "checkpoints" / "latest"
+    deadline = time.time() + 240
+    while not marker.is_file() and run.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    run.send_signal(signal.SIGKILL)
+    _, err = run.communicate()
+    assert marker.is_file(), f"no checkpoint before the kill\n{err[-3000:]}"
+    proc = subprocess.run([sys.executable, "tests/vllm_resume_worker.py", "train.max_steps=1000", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["step"] >= 2 and r["syncs"] == 2  # the engine's first load, then the resume's
+    assert r["tokens"] > 0 and r["gap"] <= FP32_TOL
+    assert r["stale_gap"] > 0.1  # without that sync vLLM would serve weights this far off: the probe (0.1) would stop the run

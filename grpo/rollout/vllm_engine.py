@@ -107,8 +107,6 @@ class VLLMEngine:
         else:
             kwargs.update(kv_cache_memory_bytes=int(v.cpu_kv_cache_gb * (1 << 30)))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        # every reload says the rotary embedding loaded nothing: it has no weights (its tables are computed)
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         dist.default_single_process_env()  # external_launcher reads RANK / LOCAL_RANK / MASTER_* (a world of one)
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op: give it back after
         self._vllm = vllm
@@ -118,6 +116,9 @@ class VLLMEngine:
         self._last: Optional[tuple[list[list[int]], list[list[int]]]] = None  # (prompts, completions) last sampled
         try:
             self.llm = vllm.LLM(**kwargs)
+            # every reload says the rotary embedding loaded nothing: it has no weights (its tables are computed).
+            # Set after the engine is built: vLLM's logging setup resets its loggers' levels on first use.
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
             self.sync_weights()
             # one token: kernels that refuse the model's shapes (e.g. CPU attention and head_dim 16) fail here
             self._run([[setup.pad_id]], self._params(SamplingParams(max_tokens=1), 1))
