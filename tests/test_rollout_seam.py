@@ -73,3 +73,11 @@ def test_continue_sequences_extends_each_row_within_its_room():
     assert service.continue_sequences([], [], []) == []  # nothing to do: no forward pass (one rank)
     assert service.collective_rounds(3) == 3  # not under ZeRO-3: no collective
     assert SamplingParams.from_rollout(cfg.rollout).greedy().top_k == 1
+
+
+def test_the_vllm_engine_without_vllm_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed (an import of it raises ImportError)
+    with pytest.raises(ConfigError, match=r'rollout.engine=vllm needs the vllm extra.*pip install -e "\.\[vllm\]"'):
+        engine_class("vllm")
