@@ -22,6 +22,7 @@ pytestmark = pytest.mark.vllm
 TINY = "builtin:tiny-char-h64"
 # fp32 on both sides: the same arithmetic up to summation order (measured: 5e-7 nats at most)
 FP32_TOL = 1e-4
+BF16_TOL = 0.1  # see test_smollm2_shaped_model_in_bf16
 
 
 def make_engine(out_dir, name: str, *overrides: str) -> VLLMEngine:
@@ -183,3 +184,33 @@ def test_a_killed_run_resumes_with_synced_weights(tmp_path):
     assert r["step"] >= 2 and r["syncs"] == 2  # the engine's first load, then the resume's
     assert r["tokens"] > 0 and r["gap"] <= FP32_TOL
     assert r["stale_gap"] > 0.1  # without that sync vLLM would serve weights this far off: the probe (0.1) would stop the run
+
+
+def test_smollm2_shaped_model_in_bf16(tmp_path, single_rank_env):
+    """SmolLM2-135M's layer shape (hidden 576, 9 query / 3 key-value heads of width 64, MLP 1536, vocab 49152,
+    tied head), 2 of its 30 layers, random weights spread enough that the log-probs are far from uniform;
+    bf16 on both sides. Tolerance: bf16 keeps 8 bits of mantissa, so the two sides' different kernels
+    (vLLM's CPU attention and GEMMs against torch's) round differently at every layer; BF16_TOL is about
+    3x the largest gap measured here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo.foundation.tiny import make_char_tokenizer
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                         tie_word_embeddings=True, initializer_range=0.1, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    folder = tmp_path / "smollm2-shape"
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    make_char_tokenizer().save_pretrained(folder)
+    eng = make_engine(tmp_path / "out", str(folder), "model.dtype=bf16")
+    prompts = prompts_of(eng)
+    comp = eng.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True), 4)
+    theirs = trainer_logprobs(eng, prompts, comp, 4, 1.0)
+    gaps = torch.cat([(x - torch.tensor(y, dtype=torch.float64)).abs() for x, y in zip(theirs, comp.logprobs)])
+    spread = float(torch.cat(theirs).std())
+    print(f"bf16 gap: mean {float(gaps.mean()):.4f} max {float(gaps.max()):.4f} over {gaps.numel()} tokens; "
+          f"log-prob spread (std) {spread:.2f}")
+    assert spread > 0.5  # not a near-uniform model, where any weights would agree
+    assert float(gaps.max()) <= BF16_TOL and float(gaps.mean()) <= BF16_TOL / 5

@@ -145,7 +145,7 @@ class VllmConfig:
     check_every: int = 10
     check_tolerance: float = 0.1  # max |log p_vllm - log p_trainer| over the probed tokens (nats)
     check_rows: int = 2  # sequences per probe
-    sync_bucket_mb: int = 256  # parameters are gathered (ZeRO-3) and loaded in buckets of at most this size
+    sync_bucket_mb: float = 256.0  # parameters are gathered (ZeRO-3) and loaded in buckets of at most this size
     cpu_kv_cache_gb: float = 1.0  # CPU: the KV cache's size (vLLM's VLLM_CPU_KVCACHE_SPACE)
 
 

@@ -199,7 +199,7 @@ class VLLMEngine:
             return
         import deepspeed
 
-        limit = self.vcfg.sync_bucket_mb << 20
+        limit = self.vcfg.sync_bucket_mb * (1 << 20)
         bucket: list[tuple[str, torch.nn.Parameter]] = []
         size = 0
         for name, p in params + [("", None)]:  # the sentinel flushes the last bucket
