@@ -21,13 +21,16 @@ def main() -> None:
     eng = tr.rollout.engine
     syncs = eng.syncs
     batch = tr.generate(tr._rank_indices())  # the resumed run's first generation
-    gap, tokens = eng.probe_gap(8)
+    _, gap, tokens = eng.probe_gap(8)
     prompts, comps = eng._last
     prompts, comps = prompts[:8], comps[:8]
     with torch.no_grad():
         now, _ = completion_logprobs(tr.model, pack(prompts, comps, tr.tokenizer.pad_token_id), 1.0)
         init, _ = completion_logprobs(load_policy(cfg.model), pack(prompts, comps, tr.tokenizer.pad_token_id), 1.0)
-    stale = float((now - init).abs().max())
+    mask = torch.zeros_like(now, dtype=torch.bool)
+    for i, c in enumerate(comps):
+        mask[i, : len(c)] = True
+    stale = float((now - init).abs()[mask].mean())  # the probe's statistic (mean over tokens)
     tr.close()
     print(json.dumps({"step": tr.step, "syncs": syncs, "gap": gap, "tokens": tokens, "stale_gap": stale,
                       "rows": len(batch)}), flush=True)

@@ -228,8 +228,14 @@ class VLLMEngine:
             self.check()
 
     # ------------------------------------------------------------------ the probe
-    def probe_gap(self, rows: Optional[int] = None) -> tuple[float, int]:
-        """(max |log p_vllm - log p_trainer|, tokens compared) over the completions of the first ``rows``
+    @property
+    def tolerance(self) -> float:
+        """The probe's limit on the mean |log p_vllm - log p_trainer| (``check_tolerance``, by dtype when unset)."""
+        tol = self.vcfg.check_tolerance
+        return tol if tol is not None else (0.01 if self.setup.cfg.model.dtype == "fp32" else 0.1)
+
+    def probe_gap(self, rows: Optional[int] = None) -> tuple[float, float, int]:
+        """(mean, max, count) of |log p_vllm - log p_trainer| over the completion tokens of the first ``rows``
         sequences last sampled, both at temperature 1 with the weights as they are now. Collective under
         ZeRO-3 over several ranks (one trainer forward on every rank)."""
         rows = rows or self.vcfg.check_rows
@@ -242,7 +248,7 @@ class VLLMEngine:
                 from grpo.rollout.hf import _join_forward
 
                 _join_forward(model, self.setup.pad_id, next(model.parameters()).device)
-            return 0.0, 0
+            return 0.0, 0.0, 0
         was_training = model.training
         model.eval()
         with torch.no_grad():
@@ -250,27 +256,27 @@ class VLLMEngine:
         model.train(was_training)
         sp = self._params(SamplingParams(max_tokens=1), 1, prompt_logprobs=0)
         outs = self._run([p + c for p, c in zip(prompts, comps)], sp)
-        gap = 0.0
-        count = 0
+        gaps = []
         for i, (p, c, out) in enumerate(zip(prompts, comps, outs)):
             ours = [float(out.prompt_logprobs[len(p) + j][t].logprob) for j, t in enumerate(c)]
-            d = (torch.tensor(ours, dtype=torch.float64) - trainer[i, : len(c)].detach().double().cpu()).abs()
-            gap, count = max(gap, float(d.max())), count + len(c)
-        return gap, count
+            gaps.append((torch.tensor(ours, dtype=torch.float64) - trainer[i, : len(c)].detach().double().cpu()).abs())
+        d = torch.cat(gaps)
+        return float(d.mean()), float(d.max()), int(d.numel())
 
     def check(self) -> None:
         """The probe: stop the run when vLLM does not serve the trainer's weights (collective)."""
         t0 = time.perf_counter()
-        gap, count = self.probe_gap()
-        worst = float(dist.all_reduce_max(torch.tensor([gap], dtype=torch.float64))[0])
-        self.metrics.update({"vllm/probe_gap_max": worst, "vllm/probe_seconds": time.perf_counter() - t0})
-        tol = self.vcfg.check_tolerance
-        if worst > tol:
+        mean, mx, count = self.probe_gap()
+        worst = dist.all_reduce_max(torch.tensor([mean, mx], dtype=torch.float64)).tolist()
+        self.metrics.update({"vllm/probe_gap_mean": worst[0], "vllm/probe_gap_max": worst[1],
+                             "vllm/probe_seconds": time.perf_counter() - t0})
+        tol = self.tolerance
+        if worst[0] > tol:
             raise RuntimeError(
                 f"vLLM does not serve the trainer's weights: after weight sync #{self.syncs} its log-probs of "
-                f"sampled tokens differ from the trainer's by up to {worst:.4g} nats (this rank: {gap:.4g} over "
-                f"{count} tokens) > rollout.vllm.check_tolerance={tol}. The samples would come from stale weights; "
-                "stopping instead of training on them.")
+                f"sampled tokens differ from the trainer's by {worst[0]:.4g} nats on average (largest {worst[1]:.4g}; "
+                f"this rank: {mean:.4g} over {count} tokens) > rollout.vllm.check_tolerance={tol}. The samples "
+                "would come from stale weights; stopping instead of training on them.")
 
     def close(self) -> None:
         """Drop vLLM's process groups now. vLLM's own teardown (when the engine is collected, at exit at the
