@@ -167,7 +167,9 @@ def test_a_killed_run_resumes_with_synced_weights(tmp_path):
     args = [f"model.name_or_path={TINY}", "rollout.engine=vllm", "algo.beta=0", "train.lr=1e-2",
             "train.save_every=2", f"train.output_dir={tmp_path}", "rollout.vllm.cpu_kv_cache_gb=0.25"]
     # the demo's 32 x 16 rows: about half the groups have rewards that differ, so the weights do move
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # a world of one of its own (this process's engine holds the module's MASTER_PORT)
+    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([sys.executable, "train.py", "--config", "configs/demo.yaml", "train.max_steps=1000", *args],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marker = tmp_path / "checkpoints" / "latest"
