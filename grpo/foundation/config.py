@@ -128,6 +128,30 @@ class DataConfig:
 
 
 @dataclass
+class VllmConfig:
+    """The ``vllm`` engine (``rollout.engine: vllm``; grpo/rollout/vllm_engine.py, extra ``.[vllm]``).
+
+    Each rank holds its own vLLM engine next to its DeepSpeed engine; the trainer's weights are loaded
+    into it after every optimizer step, after ``--resume`` and after a reference reset / adapter merge.
+    """
+
+    gpu_memory_utilization: float = 0.3  # CUDA: the share of the GPU vLLM may take (weights + KV cache)
+    tensor_parallel_size: int = 1
+    # CUDA: vLLM sleeps (weights offloaded, KV cache freed) during the training passes and wakes for the
+    # next sync/generation, so both engines share the memory. Ignored on CPU.
+    sleep: bool = True
+    # every N weight syncs, a probe checks that vLLM serves the new weights (its log-probs of a few sampled
+    # sequences against the trainer's); 0 = never. A gap above ``check_tolerance`` stops the run.
+    check_every: int = 10
+    # the largest allowed mean |log p_vllm - log p_trainer| over a rank's probed tokens (nats); null: 0.01 with
+    # model.dtype fp32, 0.1 with bf16 / fp16 (measured gaps with the same weights: 1e-6 and 0.04, README)
+    check_tolerance: Optional[float] = None
+    check_rows: int = 2  # sequences per probe
+    sync_bucket_mb: float = 256.0  # parameters are gathered (ZeRO-3) and loaded in buckets of at most this size
+    cpu_kv_cache_gb: float = 1.0  # CPU: the KV cache's size (vLLM's VLLM_CPU_KVCACHE_SPACE)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling: ``prompts_per_step`` prompts (over all ranks) x ``num_generations`` completions."""
 
@@ -149,6 +173,7 @@ class RolloutConfig:
     # ``max_trajectory_tokens`` (the width L_max of the batch). Running out of either ends the trajectory.
     max_turns: int = 4
     max_trajectory_tokens: int = 128
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # settings of the ``vllm`` engine
 
 
 @dataclass
@@ -350,6 +375,7 @@ def validate(cfg: Config) -> None:
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p!r} is invalid: it must be in (0, 1]")
     _positive("rollout.top_k", r.top_k, allow_zero=True)
+    _validate_vllm(r.vllm)
     _positive("train.max_steps", t.max_steps)
     _positive("train.lr", t.lr, allow_zero=True)
     _positive("train.micro_batch_size", t.micro_batch_size)
@@ -409,6 +435,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
     _validate_ref_sync(cfg)
     _validate_env(cfg)
+
+
+def _validate_vllm(v: VllmConfig) -> None:
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization!r} is invalid: "
+                          "it must be in (0, 1]")
+    _positive("rollout.vllm.tensor_parallel_size", v.tensor_parallel_size)
+    _positive("rollout.vllm.check_every", v.check_every, allow_zero=True)
+    if v.check_tolerance is not None:
+        _positive("rollout.vllm.check_tolerance", v.check_tolerance)
+    _positive("rollout.vllm.check_rows", v.check_rows)
+    _positive("rollout.vllm.sync_bucket_mb", v.sync_bucket_mb)
+    _positive("rollout.vllm.cpu_kv_cache_gb", v.cpu_kv_cache_gb)
 
 
 def _validate_lora(cfg: Config) -> None:

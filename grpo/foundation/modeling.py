@@ -9,15 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.foundation.config import ConfigError, ModelConfig
-from grpo.foundation.tiny import BUILTIN_NAME, BUILTINS, build_tiny
+from grpo.foundation.tiny import BUILTIN_NAME, build_builtin, is_builtin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer, with a pad token guaranteed (EOS is reused when the tokenizer has none)."""
-    if name_or_path in BUILTINS:
-        return build_tiny(name=name_or_path)[1]
+    if is_builtin(name_or_path):
+        return build_builtin(name_or_path)[1]
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -61,8 +61,8 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
         from grpo.foundation.lora import load_adapter_folder
 
         model = load_adapter_folder(name, lambda base: load_model(cfg, base, safetensors_only, apply_freeze=False))
-    elif name in BUILTINS:
-        model = build_tiny(name=name)[0].to(dtype)
+    elif is_builtin(name):
+        model = build_builtin(name)[0].to(dtype)
     else:
         kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         if safetensors_only:

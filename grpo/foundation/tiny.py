@@ -1,7 +1,7 @@
 """A tiny Llama-style model and a character-level tokenizer, built offline in seconds.
 
-Used by the tests and the demo (``model.name_or_path: builtin:tiny-char``) and written to
-a folder with ``python -m grpo.foundation.tiny OUT_DIR``. Same seed -> same weights, on every rank.
+Used by the tests and the demo (``model.name_or_path: builtin:tiny-char``, or ``builtin:tiny-char-h64``
+with head_dim 64 for vLLM) and written to a folder with ``python -m grpo.foundation.tiny OUT_DIR [NAME]``. Same seed -> same weights, on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ CHARSET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n
 # builtin:tiny-arith: the same model over a small action vocabulary (arithmetic, the chat template's role
 # letters u/a/t/s and the calculator's "error"); any other character is <unk>. 29 tokens instead of 97.
 ARITH_CHARSET = string.digits + "+-*/=() :\nuatsero"
-BUILTINS = {BUILTIN_NAME: CHARSET, "builtin:tiny-arith": ARITH_CHARSET}
+# Every builtin model: its name -> (its tokenizer's characters, make_tiny_model's arguments).
+# ``tiny-char-h64`` has tiny-char's sizes with one head of width 64 (tiny-char's heads are 16 wide, which
+# vLLM's CPU attention refuses): the vllm engine's.
+BUILTIN_MODELS = {
+    BUILTIN_NAME: (CHARSET, {}),
+    "builtin:tiny-char-h64": (CHARSET, {"num_heads": 1}),
+    "builtin:tiny-arith": (ARITH_CHARSET, {}),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
@@ -77,8 +84,18 @@ def make_tiny_model(
     return model
 
 
-def build_tiny(seed: int = 0, name: str = BUILTIN_NAME, **model_kwargs) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    tok = make_char_tokenizer(BUILTINS[name])
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN_MODELS
+
+
+def build_builtin(name: str, seed: int = 0) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """The builtin model ``name`` (a key of BUILTIN_MODELS) and its tokenizer."""
+    charset, model_kwargs = BUILTIN_MODELS[name]
+    return build_tiny(seed=seed, charset=charset, **model_kwargs)
+
+
+def build_tiny(seed: int = 0, charset: str = CHARSET, **model_kwargs) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    tok = make_char_tokenizer(charset)
     model = make_tiny_model(
         len(tok), seed=seed, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, **model_kwargs,
@@ -97,6 +114,7 @@ def write_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m grpo.foundation.tiny OUT_DIR")
-    print(write_tiny(sys.argv[1]))
+    if len(sys.argv) not in (2, 3):
+        sys.exit(f"usage: python -m grpo.foundation.tiny OUT_DIR [{' | '.join(BUILTIN_MODELS)}]")
+    charset, model_kwargs = BUILTIN_MODELS[sys.argv[2] if len(sys.argv) == 3 else BUILTIN_NAME]
+    print(write_tiny(sys.argv[1], charset=charset, **model_kwargs))

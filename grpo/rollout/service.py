@@ -5,6 +5,8 @@
     rollout(prompts, items, index)         the step's groups as a scored RolloutBatch
     score(batch)                           the reward functions on a batch's texts
     sync_weights()                         after every optimizer step (a no-op for the ``hf`` engine)
+    offload()                              before the training passes (vllm on CUDA: the engine sleeps)
+    pop_metrics()                          the engine's own metrics (vllm: sync time, probe gap)
 
 Behind it sits a :class:`~grpo.rollout.engine.GenerationEngine` chosen by ``rollout.engine``.
 ZeRO-3's collective generation is handled here and in the engine, nowhere else: callers make
@@ -25,9 +27,12 @@ from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
 from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, SamplingParams, completion_mask, cut_at_eos
 from grpo.rollout.hf import HFEngine, needs_synced_generation
+from grpo.rollout.vllm_engine import VLLMEngine, require_vllm
 
 # name -> engine class; ``rollout.engine`` may also be any ``package.module:Class``
-ENGINES: dict[str, type] = {"hf": HFEngine}
+ENGINES: dict[str, type] = {"hf": HFEngine, "vllm": VLLMEngine}
+# name -> a check that the engine's optional dependencies are installed (a ConfigError naming the extra)
+REQUIREMENTS: dict[str, Callable[[], Any]] = {"vllm": require_vllm}
 
 # (prompt texts, completion texts, dataset columns) -> (total reward per row, {function: values})
 Scorer = Callable[[list[str], list[str], dict[str, list]], tuple[list[float], dict[str, list[float]]]]
@@ -36,6 +41,8 @@ Scorer = Callable[[list[str], list[str], dict[str, list]], tuple[list[float], di
 def engine_class(name: str) -> type:
     """The engine class that ``rollout.engine`` names (a registered name or ``package.module:Class``)."""
     if name in ENGINES:
+        if name in REQUIREMENTS:
+            REQUIREMENTS[name]()
         return ENGINES[name]
     if ":" not in name:
         raise ConfigError(
@@ -128,6 +135,23 @@ class RolloutService:
         t0 = time.perf_counter()
         self.engine.sync_weights()
         self._time("weight_sync", t0)
+
+    def offload(self) -> None:
+        """The training passes come next: an engine that holds memory of its own may release it."""
+        release = getattr(self.engine, "offload", None)
+        if release is not None:
+            release()
+
+    def close(self) -> None:
+        """The engine lets go of what it holds beyond this process's lifetime rules (idempotent)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The engine's own metrics since the last call (none for ``hf``)."""
+        pop = getattr(self.engine, "pop_metrics", None)
+        return pop() if pop is not None else {}
 
     # ----------------------------------------------------------------- text and rewards
     def decode(self, tokens: list[list[int]]) -> list[str]:

@@ -167,6 +167,7 @@ class Trainer:
                 write_weights(self.model, lora.base_state_dict(self.model), self.tokenizer, folder)
             dist.barrier()
             lora.set_base_name(self.model, folder)  # adapters saved from now on name their new base
+            self.rollout.sync_weights()  # the merged policy is the same up to rounding: the engine gets it exactly
             return folder, ref.synced(folder)
         if alpha == 1.0 and (ref.remote or ref.partitioned or ds.partitions_weights(self.engine)):
             export_model(self.engine, self.tokenizer, folder)
@@ -250,6 +251,7 @@ class Trainer:
         batch = algo.process_batch(batch, ctx)
         scored = ctx.scored or batch  # what the step's reward / advantage metrics describe
         timings = self.rollout.pop_timings()
+        self.rollout.offload()  # vllm on CUDA: its memory is the training passes' until the next sync
 
         t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id
@@ -303,6 +305,7 @@ class Trainer:
             m.update(self.reference.pop_metrics())
         if gap is not None:
             m.update(gap.metrics())
+        m.update(self.rollout.pop_metrics())
         self.watchdog.record(self.step + 1, finite, m["loss"], grad_norm)  # may stop the run
         m["nonfinite_steps"] = float(self.watchdog.total)
         self.health.check(self.step + 1, m)
@@ -363,7 +366,8 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the reward and evaluation worker pools (idempotent)."""
+        """Stop the reward and evaluation worker pools and the generation engine's resources (idempotent)."""
+        self.rollout.close()
         if self.rewards is not None:
             self.rewards.close()
         if self.env is not None:
