@@ -136,6 +136,7 @@ _PROBE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 import torch, transformers, yaml, requests, safetensors  # third-party: loaded once, before the forks
+import deepspeed, peft, pyarrow.parquet, bottle  # (the heavy ones too: each child then loads only project code)
 mods = json.loads(sys.argv[2])
 result = {}
 for m in mods:
