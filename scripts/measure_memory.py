@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -36,17 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from memory_sides import rss_mb, run_side, side_env, status_mb, write_results  # noqa: E402 (scripts/, beside this file)
 DEFAULT_LORA = "{r: 16, alpha: 32}"
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key + ":"))
 
 
 def _reset_peak() -> bool:
@@ -78,14 +68,14 @@ def child(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg)
     after_setup = rss_mb()
-    setup_peak = _status_mb("VmHWM")
+    setup_peak = status_mb("VmHWM")
     times, step_peaks = [], []
     for _ in range(args.steps):
         resettable = _reset_peak()
         t0 = time.perf_counter()
         m = trainer.train_step()
         times.append(time.perf_counter() - t0)
-        step_peaks.append(_status_mb("VmHWM") if resettable else float("nan"))
+        step_peaks.append(status_mb("VmHWM") if resettable else float("nan"))
         trainer.step += 1
     trainer.close()
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -158,24 +148,18 @@ def main() -> int:
     results = {}
     for side in ("full", "lora"):
         cmd = [sys.executable, __file__, "--child", side] + [a for a in sys.argv[1:]]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-        if args.mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        env = side_env(args.threads, args.mmap_threshold)
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             env.pop(k, None)
-        print("$", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-            return proc.returncode or 1
+        proc = run_side(cmd, env)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None) if proc else None
+        if line is None:
+            if proc is not None:
+                print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            return 1
         results[side] = json.loads(line[len("RESULT "):])
         print(f"{side}: {results[side]}", flush=True)
-    text = table(results, args)
-    (args.out / "memory.json").write_text(json.dumps(results, indent=1))
-    (args.out / "memory.md").write_text(text + "\n")
-    print()
-    print(text)
+    write_results(args.out, "memory", results, table(results, args))
     return 0
 
 

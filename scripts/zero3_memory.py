@@ -28,26 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from memory_sides import rss_mb, run_side, side_env, status_mb, write_results  # noqa: E402 (scripts/, beside this file)
 SIDES = {"whole": "false", "partitioned": "true"}  # side -> train.zero3_init
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    return status_mb("VmHWM")
 
 
 def reset_peak() -> None:
@@ -249,21 +242,11 @@ def main() -> int:
             continue
         launcher = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port())]
         cmd = launcher + [__file__, "--child", side] + sys.argv[1:]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-        if args.mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-        print("$", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-            return proc.returncode or 1
+        if run_side(cmd, side_env(args.threads, args.mmap_threshold)) is None:
+            return 1
         results[side] = json.loads((args.out / f"{side}.json").read_text())
         print(f"{side}: {results[side]}", flush=True)
-    text = table(results, args)
-    (args.out / "zero3_memory.json").write_text(json.dumps(results, indent=1))
-    (args.out / "zero3_memory.md").write_text(text + "\n")
-    print()
-    print(text)
+    write_results(args.out, "zero3_memory", results, table(results, args))
     return 0
 
 
