@@ -17,6 +17,7 @@ from grpo.foundation.config import ConfigError, LoraConfig
 from grpo.training.configure import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one-rank trainer's device
 LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj]}"
 # the tiny model ties lm_head to the input embeddings: the head trains as a copy, the embeddings stay frozen
 LORA_HEAD = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj], modules_to_save: [lm_head]}"
@@ -95,7 +96,7 @@ def perturb_adapters(model, seed: int = 0, scale: float = 0.05) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n or ".modules_to_save." in n:
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * scale)
 
 
 def fixed_packed(tr, groups: int = 3, G: int = 4):
@@ -111,11 +112,12 @@ def fixed_packed(tr, groups: int = 3, G: int = 4):
 
 
 def plain_logprobs(model, packed, cfg) -> torch.Tensor:
-    """Log-probs as the in-process reference computes them (eval mode, the same row slices)."""
+    """Log-probs as the in-process reference computes them (eval mode, the same row slices, the trainer's
+    device: bit-equality holds only between the same kernels), on the CPU."""
     from grpo.reference.base import sliced_logprobs
 
-    return sliced_logprobs(model.eval(), packed, cfg.rollout.temperature, cfg.train.logprob_chunk_size,
-                           max_rows=cfg.train.micro_batch_size)[0]
+    return sliced_logprobs(model.to(DEVICE).eval(), packed, cfg.rollout.temperature, cfg.train.logprob_chunk_size,
+                           max_rows=cfg.train.micro_batch_size)[0].cpu()
 
 
 def policy_logprobs(tr, packed) -> torch.Tensor:
@@ -160,7 +162,7 @@ def test_only_adapters_train_the_base_stays_bit_identical_and_the_reference_is_t
     # with LoRA the reference log-probs are the base model's, exactly
     tr.model.train()
     packed = fixed_packed(tr)
-    ref = tr.reference.logprobs(packed, tr.cfg.rollout.temperature)
+    ref = tr.reference.logprobs(packed, tr.cfg.rollout.temperature).cpu()
     assert tr.model.training  # its mode is restored
     fresh_base = load_model(tr.cfg.model)
     assert torch.equal(ref, plain_logprobs(fresh_base, packed, tr.cfg))
@@ -340,6 +342,7 @@ def formula(theta: torch.Tensor, ref: torch.Tensor, alpha: float) -> torch.Tenso
 def within_rounding(got: torch.Tensor, theta: torch.Tensor, ref: torch.Tensor, alpha: float) -> bool:
     """|got - (alpha theta + (1 - alpha) ref)| <= 4 float32 units of the terms' size: the three roundings of
     float32 arithmetic (two products and their sum), with room to spare; the float64 formula is the yardstick."""
+    got, theta, ref = got.cpu(), theta.cpu(), ref.cpu()
     size = alpha * theta.double().abs() + (1 - alpha) * ref.double().abs()
     return bool(((got.double().cpu() - formula(theta, ref, alpha)).abs() <= 2.0**-22 * size).all())
 
@@ -368,7 +371,7 @@ def test_sync_every_mixes_the_in_process_reference_as_the_formula_says(single_ra
         seen.append((tr.step, a, folder, version))
         assert_mixed(snapshot(tr.reference.impl.model), theta, ref, a)
         saved = load_model(tr.cfg.model, folder).state_dict()  # the folder holds the new reference
-        assert all(torch.equal(saved[k], tr.reference.impl.model.state_dict()[k]) for k in saved)
+        assert all(torch.equal(saved[k], tr.reference.impl.model.state_dict()[k].cpu()) for k in saved)
         return folder, version
 
     tr.sync_reference = recording
@@ -390,7 +393,7 @@ def test_sync_every_mixes_the_in_process_reference_as_the_formula_says(single_ra
     tr2 = make_trainer(tmp_path, "algo.beta=0.04", "ref.sync_every=2", f"ref.mixup_alpha={alpha}", resume=True)
     assert tr2.step == 4 and tr2.reference.version == 2 and tr2.reference.folder == last_sync
     want = load_model(tr.cfg.model, last_sync).state_dict()
-    got = tr2.reference.impl.model.state_dict()
+    got = snapshot(tr2.reference.impl.model)
     assert all(torch.equal(want[k], got[k]) for k in want)
     tr2.close()
 
@@ -455,7 +458,7 @@ def test_sync_with_lora_merges_into_the_base_and_keeps_the_policy(single_rank_en
             assert torch.equal(base1[k], w0), k  # layers without adapters: pi_theta = pi_ref there already
     for n, m in layers.items():  # the adapter keeps (1 - alpha) D
         assert torch.equal(m.lora_B[lora.ADAPTER].weight, b0[n] * (1.0 - alpha) if alpha != 1 else torch.zeros_like(b0[n]))
-    ref = tr.reference.logprobs(packed, tr.cfg.rollout.temperature)
+    ref = tr.reference.logprobs(packed, tr.cfg.rollout.temperature).cpu()
     synced_model = load_model(tr.cfg.model, folder)  # the folder holds the new reference (the new base)
     assert torch.equal(ref, plain_logprobs(synced_model, packed, tr.cfg))
     assert (policy_logprobs(tr, packed) - policy_before).abs().max() <= MERGE_BOUND  # the policy did not change
