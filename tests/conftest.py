@@ -57,3 +57,15 @@ def single_rank_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: deselected (reported as such) where torch sees no GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
