@@ -62,7 +62,7 @@ def test_zero3_generation_and_evaluation_stay_in_step(tmp_path, tiny_dir):
     out = tmp_path / "checks.json"
     run_deepspeed(["--out", str(out), "--model", str(tiny_dir)], 2, "tests/zero3_generate_worker.py", timeout=300)
     checks = json.loads(out.read_text())
-    assert len(checks) == 16, checks
+    assert len(checks) == 18, checks
     assert all(checks.values()), [k for k, ok in checks.items() if not ok]
 
 

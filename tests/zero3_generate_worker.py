@@ -114,6 +114,9 @@ def partitioned_checks(folder: str, rank: int) -> dict[str, bool]:
         with GatheredParameters([q]):
             same = same and torch.equal(q.data, w.data)
     out["partitioned build: the gathered weights equal the whole model's"] = same
+    out["partitioned build: the tied head is the embeddings' weight"] = (
+        part.get_output_embeddings().weight is part.get_input_embeddings().weight)
+    out.update(untied_head_checks(whole, folder, rank, cfg, conf))
     ref = frozen_partitioned(cfg, folder, conf)
     g = torch.Generator().manual_seed(11 + rank)
     rows = 5 if rank == 0 else 2  # unequal rows: 3 slices of 2 against 1
@@ -125,6 +128,31 @@ def partitioned_checks(folder: str, rank: int) -> dict[str, bool]:
     out[f"partitioned reference: rank {rank}'s log-probs equal the whole model's"] = torch.allclose(got, want, atol=1e-5)
     out.update(partitioned_sync_checks(cfg, conf, folder, whole))
     return out
+
+
+def untied_head_checks(whole: torch.nn.Module, folder: str, rank: int, cfg, conf: dict) -> dict[str, bool]:
+    """A model whose head is not tied to its embeddings (the same shape, its own weights): the head is built
+    partitioned on its own and filled from the files."""
+    import copy
+
+    from deepspeed.runtime.zero import GatheredParameters
+
+    from grpo.training.partitioned import load_partitioned
+
+    untied = copy.deepcopy(whole)
+    untied.config.tie_word_embeddings = False
+    untied.get_output_embeddings().weight = torch.nn.Parameter(untied.get_input_embeddings().weight.detach() * 2 + 1)
+    path = f"{folder}-untied"
+    if rank == 0:
+        untied.save_pretrained(path)
+    torch.distributed.barrier()
+    part = load_partitioned(cfg, path, conf)
+    head, emb = part.get_output_embeddings().weight, part.get_input_embeddings().weight
+    with GatheredParameters([head, emb]):
+        same = (torch.equal(head.data, untied.get_output_embeddings().weight.data)
+                and torch.equal(emb.data, untied.get_input_embeddings().weight.data))
+    return {"partitioned build, untied head: its own weight, split and filled from the files":
+            head is not emb and head.ds_tensor.numel() < head.ds_numel and same}
 
 
 def partitioned_sync_checks(cfg, conf: dict, folder: str, whole: torch.nn.Module) -> dict[str, bool]:

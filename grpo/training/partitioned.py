@@ -93,9 +93,15 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
     # No initialisation: every weight comes from the files (and the partitions are empty tensors here).
     # The dtype comes from the DeepSpeed config (model.dtype): zero.Init's own dtype argument is ignored on
     # a CPU (DeepSpeed 0.19 takes bf16 there whatever it is given).
-    with _init_without_broadcast()(config_dict_or_path=ds_config), no_init_weights():
+    text = config.get_text_config()
+    tied_head = (text.vocab_size, text.hidden_size) if getattr(text, "tie_word_embeddings", False) else None
+    init = _init_without_broadcast(tied_head)
+    with init(config_dict_or_path=ds_config), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code, **kwargs)
     model.tie_weights()  # skipped with the initialisation; tied weights are stored once in the files
+    for head in init.deferred:
+        if not hasattr(head.weight, "ds_id"):  # not tied after all: partitioned now, filled from the files below
+            deepspeed.zero.Init(module=head, config_dict_or_path=ds_config)
     params = dict(model.named_parameters())
     filled, rank = set(), dist.rank()
     for path in weight_files(Path(source)):
@@ -116,20 +122,38 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
     return prepare_model(model, m)
 
 
-def _init_without_broadcast():
-    """``deepspeed.zero.Init`` that partitions each new weight without first broadcasting it from rank 0.
+def _init_without_broadcast(tied_head: tuple[int, int] | None = None):
+    """``deepspeed.zero.Init`` that partitions each new weight without first broadcasting it from rank 0,
+    and leaves a tied output head alone.
 
     The broadcast makes random initialisations agree; here every weight is then read from the files, and
     on the receiving ranks it would write each module's weights whole once (at 135M parameters the 113 MiB
     embedding, most of the partitioned build's peak there). Without it an uninitialised weight is never
     written whole, so it never becomes resident. (A DeepSpeed version without ``_zero_init_param`` keeps
-    its broadcast: more transient memory, the same weights.)"""
+    its broadcast: more transient memory, the same weights.)
+
+    ``tied_head`` (vocabulary, hidden), for a model whose output head is tied to its input embeddings: the
+    head's own weight, a bias-less Linear of that shape, is replaced by the embeddings' at ``tie_weights()``.
+    Partitioned, it would hold a vocabulary-sized share on every rank until then (54 MiB per rank of
+    SmolLM2-135M over 2 ranks, the partitioned build's peak above half the whole one); left whole and
+    never written, it is never resident. Such heads are listed in ``deferred``; one still untied after
+    ``tie_weights()`` must be partitioned then."""
     import deepspeed
 
     class Init(deepspeed.zero.Init):
+        deferred: list[torch.nn.Module] = []
+
         def _zero_init_param(self, param):
             self._convert_to_deepspeed_param(param)
             param.partition()
+
+        def _post_init_method(self, module):
+            weight = getattr(module, "weight", None)
+            if (tied_head is not None and isinstance(module, torch.nn.Linear) and module.bias is None
+                    and weight is not None and tuple(weight.shape) == tied_head and not hasattr(weight, "ds_id")):
+                Init.deferred.append(module)
+                return
+            super()._post_init_method(module)
 
     return Init
 
