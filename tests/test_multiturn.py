@@ -171,6 +171,35 @@ def test_multi_turn_logprobs_equal_a_naive_float64_recomputation():
         assert torch.allclose(lp[i, :C].detach(), naive, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_hf_engine_feeds_each_turn_only_its_new_tokens_and_samples_the_same_trajectories(dtype):
+    """With an environment the hf engine keeps every row's KV cache between turns: a continuation prefills
+    only what follows the kept prefix (the previous turn's last token and the observation). Same seed,
+    same sampling draws: the trajectories equal those of an engine that prefills the whole sequence every
+    turn (float64: exactly; float32: the same tokens here)."""
+    from grpo.rollout.hf import HFEngine
+
+    def run(keeps: bool):
+        model, _ = build_tiny(seed=1)
+        cfg = load_config(overrides=["rollout.num_generations=3", "rollout.max_completion_length=3", "env.name=maze"])
+        setup = EngineSetup(cfg, model.to(dtype), TOK, [EOS], TOK.pad_token_id)
+        engine = HFEngine(setup)
+        engine.keeps = keeps
+        mt = MultiTurnRollout(RolloutService(setup, engine=engine), env_setup("maze").factory, max_turns=4,
+                              max_trajectory_tokens=96)
+        torch.manual_seed(0)
+        batch = mt.rollout([[1], [1], [1]], MazeEnv.tasks(3, seed=0), [0, 1, 2])
+        return batch, engine.pop_metrics()
+
+    whole, none = run(False)
+    kept, counts = run(True)
+    assert none == {}  # nothing kept, nothing counted
+    assert kept.completion_ids == whole.completion_ids and max(len(t) for t in kept.turns) > 2
+    first_turn = sum(len(p) for p in kept.prompt_ids) // 3  # each group's prompt, fed whole once
+    fed, reused = counts["rollout/prefill_tokens"], counts["rollout/reused_tokens"]
+    assert fed >= first_turn and reused > 2 * (fed - first_turn)  # later turns: most of every prompt is kept
+
+
 def test_env_config_is_validated():
     with pytest.raises(ConfigError, match="data.source='env' needs an environment"):
         load_config(overrides=["data.source=env"])

@@ -48,6 +48,7 @@ class Completions:
     tokens: list[list[int]]  # completion tokens up to and including EOS (or max_tokens tokens)
     truncated: torch.Tensor  # [R] bool: no EOS within max_tokens
     logprobs: Optional[list[list[float]]] = None  # the sampler's log-prob of each drawn token, if it has them
+    reused: int = 0  # prompt positions whose KV came from the engine's earlier rows, not fed again
 
     def mask(self, width: int) -> torch.Tensor:
         return completion_mask([len(t) for t in self.tokens], width)

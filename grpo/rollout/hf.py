@@ -3,9 +3,16 @@
 Each prompt is prefilled once; its KV cache is repeated for the G samples of its group,
 and sequences that have emitted EOS leave the decode batch, so they stop costing compute.
 Under ZeRO-3 with more than one rank, generation is collective (``needs_synced_generation``).
+
+Multi-turn rollouts (``env`` set): the engine keeps the KV cache of every row of its last call
+(``PrefixStore``). A later prompt that starts with such a row (the next turn: the row, then the
+environment's observation) prefills only what follows the longest kept prefix, so a turn costs
+its new tokens, not the whole trajectory again. The store is dropped when the weights change.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from transformers import DynamicCache
@@ -115,6 +122,87 @@ def _make_room(cache: DynamicCache, extra: int) -> None:
             cache.layers[i] = _GrowLayer(layer.keys, layer.values, extra)
 
 
+class PrefixStore:
+    """The rows of one ``generate`` call with their KV cache: row j is ``prompt_j + tokens_j`` and its cache
+    holds every position but the last (the last token was sampled, never fed), per layer a keys and a
+    values tensor [heads, length, head_dim]."""
+
+    def __init__(self):
+        self.rows: list[list[int]] = []
+        self.kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._by_prompt: dict[tuple[int, ...], list[int]] = {}  # the call's prompt -> its rows
+        self._prompt_lengths: set[int] = set()
+
+    def add(self, prompt: list[int], tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._by_prompt.setdefault(tuple(prompt), []).append(len(self.rows))
+        self._prompt_lengths.add(len(prompt))
+        self.rows.append(prompt + tokens)
+        self.kv.append(kv)
+
+    def match(self, prompt: list[int]) -> tuple[int, int]:
+        """(row, c): the kept row sharing the longest prefix with ``prompt`` (it must contain that row's
+        own prompt), and how many of its cached positions serve ``prompt`` (at most ``len(prompt) - 1``:
+        the last prompt token is always fed, its logits start the sampling); (-1, 0) when none does."""
+        best, best_c = -1, 0
+        for n in self._prompt_lengths:
+            for j in self._by_prompt.get(tuple(prompt[:n]), ()):
+                row, c = self.rows[j], n
+                limit = min(len(row) - 1, len(prompt) - 1)
+                while c < limit and row[c] == prompt[c]:
+                    c += 1
+                c = min(c, limit)
+                if c > best_c:
+                    best, best_c = j, c
+        return best, best_c
+
+
+def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, device: torch.device,
+             store: Optional[PrefixStore]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One forward pass over the prompts: (cache, last logits, attention mask, last positions, positions
+    taken from ``store``).
+
+    Prompts are left-padded. With ``store``, each prompt's longest kept prefix comes from there (its
+    keys and values right-aligned in the cache's first columns, the attention mask 0 before them) and only
+    the rest of the prompt is fed (left-padded after them): a row reads [pad, kept, pad, new]."""
+    P = len(prompts)
+    matches = [store.match(p) for p in prompts] if store is not None else [(-1, 0)] * P
+    C = max(c for _, c in matches)
+    suffixes = [p[c:] for p, (_, c) in zip(prompts, matches)]
+    S = max(len(x) for x in suffixes)
+    ids = torch.full((P, S), pad_id, dtype=torch.long, device=device)
+    att = torch.zeros((P, C + S), dtype=torch.long, device=device)
+    for i, (x, (_, c)) in enumerate(zip(suffixes, matches)):
+        ids[i, S - len(x):] = torch.tensor(x, dtype=torch.long)
+        att[i, C - c: C] = 1
+        att[i, C + S - len(x):] = 1
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    if C:
+        kept = [store.kv[j] if j >= 0 else None for j, _ in matches]
+        some = next(kv for kv in kept if kv is not None)
+        for layer, (k0, v0) in enumerate(some):
+            keys = k0.new_zeros((P, k0.shape[0], C, k0.shape[-1]))
+            values = v0.new_zeros((P, v0.shape[0], C, v0.shape[-1]))
+            for i, (kv, (_, c)) in enumerate(zip(kept, matches)):
+                if c:
+                    keys[i, :, C - c:] = kv[layer][0][:, :c]
+                    values[i, :, C - c:] = kv[layer][1][:, :c]
+            cache.update(keys, values, layer)
+    out = model(input_ids=ids, attention_mask=att, position_ids=pos[:, C:], past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.past_key_values, out.logits[:, -1], att, pos[:, -1], sum(c for _, c in matches)
+
+
+def _keep_rows(cache: DynamicCache, rows: torch.Tensor, att: Optional[torch.Tensor], width: int,
+               prompts: list[list[int]], tokens: list[list[int]], store: PrefixStore) -> None:
+    """Copy the cache of the batch rows ``rows`` (their first ``width`` columns, the attended ones) into
+    ``store``."""
+    for b, prompt, toks in zip(rows.tolist(), prompts, tokens):
+        cols = att[b, :width].nonzero(as_tuple=True)[0] if att is not None else slice(0, width)
+        store.add(prompt, toks, [(layer.keys[b][:, cols].clone(), layer.values[b][:, cols].clone())
+                                 for layer in cache.layers])
+
+
 def needs_synced_generation(zero_stage: int) -> bool:
     """ZeRO-3 gathers each layer's weights with a collective inside every forward pass, so all ranks
     must run the same number of forwards: a rank that is done (or has no prompts) keeps joining in."""
@@ -135,11 +223,15 @@ def generate(
     pad_id: int,
     n: int = 1,
     synced: bool = False,
+    reuse: Optional[PrefixStore] = None,
+    keep: Optional[PrefixStore] = None,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
 
     ``synced`` (see ``needs_synced_generation``): collective; every rank must call it, with or without
     prompts, and each keeps running forwards until the last row on any rank has finished.
+    ``reuse``: prompts start from the longest prefix kept there (``PrefixStore``); ``keep``: every row's
+    cache is copied there as it finishes. ``Completions.reused`` counts the prompt positions not fed again.
     """
     G, cfg = n, params
     device = next(model.parameters()).device
@@ -147,29 +239,24 @@ def generate(
     model.eval()
     # ignore_eos: no token ends a row, every completion is max_completion_length long
     eos = torch.tensor([] if cfg.ignore_eos else sorted(eos_ids), dtype=torch.long, device=device)
-    P, Lp = len(prompts), max((len(p) for p in prompts), default=0)
+    P = len(prompts)
     R, T = P * G, cfg.max_tokens
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     active = torch.arange(R, device=device)
+    reused = 0
     if P:
-        ids = torch.full((P, Lp), pad_id, dtype=torch.long, device=device)
-        att = torch.zeros((P, Lp), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at column Lp - 1
-            ids[i, Lp - len(p) :] = torch.tensor(p, dtype=torch.long)
-            att[i, Lp - len(p) :] = 1
-        pos = (att.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
-        cache = out.past_key_values
+        cache, logits, att, last_pos, reused = _prefill(model, prompts, pad_id, device, reuse)
+        Lp = att.shape[1]
         _make_room(cache, T)
+        if keep is not None and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
+            keep = None  # sliding-window or other special layers: their rows are not kept
         cache.batch_repeat_interleave(G)
-        logits = out.logits[:, -1].repeat_interleave(G, dim=0)
-        # The attention mask of every step is a view of one buffer; with no left padding none is needed.
-        padded = any(len(p) != Lp for p in prompts)
+        logits = logits.repeat_interleave(G, dim=0)
+        # The attention mask of every step is a view of one buffer; with no padding none is needed.
+        padded = not bool(att.all())
         att_all = torch.cat([att, att.new_ones(P, T)], dim=1).repeat_interleave(G, dim=0) if padded else None
-        next_pos = pos[:, -1].repeat_interleave(G) + 1
+        next_pos = last_pos.repeat_interleave(G) + 1
     elif synced:
         _join_forward(model, pad_id, device)  # the other ranks' prefill
 
@@ -181,6 +268,11 @@ def generate(
             done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
             lengths[active[done]] = t + 1
             leave = done if t < T - 1 else torch.ones_like(done)  # at T every row ends (truncated unless EOS)
+            if keep is not None and leave.any():
+                gone = leave.nonzero(as_tuple=True)[0]
+                rows = active[gone].tolist()
+                _keep_rows(cache, gone, att_all, Lp + t, [prompts[r // G] for r in rows],
+                           [result[r, : t + 1].tolist() for r in rows], keep)
             if leave.all():
                 active = active[:0]
             elif leave.any():
@@ -208,18 +300,35 @@ def generate(
     tokens = [row[:n] for row, n in zip(rows, lengths_l)]
     eos_set = set(int(e) for e in eos_ids)
     truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
-    return Completions(tokens=tokens, truncated=truncated)
+    return Completions(tokens=tokens, truncated=truncated, reused=reused)
 
 
 class HFEngine:
-    """The training model generates (``rollout.engine: hf``, the default): nothing to sync, it *is* the policy."""
+    """The training model generates (``rollout.engine: hf``, the default): nothing to sync, it *is* the policy.
+
+    With an environment (multi-turn rollouts) it keeps the rows of its last call (``PrefixStore``), so the
+    next turn prefills only its new tokens; ``sync_weights`` (the weights changed) drops them."""
 
     def __init__(self, setup: EngineSetup):
         self.setup = setup
+        self.keeps = bool(setup.cfg.env.name)
+        self.store: Optional[PrefixStore] = None
+        self.metrics: dict[str, float] = {}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
         s = self.setup
-        return generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced)
+        keep = PrefixStore() if self.keeps else None
+        out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store, keep=keep)
+        self.store = keep
+        if self.keeps:
+            fed = sum(len(p) for p in prompts) - out.reused
+            self.metrics["rollout/prefill_tokens"] = self.metrics.get("rollout/prefill_tokens", 0.0) + fed
+            self.metrics["rollout/reused_tokens"] = self.metrics.get("rollout/reused_tokens", 0.0) + out.reused
+        return out
 
     def sync_weights(self) -> None:
-        pass
+        self.store = None  # kept caches were computed with the old weights
+
+    def pop_metrics(self) -> dict[str, float]:
+        out, self.metrics = self.metrics, {}
+        return out

@@ -24,9 +24,11 @@ hit), each at most ``rollout.max_completion_length`` tokens, and at most
 (the batch's width L_max; an observation that does not fit ends the trajectory: a budget hit).
 Both kinds of end set ``truncated``.
 
-Prefix reuse: the ``hf`` engine prefills ``prompt + everything so far`` in one forward pass per turn
-(the KV cache is not kept between turns); decoding never re-runs the prefix. Training log-probs
-are computed on the whole sequence at once (exactly the naive recomputation; tests/test_multiturn.py).
+Prefix reuse: the ``hf`` engine keeps each row's KV cache from one turn to the next
+(``grpo.rollout.hf.PrefixStore``) and prefills only the previous turn's last token and the
+observation (``rollout/prefill_tokens`` and ``rollout/reused_tokens`` count them); decoding never
+re-runs the prefix. Training log-probs are computed on the whole sequence at once (exactly the naive
+recomputation; tests/test_multiturn.py).
 
 Environments and their tools are the caller's (the trainer builds them from ``env``; envs/):
 anything with ``reset(row) -> observation`` and ``step(action_text) -> StepResult``. An exception in

@@ -149,7 +149,7 @@ class RolloutService:
             close()
 
     def pop_metrics(self) -> dict[str, float]:
-        """The engine's own metrics since the last call (none for ``hf``)."""
+        """The engine's own metrics since the last call (hf: prefix reuse in multi-turn runs; vllm: syncs, probe)."""
         pop = getattr(self.engine, "pop_metrics", None)
         return pop() if pop is not None else {}
 
