@@ -126,6 +126,42 @@ def test_sync_follows_the_trainers_weights_and_the_probe_catches_a_skipped_sync(
     assert tiny.pop_metrics()["vllm/sync_seconds"] > 0
 
 
+def test_the_prefix_cache_is_dropped_at_every_sync(tiny):
+    """vLLM's prefix cache keeps the KV of full blocks of earlier prompts: a long prompt seen before a sync
+    must be computed again with the new weights (without the reset, vLLM reuses the old KV)."""
+    model = tiny.setup.model
+    prompts = prompts_of(tiny, ("12+34=" * 40, "9-7=" * 60))  # 240 tokens: full KV blocks of 16
+    params = SamplingParams(max_tokens=6).greedy()
+    tiny.generate(prompts, params, 1)  # cached now
+    perturb(model, 0.05, seed=3)
+    tiny.sync_weights()
+    assert tiny.generate(prompts, params, 1).tokens == HFEngine(tiny.setup).generate(prompts, params, 1).tokens
+    assert tiny.probe_gap(2)[1] <= FP32_TOL
+
+
+def test_multi_turn_rollouts_through_vllm_equal_the_hf_engines_under_greedy(tiny):
+    """The maze through vLLM (its prefix cache serves each turn's kept prefix) and through the hf engine (its
+    PrefixStore): the same trajectories, turn for turn, under greedy decoding."""
+    import dataclasses
+
+    from envs.base import EnvSetup
+    from envs.maze import MazeEnv
+    from grpo.rollout.multiturn import MultiTurnRollout
+    from grpo.rollout.service import RolloutService
+
+    cfg = load_config(overrides=[f"model.name_or_path={TINY}", "env.name=maze", "env.tool_workers=0", "rollout.top_k=1",
+                                 "rollout.max_completion_length=3", "rollout.num_generations=2"])
+    setup = dataclasses.replace(tiny.setup, cfg=cfg)
+    batches = []
+    for engine in (tiny, HFEngine(setup)):
+        mt = MultiTurnRollout(RolloutService(setup, engine=engine), EnvSetup(cfg.env).factory, max_turns=4,
+                              max_trajectory_tokens=96)
+        batches.append(mt.rollout([[1], [1]], MazeEnv.tasks(2, seed=0), [0, 1]))
+    ours, hf = batches
+    assert max(len(t) for t in ours.turns) > 2
+    assert ours.completion_ids == hf.completion_ids and ours.mask.tolist() == hf.mask.tolist()
+
+
 def test_sync_every_n_steps_runs_the_probe(tiny):
     tiny.vcfg.check_every = 2
     try:

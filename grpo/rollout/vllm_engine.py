@@ -98,7 +98,7 @@ class VLLMEngine:
             load_format="dummy",  # the trainer's weights are synced in below
             seed=cfg.train.seed + self.rank // self.tp,  # one seed per engine (a TP group samples together)
             tensor_parallel_size=self.tp, distributed_executor_backend="external_launcher",
-            max_model_len=r.max_prompt_length + longest, enable_prefix_caching=False,
+            max_model_len=r.max_prompt_length + longest, enable_prefix_caching=True,  # reset at every sync
             logprobs_mode="processed_logprobs", trust_remote_code=cfg.model.trust_remote_code,
             enforce_eager=not self.cuda,  # CPU: no inductor compilation at start
         )
@@ -221,6 +221,7 @@ class VLLMEngine:
         self.wake()
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=self.named_weights(),
                                                               is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()  # cached prefixes (a group's prompt, earlier turns) hold the old weights' KV
         self.syncs += 1
         self.metrics["vllm/sync_seconds"] = time.perf_counter() - t0
         v = self.vcfg
