@@ -2,7 +2,8 @@
 
 Every rank builds the same 16-row batch, takes its own groups, and accumulates gradients
 through the real Trainer/DeepSpeed path; rank 0 writes the gathered gradient for each
-aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages. With ``--lora`` the
+aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages (several of them in one launch with
+``--run``: each launch costs the ranks' start). With ``--lora`` the
 policy has LoRA adapters (B made non-zero, the same on every rank) and the gradient is the adapters'.
 """
 
@@ -48,14 +49,62 @@ def global_batch(vocab: int) -> RolloutBatch:
     )
 
 
+def one_run(micro: int, zero: int, model: str, lora: bool, out_dir: Path) -> dict:
+    """The gathered gradient and loss of the fixed batch for every aggregation (on rank 0; {} elsewhere)."""
+    cfg = load_config(overrides=[*([LORA] if lora else []),
+        "algo.beta=0", "train.lr=0", f"train.micro_batch_size={micro}", f"train.zero_stage={zero}",
+        f"rollout.max_completion_length={WIDTH}", f"train.output_dir={out_dir}",
+        "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
+        f"model.name_or_path={model}",
+        # ZeRO-3: LM-head chunks of 7 tokens, so the ranks' micro-batches need unequal numbers of them
+        *([f"train.logprob_chunk_size={CHUNK_Z3}"] if zero == 3 else []),
+    ])
+    base = ds_module.deepspeed_config
+    if zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
+        def partition_all(c):
+            ds = base(c)
+            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            return ds
+
+        ds_module.deepspeed_config = partition_all
+    try:
+        trainer = Trainer(cfg)
+    finally:
+        ds_module.deepspeed_config = base
+    if zero == 3:
+        assert all(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()), "weights not partitioned"
+    full = global_batch(trainer.model.config.vocab_size)
+    per = GROUPS // dist.world_size()
+    rows = list(range(dist.rank() * per * G, (dist.rank() + 1) * per * G))
+    batch = full.select(rows)
+    batch.advantages = trainer.algo.advantages(batch, None)
+    results = {}
+    if zero == 3:  # each rank's LM-head chunks per micro-batch: the test checks that they differ
+        mbs = micro_batches(trainer._total_lengths(batch), micro)
+        chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
+        results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
+    for aggregation in core.AGGREGATIONS:
+        cfg.algo.aggregation = aggregation
+        loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})
+        grads = [safe_get_full_grad(p) for p in trainer.model.parameters() if p.requires_grad]
+        total_loss = dist.all_reduce_sum(loss.reshape(1))
+        if dist.is_main():
+            results[aggregation] = {"loss": float(total_loss), "grad": torch.cat([g.reshape(-1).double() for g in grads])}
+        trainer.engine.step()  # lr = 0: clears the gradients, changes no weight
+    trainer.close()
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--micro", type=int, required=True)
+    p.add_argument("--micro", type=int, default=None)
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
+    p.add_argument("--run", action="append", default=[], metavar="NAME:MICRO:ZERO[:MODEL]",
+                   help="several runs in this one launch (--out then holds {NAME: results}); instead of --micro")
     args = p.parse_args()
     if args.lora:  # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
         load_policy = trainer_module.load_policy
@@ -70,46 +119,17 @@ def main() -> None:
             return model
 
         trainer_module.load_policy = with_b
-    cfg = load_config(overrides=[*([LORA] if args.lora else []),
-        "algo.beta=0", "train.lr=0", f"train.micro_batch_size={args.micro}", f"train.zero_stage={args.zero}",
-        f"rollout.max_completion_length={WIDTH}", f"train.output_dir={Path(args.out).parent / 'run'}",
-        "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
-        f"model.name_or_path={args.model}",
-        # ZeRO-3: LM-head chunks of 7 tokens, so the ranks' micro-batches need unequal numbers of them
-        *([f"train.logprob_chunk_size={CHUNK_Z3}"] if args.zero == 3 else []),
-    ])
-    if args.zero == 3:  # partition every weight, even the tiny model's (DeepSpeed keeps small ones whole)
-        base = ds_module.deepspeed_config
-
-        def partition_all(c):
-            ds = base(c)
-            ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-            return ds
-
-        ds_module.deepspeed_config = partition_all
-    trainer = Trainer(cfg)
-    if args.zero == 3:
-        assert all(p.ds_tensor.numel() < p.ds_numel for p in trainer.model.parameters()), "weights not partitioned"
-    full = global_batch(trainer.model.config.vocab_size)
-    per = GROUPS // dist.world_size()
-    rows = list(range(dist.rank() * per * G, (dist.rank() + 1) * per * G))
-    batch = full.select(rows)
-    batch.advantages = trainer.algo.advantages(batch, None)
-    results = {}
-    if args.zero == 3:  # each rank's LM-head chunks per micro-batch: the test checks that they differ
-        mbs = micro_batches(trainer._total_lengths(batch), args.micro)
-        chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
-        results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
-    for aggregation in core.AGGREGATIONS:
-        cfg.algo.aggregation = aggregation
-        loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})
-        grads = [safe_get_full_grad(p) for p in trainer.model.parameters() if p.requires_grad]
-        total_loss = dist.all_reduce_sum(loss.reshape(1))
-        if dist.is_main():
-            results[aggregation] = {"loss": float(total_loss), "grad": torch.cat([g.reshape(-1).double() for g in grads])}
-        trainer.engine.step()  # lr = 0: clears the gradients, changes no weight
+    out = Path(args.out)
+    if args.run:
+        results = {}
+        for spec in args.run:
+            name, micro, zero, *model = spec.split(":", 3)
+            results[name] = one_run(int(micro), int(zero), model[0] if model else args.model, args.lora,
+                                    out.parent / f"run-{name}")
+    else:
+        results = one_run(args.micro, args.zero, args.model, args.lora, out.parent / "run")
     if dist.is_main():
-        torch.save(results, args.out)
+        torch.save(results, out)
 
 
 if __name__ == "__main__":

@@ -29,16 +29,13 @@ TINY_RUN = ["--config", "configs/demo.yaml", "logging.progress_bar=false", "roll
 def grads(tmp_path_factory, tiny_dir):
     out = tmp_path_factory.mktemp("grads")
     builtin = "builtin:tiny-char"
+    # one launch per world size (each launch costs the ranks' start-up): 1 rank, then the four 2-rank runs;
     # the last: the same weights from an HF folder, built partitioned from the start (zero.Init)
-    runs = {"w1-mb16-z0": (1, 16, 0, builtin), "w2-mb3-z0": (2, 3, 0, builtin), "w2-mb5-z2": (2, 5, 2, builtin),
-            "w2-mb5-z3": (2, 5, 3, builtin), "w2-mb5-z3-built-partitioned": (2, 5, 3, str(tiny_dir))}
-    result = {}
-    for name, (ranks, micro, zero, model) in runs.items():
-        f = out / f"{name}.pt"
-        run_deepspeed(["--out", str(f), "--micro", str(micro), "--zero", str(zero), "--model", model], ranks,
-                      "tests/dist_grad_worker.py")
-        result[name] = torch.load(f)
-    return result
+    run_deepspeed(["--out", str(out / "w1.pt"), "--run", f"w1-mb16-z0:16:0:{builtin}"], 1, "tests/dist_grad_worker.py")
+    runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}"]
+    run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--run", r)]], 2,
+                  "tests/dist_grad_worker.py")
+    return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
 
 
 @pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-mb5-z3-built-partitioned"])
