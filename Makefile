@@ -42,9 +42,11 @@ demo: $(STAMP)
 
 # .venv-vllm is built in the background while the main suite runs (it is mostly downloading and unpacking);
 # its DeepSpeed CPU op is built in a folder of its own, so the two venvs do not rebuild each other's.
+# The main suite runs in 2 pytest-xdist workers, a test file per worker at a time (module fixtures stay
+# whole): much of it is single-threaded process start-up (the 2-rank launches, servers, workers).
 test: $(STAMP)
 	{ $(MAKE) --no-print-directory install-vllm > $(VVENV).log 2>&1; echo $$? > $(VVENV).rc; } & \
-	$(PY) -m pytest tests; main=$$?; wait; \
+	$(PY) -m pytest -n 2 --dist loadfile tests; main=$$?; wait; \
 	if [ "$$(cat $(VVENV).rc)" != 0 ]; then cat $(VVENV).log; echo "building $(VVENV) failed"; exit 1; fi; \
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -m vllm tests; vllm=$$?; \
 	exit $$(( main || vllm ))
