@@ -101,6 +101,7 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
     model.tie_weights()  # skipped with the initialisation; tied weights are stored once in the files
     for head in init.deferred:
         if not hasattr(head.weight, "ds_id"):  # not tied after all: partitioned now, filled from the files below
+            head.weight = torch.nn.Parameter(torch.empty(tied_head, dtype=dtype))
             deepspeed.zero.Init(module=head, config_dict_or_path=ds_config)
     params = dict(model.named_parameters())
     filled, rank = set(), dist.rank()
@@ -135,9 +136,10 @@ def _init_without_broadcast(tied_head: tuple[int, int] | None = None):
     ``tied_head`` (vocabulary, hidden), for a model whose output head is tied to its input embeddings: the
     head's own weight, a bias-less Linear of that shape, is replaced by the embeddings' at ``tie_weights()``.
     Partitioned, it would hold a vocabulary-sized share on every rank until then (54 MiB per rank of
-    SmolLM2-135M over 2 ranks, the partitioned build's peak above half the whole one); left whole and
-    never written, it is never resident. Such heads are listed in ``deferred``; one still untied after
-    ``tie_weights()`` must be partitioned then."""
+    SmolLM2-135M over 2 ranks, the partitioned build's peak above half the whole one); instead its weight
+    is dropped at once (an empty placeholder: on a GPU the whole weight that ``nn.Linear`` allocated is
+    freed, on a CPU it was never written, so never resident). Such heads are listed in ``deferred``; one
+    still untied after ``tie_weights()`` gets its weight back and is partitioned then."""
     import deepspeed
 
     class Init(deepspeed.zero.Init):
@@ -152,6 +154,7 @@ def _init_without_broadcast(tied_head: tuple[int, int] | None = None):
             if (tied_head is not None and isinstance(module, torch.nn.Linear) and module.bias is None
                     and weight is not None and tuple(weight.shape) == tied_head and not hasattr(weight, "ds_id")):
                 Init.deferred.append(module)
+                module.weight = torch.nn.Parameter(weight.new_empty(0), requires_grad=weight.requires_grad)
                 return
             super()._post_init_method(module)
 
