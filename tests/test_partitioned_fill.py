@@ -14,9 +14,9 @@ from grpo.foundation.config import ConfigError
 from grpo.training.partitioned import fill_partition, safetensors_index
 
 
-def partition(numel: int, world: int, dtype=torch.float32):
+def partition(numel: int, world: int, dtype=torch.float32, device: str = "cpu"):
     """What fill_partition uses of a ZeRO-3 parameter: its whole size and this rank's flat partition."""
-    return SimpleNamespace(ds_numel=numel, ds_tensor=torch.full((-(-numel // world),), 7.0, dtype=dtype))
+    return SimpleNamespace(ds_numel=numel, ds_tensor=torch.full((-(-numel // world),), 7.0, dtype=dtype, device=device))
 
 
 @pytest.fixture
@@ -29,18 +29,19 @@ def weights(tmp_path):
     return path, tensors
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # on a GPU: read via the host
 @pytest.mark.parametrize("world", [1, 2, 3, 8, 40])
-def test_partitions_put_together_give_the_tensor(weights, world):
+def test_partitions_put_together_give_the_tensor(weights, world, device):
     path, tensors = weights
     start, header = safetensors_index(path)
     with open(path, "rb", buffering=0) as f:
         for name, want in tensors.items():
             parts = []
             for rank in range(world):
-                p = partition(want.numel(), world)
+                p = partition(want.numel(), world, device=device)
                 fill_partition(p, f, start, header[name], rank)
                 parts.append(p.ds_tensor)
-            flat = torch.cat(parts)
+            flat = torch.cat(parts).cpu()
             assert torch.equal(flat[: want.numel()], want.float().reshape(-1)), name
             assert (flat[want.numel():] == 0).all(), name  # padding beyond the tensor
 

@@ -63,7 +63,8 @@ def fill_partition(param: torch.nn.Parameter, f, data_start: int, entry: dict, r
         if lo == hi:
             return
         dest = param.ds_tensor[: hi - lo]
-        buf = dest if dest.dtype == dtype else torch.empty(hi - lo, dtype=dtype)
+        # read straight into the partition when it is a CPU tensor of the file's dtype, else through a host buffer
+        buf = dest if dest.dtype == dtype and dest.device.type == "cpu" else torch.empty(hi - lo, dtype=dtype)
         esize = buf.element_size()
         f.seek(data_start + entry["data_offsets"][0] + lo * esize)
         if f.readinto(buf.view(torch.uint8).numpy()) != (hi - lo) * esize:
