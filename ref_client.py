@@ -3,6 +3,7 @@
     CUDA_VISIBLE_DEVICES=7 python ref_client.py --config configs/grpo.yaml      # the config's ref.model
     python ref_client.py --model path/or/hub-name --port 59875 --dtype bf16     # or without a config
     GRPO_REF_TOKEN=secret python ref_client.py --config c.yaml --host 0.0.0.0   # other machines: token required
+    python ref_client.py --config c.yaml --reward-model path/to/rm              # a reward model beside it
 
 Host, port and limits come from the config's ``ref`` section (flags and key=value overrides
 beat it); the model is ``ref.model``, else ``model.name_or_path``. Stop it with Ctrl-C or
@@ -28,6 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-mb", type=float, help="largest request body in MiB (413 beyond)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (only for models you trust)")
+    p.add_argument("--reward-model", help="also serve this sequence classifier as a reward model (POST /v1/reward; "
+                                          "the trainer's rewards: [{model: ..., where: server}]; docs/rewards.md)")
+    p.add_argument("--reward-label", help="the reward model's label to read (default: its only logit)")
+    p.add_argument("--reward-batch-tokens", type=int, help="padded tokens per reward forward pass (default: "
+                                                           "ref.max_batch_tokens)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. ref.max_queue=16")
     return p.parse_args(argv)
 
@@ -63,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.reference.server.app import serve
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    reward = None
+    if args.reward_model:
+        reward = {"model": args.reward_model, "label": args.reward_label, "batch_tokens": args.reward_batch_tokens,
+                  "dtype": cfg.model.dtype if args.dtype else None}
     try:
-        return serve(cfg, device)
+        return serve(cfg, device, reward=reward)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-5")
-    return p.parse_args(argv)
+    # flags may sit between the key=value overrides (`train.lr=1e-5 --print-config algo.beta=0`)
+    return p.parse_intermixed_args(argv)
 
 
 def list_algos() -> str:
@@ -51,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from grpo.foundation.config import ConfigError, to_dict
-    from grpo.training.configure import load_config
+    from grpo.training.configure import check_run, load_config, probe_services
 
-    try:
+    try:  # one validation, before any model loads, for --print-config and the run alike
         cfg = load_config(args.config, args.algo, args.overrides)
+        check_run(cfg, resume=args.resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -65,9 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.reference.base import ReferenceServerError
     from grpo.training.health import TrainingStopped
     from grpo.training.trainer import Trainer
+    from rewards import RewardServiceError
 
     finished = False
     try:
+        probe_services(cfg)  # a reference server nobody runs: seconds, not a minute of retries after loading
         trainer = Trainer(cfg, resume=args.resume)
         trainer.train()
         finished = True
@@ -77,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     except ReferenceServerError as e:  # the reference server is gone: the message says how to restart it
         print(f"reference error: {e}", file=sys.stderr)
         return 1
-    except TrainingStopped as e:  # the watchdog: non-finite steps in a row
+    except RewardServiceError as e:  # a reward model server or endpoint is gone: the message names it
+        print(f"reward error: {e}", file=sys.stderr)
+        return 1
+    except TrainingStopped as e:  # the watchdogs: non-finite steps, or a reward failing on most rows, in a row
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
     finally:

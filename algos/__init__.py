@@ -39,7 +39,9 @@ def get_algorithm(name: str) -> type[Algorithm]:
     if name not in ALGORITHMS:
         import difflib
 
-        close = difflib.get_close_matches(name, list(ALGORITHMS), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        same = [n for n in ALGORITHMS if n.lower() == name.lower().replace("_", "-")]
+        close = same or difflib.get_close_matches(name.lower(), list(ALGORITHMS), n=1)
+        hint = f" Did you mean {close[0]!r}? (names are lower case)" if same else (
+            f" Did you mean {close[0]!r}?" if close else "")
         raise ConfigError(f"unknown algorithm {name!r}.{hint} Choose from {sorted(ALGORITHMS)}")
     return ALGORITHMS[name]

@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from grpo.foundation import core
+from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
@@ -113,29 +113,65 @@ class Algorithm:
     knobs: ClassVar[tuple[str, ...]] = ()  # main knobs shown by --list-algos
     group_relative: ClassVar[bool] = True  # advantages compare a prompt's completions: needs G >= 2
     token_level_pg: ClassVar[bool] = True  # the loss has a per-token policy-gradient term (algo.tis_cap applies)
+    advantages_after_forward: ClassVar[bool] = True  # False: process_batch sets them before l_old / l_ref exist
+    ratio_clip: ClassVar[bool] = True  # the loss is PPO's clipped surrogate (ppo_token_loss / sequence_ppo_loss)
+    multi_turn: ClassVar[bool] = False  # needs multi-turn rollouts (env.name): per-turn credit assignment
+    needs_sum_pi_squared: ClassVar[bool] = False  # the old-policy pass also gives sum_v pi_v^2 (batch.extra)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.a = cfg.algo
         self.opt = cfg.algo.options
+        # the entropy bonus's coefficient: alpha this step, and Skywork-OR1's c_k (algo.entropy_target)
+        self.entropy_alpha = cfg.algo.entropy_coef if cfg.algo.entropy_target is None else 0.0
+        self.entropy_c = cfg.algo.entropy_coef
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
         """Algorithm-specific config checks (raise grpo.foundation.config.ConfigError)."""
 
     # ----------------------------------------------------------------- needs
+    @classmethod
+    def takes_kl_in_reward(cls) -> bool:
+        """``algo.kl_in_reward`` applies: the advantages come from ``scores`` after the old/reference passes."""
+        return getattr(cls.advantages, "uses_scores", False) and cls.advantages_after_forward
+
+    @classmethod
+    def kl_in_reward_algorithms(cls) -> list[str]:
+        """The registered algorithms that take ``algo.kl_in_reward``."""
+        from algos import ALGORITHMS
+
+        return sorted(n for n, c in ALGORITHMS.items() if c.takes_kl_in_reward())
+
+    @classmethod
+    def option_owners(cls, key: str) -> list[str]:
+        """The registered algorithms that have ``algo.<key>`` among their own options."""
+        import dataclasses
+
+        from algos import ALGORITHMS
+
+        return sorted(n for n, c in ALGORITHMS.items()
+                      if dataclasses.is_dataclass(c.Options) and key in {f.name for f in dataclasses.fields(c.Options)})
+
     @property
     def needs_reference(self) -> bool:
-        return self.a.beta > 0
+        return self.a.beta > 0 or self.a.kl_in_reward > 0
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """With mu = 1 and on-policy data, l_old = sg[l]: no extra forward pass."""
-        return self.a.num_iterations > 1
+        """With mu = 1 and on-policy data, l_old = sg[l]: no extra forward pass (KL in the reward needs l_old
+        before the loss)."""
+        return self.a.num_iterations > 1 or self.a.kl_in_reward > 0
 
     @property
     def needs_entropy(self) -> bool:
-        return False
+        """The old policy's entropy before the loss (detached): the top-entropy mask, the adaptive entropy bonus."""
+        return self.a.top_entropy_quantile < 1.0 or self.a.entropy_target is not None
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """The loss has the term -alpha * H: the training forward computes the entropy with its gradient."""
+        return self.a.entropy_coef > 0 or self.a.entropy_target is not None
 
     # ----------------------------------------------------------------- hooks
     def process_batch(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
@@ -150,7 +186,70 @@ class Algorithm:
         """Called on every rank after each step, before logging and checkpointing; may add metrics."""
 
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
-        return core.group_advantages(batch.rewards, batch.group_size, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
+        return core.group_advantages(self.scores(batch, ctx), batch.group_size, self.a.adv_std, self.a.adv_eps,
+                                     self.a.adv_scope)
+
+    advantages.uses_scores = True  # type: ignore[attr-defined]
+
+    def token_rewards(self, batch: RolloutBatch, ctx: Optional[StepContext] = None) -> torch.Tensor:
+        """[rows, T] float64: the outcome reward on each row's last token, minus ``algo.kl_in_reward`` * k1 on
+        every token (k1 = l_old - l_ref, verl's ``apply_kl_penalty``)."""
+        out = core.outcome_token_rewards(batch.rewards, batch.mask)
+        coef = self.a.kl_in_reward
+        if coef > 0:
+            k1 = (batch.old_logp.double() - batch.ref_logp.double()) * batch.mask.double()
+            out = out - coef * k1
+            if ctx is not None:
+                log_mean(ctx, "kl_in_reward", k1, batch.mask)
+        return out
+
+    def scores(self, batch: RolloutBatch, ctx: Optional[StepContext] = None) -> torch.Tensor:
+        """The outcome score r_i, or r_i - kl_in_reward * sum_t k1 with KL in the reward (``batch.rewards``'s dtype)."""
+        if self.a.kl_in_reward <= 0:
+            return batch.rewards
+        return self.token_rewards(batch, ctx).sum(-1).to(batch.rewards.dtype)
+
+    def prepare_loss(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
+        """After the advantages, before the step's normalisers and the loss (every rank, the whole batch):
+        ``algo.mask_truncated_completions`` and ``algo.top_entropy_quantile``'s threshold over all ranks."""
+        if self.a.mask_truncated_completions:
+            batch.mask = batch.mask * (~batch.truncated.bool()).unsqueeze(1).to(batch.mask.dtype)
+        rho = self.a.top_entropy_quantile
+        if rho < 1.0:
+            ent, valid = batch.entropy.double(), batch.mask.bool()
+            pool = torch.cat([torch.as_tensor(v) for v in dist.all_gather_object(ent[valid].cpu())])
+            if pool.numel():
+                threshold = torch.quantile(pool, 1.0 - rho)
+                keep = (ent >= threshold) & valid
+            else:
+                keep = torch.zeros_like(valid)
+            batch.extra = {**batch.extra, "entropy_keep": keep.to(batch.mask.dtype)}
+            log_mean(ctx, "entropy_mask/kept_frac", keep.double(), batch.mask)
+        if self.a.entropy_target is not None:
+            self.adapt_entropy_coef(float(core.global_mean_std(batch.entropy.double(), mask=batch.mask)[0]))
+        if self.entropy_bonus:
+            ctx.metrics["entropy_bonus/coef"] = self.entropy_alpha
+        return batch
+
+    def adapt_entropy_coef(self, mean_entropy: float) -> None:
+        """Skywork-OR1's adaptive entropy control (arXiv 2505.22312, §3.2.5), once per step, from the step's
+        token-mean entropy e_k before its update: alpha_k = c_k if e_k < target else 0, then c_{k+1} = c_k + delta
+        if e_k < target else c_k - delta, clipped to [entropy_coef_min, entropy_coef_max]."""
+        a = self.a
+        below = mean_entropy < a.entropy_target
+        self.entropy_alpha = self.entropy_c if below else 0.0
+        step = a.entropy_coef_delta if below else -a.entropy_coef_delta
+        self.entropy_c = min(max(self.entropy_c + step, a.entropy_coef_min), a.entropy_coef_max)
+
+    def loss_with_bonus(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBatch,
+                        norms: core.StepNorms) -> LossOutput:
+        """The algorithm's loss, minus alpha * H aggregated as the loss (``algo.aggregation``) when the entropy
+        bonus is on (``entropy``: the current policy's, with its gradient; None otherwise)."""
+        out = self.loss(logp, mb, norms)
+        if entropy is None:
+            return out
+        bonus = core.aggregate(-self.entropy_alpha * entropy, mb.mask, self.a.aggregation, norms)
+        return LossOutput(out.loss + bonus, {**out.stats, "entropy_bonus/entropy": masked_stat(entropy, mb.mask)})
 
     def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
         raise NotImplementedError
@@ -162,6 +261,13 @@ class Algorithm:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def options_state_dict(self) -> dict:
+        """The shared options' state (every algorithm): the adaptive entropy coefficient c_k."""
+        return {"entropy_c": self.entropy_c}
+
+    def load_options_state_dict(self, state: dict) -> None:
+        self.entropy_c = float(state.get("entropy_c", self.entropy_c))
+
     # ----------------------------------------------------------------- shared pieces
     def old_logp(self, logp: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
         return mb.old_logp if mb.old_logp is not None else logp.detach()
@@ -172,17 +278,21 @@ class Algorithm:
 
     def ppo_token_loss(self, logp: torch.Tensor, mb: RolloutBatch, ratio: Optional[torch.Tensor] = None,
                        eps_low: Optional[float | torch.Tensor] = None,
-                       eps_high: Optional[float | torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
+                       eps_high: Optional[float | torch.Tensor] = None,
+                       weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict]:
         """-(clipped surrogate - beta KL) per token, with the standard statistics.
 
-        ``eps_low``/``eps_high`` override the configured clip range (tensors: per-token bounds).
+        ``eps_low``/``eps_high`` override the configured clip range (tensors: per-token bounds);
+        ``weight`` multiplies the policy-gradient term only (not the KL).
         """
         old = self.old_logp(logp, mb)
         ratio = core.token_ratio(logp, old) if ratio is None else ratio
         eps_low = self.a.clip_eps_low if eps_low is None else eps_low
         eps_high = self.a.clip_eps_high if eps_high is None else eps_high
-        surr = core.clipped_surrogate(ratio, self.token_advantages(mb), eps_low, eps_high, self.a.dual_clip)
-        per_token, stats = self.tis(-surr.value, logp, mb)
+        surr = core.clipped_surrogate(ratio, self.token_advantages(mb), eps_low, eps_high, self.a.dual_clip,
+                                      self.a.delta)
+        pg = -surr.value if weight is None else -surr.value * weight
+        per_token, stats = self.tis(pg, logp, mb)
         stats.update({
             "clip_frac_low": masked_stat(surr.clipped_low.float(), mb.mask),
             "clip_frac_high": masked_stat(surr.clipped_high.float(), mb.mask),
@@ -191,6 +301,15 @@ class Algorithm:
         per_token, kl_stats = self.add_kl(per_token, logp, mb)
         stats.update(kl_stats)
         return per_token, stats
+
+    def token_pg_loss(self, pg: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms,
+                      stats: Optional[dict] = None) -> LossOutput:
+        """A per-token policy-gradient loss ``pg`` [rows, T] (what to minimise) -> algo.tis_cap weight,
+        + beta KL, aggregated with ``algo.aggregation`` over the whole step (shares add up exactly)."""
+        per_token, tis_stats = self.tis(pg, logp, mb)
+        per_token, kl_stats = self.add_kl(per_token, logp, mb)
+        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms),
+                          {**(stats or {}), **tis_stats, **kl_stats})
 
     def sequence_ppo_loss(
         self,
@@ -208,7 +327,7 @@ class Algorithm:
         if adv.dim() != 1:
             raise ValueError(f"{self.name}: a sequence-level loss needs one advantage per completion")
         low = self.a.clip_eps_low if eps_low is None else eps_low
-        surr = core.clipped_surrogate(ratio, adv, low, self.a.clip_eps_high, self.a.dual_clip)
+        surr = core.clipped_surrogate(ratio, adv, low, self.a.clip_eps_high, self.a.dual_clip, self.a.delta)
         value = surr.value if scale is None else surr.value * scale
         loss = -core.sequence_mean(value, norms)
         rows = torch.ones_like(ratio)
@@ -224,8 +343,23 @@ class Algorithm:
         return LossOutput(loss, stats)
 
     def tis(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """``algo.tis_cap``: the policy-gradient term per token times min(pi_old / pi_sampler, C) (the KL term
-        is not weighted). pi_sampler is what the generation engine reported when it drew the token."""
+        """The per-token weights of the policy-gradient term (never of the KL term): ``algo.tis_cap``,
+        ``algo.off_policy_mask_threshold`` and ``algo.top_entropy_quantile`` (the last two: 0/1 masks)."""
+        per_token, stats = self.tis_weight(per_token, logp, mb)
+        if self.a.off_policy_mask_threshold is not None:
+            ref = mb.sampler_logp if mb.sampler_logp is not None else self.old_logp(logp, mb)
+            seq_kl = core.masked_mean(ref - logp.detach(), mb.mask, dim=-1).unsqueeze(-1)
+            keep = ((self.token_advantages(mb) >= 0) | (seq_kl <= self.a.off_policy_mask_threshold)).to(logp.dtype)
+            keep = keep.expand_as(logp)
+            per_token = per_token * keep
+            stats["off_policy_mask/kept_frac"] = masked_stat(keep, mb.mask)
+        if self.a.top_entropy_quantile < 1.0:
+            per_token = per_token * mb.extra["entropy_keep"]
+        return per_token, stats
+
+    def tis_weight(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
+        """``algo.tis_cap``: the policy-gradient term per token times min(pi_old / pi_sampler, C).
+        pi_sampler is what the generation engine reported when it drew the token."""
         cap = self.a.tis_cap
         if cap is None:
             return per_token, {}
@@ -233,7 +367,7 @@ class Algorithm:
             raise RuntimeError(
                 f"algo.tis_cap={cap} needs the sampler's log-probs, but the generation engine "
                 f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use an engine that reports them "
-                f"(rollout.engine=vllm) or set algo.tis_cap=null"
+                f"(rollout.engine=static or vllm) or set algo.tis_cap=null"
             )
         w = core.tis_weight(self.old_logp(logp, mb), mb.sampler_logp, mb.mask, cap)
         return per_token * w, {"tis/weight_mean": masked_stat(w, mb.mask),
@@ -243,4 +377,7 @@ class Algorithm:
         if self.a.beta <= 0:
             return per_token, {}
         kl = core.kl_estimate(logp, mb.ref_logp, self.a.kl_estimator)
-        return per_token + self.a.beta * kl, {"kl": masked_stat(kl, mb.mask)}
+        stats = {"kl": masked_stat(kl, mb.mask)}
+        if self.a.use_bias_correction_kl:  # TRL: the KL estimate is pi_old's sample; reweight it to pi's
+            kl = kl * core.token_ratio(logp, self.old_logp(logp, mb))
+        return per_token + self.a.beta * kl, stats

@@ -34,7 +34,7 @@ from grpo.foundation.config import Config, ConfigError
 @dataclass
 class CPPOOptions:
     pruning: float = 0.5  # P: the fraction of completions dropped
-    scope: Literal["group", "batch"] = "group"
+    scope: Literal["group", "batch"] = "group"  # batch: the top rows of the rank's batch
     allocation: bool = False  # sample ceil(b / (1 - P)) prompts so the update batch keeps its size
 
 
@@ -54,6 +54,7 @@ class CPPO(GRPO):
     paper = "CPPO (arXiv 2503.22342)"
     tag = "code"
     summary = "grpo that keeps only the completions with the largest |A| per group; forward passes on kept rows"
+    advantages_after_forward = False  # computed in process_batch, before pruning
     Options = CPPOOptions
     defaults = {**GRPO.defaults, "beta": 0.04, "aggregation": "token-mean", "num_iterations": 2}
     knobs = ("pruning", "scope", "allocation", "beta", "num_iterations")

@@ -38,12 +38,12 @@ class DynamicSamplingError(RuntimeError):
 
 @dataclass
 class DAPOOptions:
-    dynamic_sampling: bool = True
+    dynamic_sampling: bool = True  # drop all-equal groups, refill
     filter_on: Literal["reward", "task_reward"] = "reward"  # task_reward: before overlong shaping
     max_gen_batches: int = 10  # generation batches per step, the first included; 0 = unlimited (verl: 10)
     overlong_buffer: Optional[int] = None  # L_cache; None: L_max // 5 (paper: 4096 of L_max = 20480); 0 = off
-    overlong_factor: float = 1.0
-    overlong_filter: bool = False
+    overlong_factor: float = 1.0  # scale of the overlong penalty
+    overlong_filter: bool = False  # truncated completions get mask 0
 
 
 def balance_groups(kept: Optional[RolloutBatch], quota: int) -> RolloutBatch:

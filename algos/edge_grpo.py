@@ -42,7 +42,7 @@ def correction_case(u: float) -> int:
 
 @dataclass
 class EdgeOptions:
-    guided_correction: bool = False
+    guided_correction: bool = False  # correct wrong completions
     solution_column: str = "solution"  # reference solutions (replacement)
     answer_column: str = "answer"  # correct final answers (hint)
     reflection_cue: str = "\nWait, let me check that again.\n"  # the paper's cue is not given: Decision

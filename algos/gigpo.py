@@ -37,9 +37,9 @@ from grpo.foundation.config import Config, ConfigError
 class GiGPOOptions:
     gamma: float = 0.95  # γ of the step returns
     step_coef: float = 1.0  # ω
-    norm: Literal["mean_norm", "mean_std_norm"] = "mean_norm"
-    norm_eps: float = 1e-6
-    episode_stats: Literal["trajectory", "step"] = "trajectory"
+    norm: Literal["mean_norm", "mean_std_norm"] = "mean_norm"  # F_norm: 1, or std + eps
+    norm_eps: float = 1e-6  # eps of mean_std_norm
+    episode_stats: Literal["trajectory", "step"] = "trajectory"  # step: weighted by steps
 
 
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
@@ -65,6 +65,7 @@ class GiGPO(GRPO):
     paper = "GiGPO (arXiv 2505.10978)"
     tag = "code"
     summary = "multi-turn: episode advantage + ω × anchor-state step advantage of discounted step returns"
+    multi_turn = True
     Options = GiGPOOptions
     defaults = {**GRPO.defaults, "beta": 0.01, "aggregation": "token-mean"}
     knobs = ("gamma", "step_coef", "norm", "beta")

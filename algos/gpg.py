@@ -33,6 +33,7 @@ class GPGOptions:
 
 class GPG(Algorithm):
     name = "gpg"
+    ratio_clip = False  # no PPO ratio clip: algo.delta does not apply
     paper = "GPG (arXiv 2504.02546)"
     tag = "code"
     summary = "plain policy gradient on r - mean_g r, scaled by alpha = B/(B-M); no ratio, clip or reference"
@@ -57,7 +58,7 @@ class GPG(Algorithm):
 
     @property
     def needs_old_logprobs(self) -> bool:
-        return False  # no ratio
+        return self.a.kl_in_reward > 0  # no ratio; KL in the reward needs l_old
 
     @staticmethod
     def group_counts(batch: RolloutBatch) -> tuple[float, float]:

@@ -46,6 +46,7 @@ class MTGRPO(GRPO):
     paper = "MT-GRPO (arXiv 2505.11821)"
     tag = "code"
     summary = "multi-turn: first-turn tokens get Â^O + λ·Â^T, later ones Â^O; environment tokens masked"
+    multi_turn = True
     Options = MTGRPOOptions
     defaults = {**GRPO.defaults, "beta": 0.0, "aggregation": "token-mean", "num_iterations": 2}
     knobs = ("turn_coef", "clip_eps_low", "clip_eps_high", "num_iterations")

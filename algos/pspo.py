@@ -27,6 +27,7 @@ class PSPOOptions:
 
 class PSPO(Algorithm):
     name = "pspo"
+    ratio_clip = False  # no PPO ratio clip: algo.delta does not apply
     paper = "PSPO, probability smoothing (arXiv 2509.21282)"
     tag = "code"
     summary = "ratio smoothed toward 1: (1 - alpha) rho + alpha, no clipping"

@@ -7,6 +7,10 @@ a registered name below or ``package.module:Class``, with ``kwargs``. Built in:
 
     calculator   arithmetic problems in MT-GRPO's two-turn shape (call the calculator, then answer)
     maze         a small grid maze as text, actions u/d/l/r, invalid-action penalty (GiGPO's anchor states)
+    code         write a function: try code with the ``python`` tool, then submit; scored by its unit tests
+
+Environment code itself runs in the trainer process: it is trusted code, like the trainer. Only tools run in
+worker processes, and model-written code only through the sandbox (the ``python`` tool, docs/sandbox.md).
 
 Tools (``env.tools``; registered names or ``package.module:function``, ``fn(args_text, **kwargs) -> str``)
 run in sandboxed worker processes (envs/sandbox.py). This module stays light: the worker processes
@@ -22,9 +26,11 @@ from typing import Callable
 ENVS: dict[str, str] = {
     "calculator": "envs.calculator:CalculatorEnv",
     "maze": "envs.maze:MazeEnv",
+    "code": "envs.code:CodeEnv",
 }
 TOOLS: dict[str, str] = {
     "calculator": "envs.tools:calculator",
+    "python": "envs.tools:python",
 }
 
 

@@ -48,23 +48,41 @@ class Environment:
 class EnvSetup:
     """The run's environment class, its kwargs and its tool box (a worker pool: ``close`` it)."""
 
-    def __init__(self, env_cfg: Any):
+    def __init__(self, env_cfg: Any, sandbox: Any = None):
         self.cfg = env_cfg
-        self.cls = resolve_env(env_cfg.name)
-        if not (callable(getattr(self.cls, "reset", None)) and callable(getattr(self.cls, "step", None))):
+        self.cls, specs = self.resolve(env_cfg)
+        self.kwargs = dict(env_cfg.kwargs)
+        tools = {}
+        for s in specs:
+            kwargs = dict(s.kwargs)
+            if getattr(resolve_tool(s.fn), "uses_sandbox", False) and "sandbox" not in kwargs:
+                # the run's sandbox limits, its wall clock inside the tool call's own timeout
+                limits = dict(vars(sandbox)) if sandbox is not None else {"timeout": 5.0}
+                limits["timeout"] = min(limits["timeout"], max(0.5, env_cfg.tool_timeout - 1.0))
+                kwargs["sandbox"] = limits
+            tools[s.name or s.fn.split(":")[-1]] = (s.fn, kwargs)
+        self.toolbox = ToolBox(tools, env_cfg.tool_workers, env_cfg.tool_timeout, env_cfg.max_tool_output_chars,
+                               env_cfg.tool_limits)
+        params = inspect.signature(self.cls).parameters
+        self._takes_tools = "tools" in params
+        if "sandbox" in params and "sandbox" not in self.kwargs:  # an environment that runs model code itself
+            self.kwargs["sandbox"] = dict(vars(sandbox)) if sandbox is not None else None
+
+    @staticmethod
+    def resolve(env_cfg: Any) -> tuple[type, list[Any]]:
+        """The environment class and its tool specs, every name resolved (a wrong one raises EnvConfigError
+        now, not in a worker); starts nothing, so the start-up checks call it too."""
+        cls = resolve_env(env_cfg.name)
+        if not (callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
             raise EnvConfigError(f"env.name={env_cfg.name!r} has no reset/step: an environment implements "
                                  "envs.base.Environment")
-        self.kwargs = dict(env_cfg.kwargs)
         specs = env_cfg.tools
         if specs is None:
             specs = [type("Spec", (), {"fn": n, "kwargs": {}, "name": None})()
-                     for n in getattr(self.cls, "default_tools", [])]
-        tools = {}
+                     for n in getattr(cls, "default_tools", [])]
         for s in specs:
-            resolve_tool(s.fn)  # a wrong name fails now, not in a worker
-            tools[s.name or s.fn.split(":")[-1]] = (s.fn, dict(s.kwargs))
-        self.toolbox = ToolBox(tools, env_cfg.tool_workers, env_cfg.tool_timeout, env_cfg.max_tool_output_chars)
-        self._takes_tools = "tools" in inspect.signature(self.cls).parameters
+            resolve_tool(s.fn)
+        return cls, list(specs)
 
     def make(self, row: dict[str, Any]) -> Any:
         """A fresh environment for one trajectory (``row`` is for environments that need it at construction)."""

@@ -76,11 +76,12 @@ class ToolBox:
     num_workers: int = 1
     timeout: float = 5.0
     max_output_chars: int = 2000
+    limits: Any = None  # WorkerLimits of each tool worker (env.tool_limits)
     counts: dict[str, float] = field(default_factory=lambda: {"tool_calls": 0.0, "tool_errors": 0.0,
                                                                "tool_timeouts": 0.0})
 
     def __post_init__(self) -> None:
-        self.pool = WorkerPool(self.num_workers, self.timeout) if self.tools else None
+        self.pool = WorkerPool(self.num_workers, self.timeout, self.limits) if self.tools else None
         self._reported: set[tuple[str, str]] = set()
         self._warm_at = -1  # the pool's restart count when its workers were last warmed up
 
@@ -121,8 +122,11 @@ class ToolBox:
         return out
 
     def pop_counts(self) -> dict[str, float]:
+        """Calls, errors and timeouts since the last pop, and ``tool_killed``: tool workers replaced for going
+        past ``env.tool_limits`` (memory, CPU seconds) or crashing."""
         out = dict(self.counts)
         self.counts = {k: 0.0 for k in self.counts}
+        out["tool_killed"] = float(sum(self.pool.pop_kills().values())) if self.pool is not None else 0.0
         return out
 
     def close(self) -> None:

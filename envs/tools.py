@@ -8,6 +8,7 @@ evaluates exactly with fractions.
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any
 
 from rewards.countdown import evaluate
 
@@ -23,3 +24,25 @@ def calculator(expression: str, max_abs: int = 10**12, **_: object) -> str:
 
 def format_number(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def python(code: str, sandbox: Any = None, max_chars: int = 1000, **_: object) -> str:
+    """Run ``code`` (Python source) in the sandbox (rewards/sandbox.py, the run's ``sandbox:`` limits) and answer
+    its stdout; when it fails, its stdout and the last line of its error (or why it was stopped). Whatever the
+    code does ends with this call: the answer is text for the policy, never an error of the tool."""
+    from rewards.sandbox import run_python
+
+    r = run_python(code, sandbox)
+    out = r.stdout.rstrip()
+    if len(out) > max_chars:
+        out = out[:max_chars] + "\n[output cut]"
+    if not r.ok:
+        last = (r.stderr.strip().splitlines() or [""])[-1][:max_chars]
+        why = {"timeout": "timed out", "cpu": "used up its CPU time", "memory": "ran out of memory",
+               "output_limit": "wrote too much output", "signal": f"was killed (signal {-(r.returncode or 0)})",
+               "error": "could not start"}.get(r.reason, f"exited with code {r.returncode}")
+        out = "\n".join(part for part in (out, last, f"[the program {why}]") if part)
+    return out
+
+
+python.uses_sandbox = True  # EnvSetup passes the run's ``sandbox:`` limits as the ``sandbox`` kwarg

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 
-def digits_match(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
+def digits_match(prompts: list[str], completions: list[str], answer: list[str], strip: bool = True,
+                 **_: object) -> list[float]:
     """Fraction of positions where the completion equals the answer, over the longer of the two.
 
-    Exact answers score 1; every wrong, missing or extra character costs its share.
+    Exact answers score 1; every wrong, missing or extra character costs its share. ``strip``: surrounding
+    whitespace is dropped first; with ``strip=False`` it counts too, so only a completion that stops right
+    after the answer (EOS, which the rewards do not see) scores 1: the demo's reward.
     """
     scores = []
     for text, gold in zip(completions, answer):
-        text, gold = text.strip(), str(gold)
+        text, gold = (text.strip() if strip else text), str(gold)
         n = max(len(text), len(gold))
         scores.append(sum(a == b for a, b in zip(text, gold)) / n if n else 1.0)
     return scores

@@ -9,6 +9,11 @@ A value that is not a finite number (nan, inf) is an error too: one nan would ma
 whole group's advantages nan. The caller turns errors and timeouts into zeros and counts
 them (rewards.CombinedReward).
 
+Each worker runs under resource limits (``reward_pool.limits`` / ``env.tool_limits``, :func:`apply_limits`):
+address space and file size for its life, CPU seconds per call (re-armed before each call). An allocation past
+the memory limit raises MemoryError in the call (an error; the worker is replaced after it), a call past its
+CPU seconds is killed by the kernel (SIGXCPU; the worker is replaced); both are counted in ``kills``.
+
 Workers are started with ``spawn`` (a fork of a process holding torch's thread pools can
 deadlock) and resolve functions by name themselves, so only names, kwargs and texts
 cross the process boundary.
@@ -19,6 +24,8 @@ from __future__ import annotations
 import atexit
 import math
 import multiprocessing as mp
+import resource
+import signal
 import time
 import traceback
 from collections import deque
@@ -77,9 +84,26 @@ def _check_finite(fn: str, values: list[float]) -> None:
         )
 
 
-def _worker_main(conn: Connection) -> None:
-    """Worker loop: import the registry, say ready, then receive a Call and send back its Outcome
-    until None or a closed pipe."""
+def apply_limits(limits: Optional[dict[str, int]]) -> None:
+    """RLIMIT_AS (``memory_mb``) and RLIMIT_FSIZE (``file_size_mb``) of this process; 0 or missing = none."""
+    mb = 1024 * 1024
+    for key, which in (("memory_mb", resource.RLIMIT_AS), ("file_size_mb", resource.RLIMIT_FSIZE)):
+        if limits and limits.get(key):
+            resource.setrlimit(which, (limits[key] * mb, resource.getrlimit(which)[1]))
+
+
+def _arm_cpu(seconds: int) -> None:
+    """Let the next call use ``seconds`` more CPU seconds (the soft RLIMIT_CPU: SIGXCPU past it)."""
+    if seconds:
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        resource.setrlimit(resource.RLIMIT_CPU, (int(used.ru_utime + used.ru_stime) + seconds + 1,
+                                                 resource.getrlimit(resource.RLIMIT_CPU)[1]))
+
+
+def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> None:
+    """Worker loop: apply the limits, import the registry, say ready, then receive a Call and send back its
+    Outcome until None or a closed pipe."""
+    apply_limits(limits)
     import rewards  # noqa: F401  (slow imports happen before the first deadline starts)
 
     conn.send("ready")
@@ -90,15 +114,20 @@ def _worker_main(conn: Connection) -> None:
             return
         if call is None:
             return
-        conn.send(dispatch(call))
+        _arm_cpu((limits or {}).get("cpu_seconds", 0))
+        try:
+            out = dispatch(call)
+        except MemoryError:  # raised outside the call's own handler (its traceback could not be built)
+            out = Outcome("error", error="MemoryError (reward_pool.limits.memory_mb)")
+        conn.send(out)
 
 
 class _Worker:
     STARTUP_TIMEOUT = 300.0  # seconds for a new worker's imports
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, limits: Optional[dict[str, int]] = None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, limits), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
@@ -135,23 +164,27 @@ class _Worker:
 
 
 class WorkerPool:
-    """``num_workers`` processes; :meth:`run` maps calls to outcomes, each call within ``timeout`` seconds.
+    """``num_workers`` processes; :meth:`run` maps calls to outcomes, each call within ``timeout`` seconds
+    (or its own ``timeout`` attribute when it has one).
 
-    ``num_workers=0`` runs calls in this process, one after another, without a timeout
-    (for debugging: nothing can interrupt a hung call there).
+    ``num_workers=0`` runs calls in this process, one after another, without a timeout or limits
+    (for debugging: nothing can interrupt a hung call there). ``limits``: a WorkerLimits (or mapping) for
+    each worker; ``kills`` counts workers replaced for memory, cpu, or another crash.
     """
 
-    def __init__(self, num_workers: int, timeout: float):
+    def __init__(self, num_workers: int, timeout: float, limits: Any = None):
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0")
         self.num_workers, self.timeout = num_workers, timeout
         self._ctx = mp.get_context("spawn")
+        self.limits = limits if limits is None or isinstance(limits, dict) else dict(vars(limits))
         self._workers: list[_Worker] = []
         self.restarts = 0  # workers replaced after a timeout or a crash
+        self.kills = {"memory": 0, "cpu": 0, "crash": 0}  # workers replaced for going past a limit, or dying
         if num_workers:
-            self._workers = [_Worker(self._ctx) for _ in range(num_workers)]
+            self._workers = [_Worker(self._ctx, self.limits) for _ in range(num_workers)]
             atexit.register(self.close)
 
     def run(self, calls: list[Call]) -> list[Outcome]:
@@ -171,7 +204,7 @@ class WorkerPool:
                     self._replace(slot)
                     self._workers[slot].wait_ready()
                     self._workers[slot].conn.send(calls[i])
-                busy[slot] = (i, time.monotonic() + self.timeout)
+                busy[slot] = (i, time.monotonic() + (getattr(calls[i], "timeout", None) or self.timeout))
             now = time.monotonic()
             wait_for = max(0.0, min(d for _, d in busy.values()) - now)
             ready = wait([self._workers[s].conn for s in busy], timeout=wait_for)
@@ -180,8 +213,16 @@ class WorkerPool:
                 if w.conn in ready:
                     try:
                         results[i] = w.conn.recv()
-                    except (EOFError, OSError):  # the worker crashed mid-call (segfault, OOM kill)
-                        results[i] = Outcome("error", error=f"worker process died (exit code {w.proc.exitcode})")
+                        if results[i].status == "error" and "MemoryError" in (results[i].error or ""):
+                            self.kills["memory"] += 1  # its heap may be fragmented or hold the garbage: a fresh one
+                            self._replace(slot)
+                    except (EOFError, OSError):  # the worker crashed mid-call (segfault, OOM kill, SIGXCPU)
+                        w.proc.join(timeout=5)
+                        code = w.proc.exitcode
+                        cpu = code == -signal.SIGXCPU
+                        self.kills["cpu" if cpu else "crash"] += 1
+                        why = " past reward_pool.limits.cpu_seconds / env.tool_limits.cpu_seconds" if cpu else ""
+                        results[i] = Outcome("error", error=f"worker process died (exit code {code}){why}")
                         self._replace(slot)
                 elif time.monotonic() >= deadline:
                     results[i] = Outcome("timeout")
@@ -194,8 +235,12 @@ class WorkerPool:
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].kill()
-        self._workers[slot] = _Worker(self._ctx)
+        self._workers[slot] = _Worker(self._ctx, self.limits)
         self.restarts += 1
+
+    def pop_kills(self) -> dict[str, int]:
+        out, self.kills = self.kills, dict.fromkeys(self.kills, 0)
+        return out
 
     def close(self) -> None:
         for w in self._workers:

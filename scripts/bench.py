@@ -162,9 +162,13 @@ def step_flops(s: dict, prompt_lens: list[int], G: int, T: int, reference: bool)
     return out
 
 
-def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5) -> dict:
+def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5, device: str = "cpu") -> dict:
     """Best measured GEMM rate (FLOP/s) on the shapes a training step is made of."""
     import torch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     torch.set_num_threads(threads)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -174,14 +178,16 @@ def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5) -> dict:
               "decode [16x576]x[576x1536]": (16, 576, 1536)}
     rates = {}
     for name, (m, k, n) in shapes.items():
-        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
-        reps = max(1, int(2e9 / (2 * m * k * n)))
+        a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
+        reps = max(1, int((2e11 if device == "cuda" else 2e9) / (2 * m * k * n)))
         a @ b
         best = float("inf")
         for _ in range(repeat):
+            sync()
             t0 = time.perf_counter()
             for _ in range(reps):
                 a @ b
+            sync()
             best = min(best, (time.perf_counter() - t0) / reps)
         rates[name] = 2 * m * k * n / best
     big = [v for k, v in rates.items() if not k.startswith("decode")]
@@ -205,6 +211,38 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+class GpuSampler:
+    """--device cuda: the GPU's utilisation sampled every 0.2 s (nvidia-smi) while a side runs, and its CUDA peak."""
+
+    def __init__(self, device: str):
+        import threading
+
+        self.on = device == "cuda"
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True) if self.on else None
+        if self._thread:
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout.split()
+                self.samples.append(float(out[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                return
+
+    def result(self) -> dict:
+        if not self.on:
+            return {}
+        import torch
+
+        self._stop.set()
+        return {"cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20,
+                "gpu_util_mean": statistics.mean(self.samples) if self.samples else float("nan")}
+
+
 def child_ours(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
@@ -214,6 +252,7 @@ def child_ours(spec: dict) -> dict:
     from grpo.training.trainer import Trainer
 
     t_setup = time.perf_counter()
+    gpu = GpuSampler(spec.get("device", "cpu"))
     algo = spec["algo"]
     ov = [
         f"model.name_or_path={spec['model']}", f"model.dtype={spec['dtype']}", "model.gradient_checkpointing=false",
@@ -258,7 +297,7 @@ def child_ours(spec: dict) -> dict:
     prompt_lens = [len(trainer.dataset.ids[i]) for i in range(spec["prompts"])]
     return {"side": "ours", "algo": cfg.algo.name, "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
             "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(), "prompt_lens": prompt_lens,
-            "torch": torch.__version__}
+            "torch": torch.__version__, **gpu.result()}
 
 
 def child_trl(spec: dict) -> dict:
@@ -271,6 +310,7 @@ def child_trl(spec: dict) -> dict:
 
     torch.manual_seed(spec["seed"])
     t_setup = time.perf_counter()
+    gpu = GpuSampler(spec.get("device", "cpu"))
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
     ds = Dataset.from_list(rows)
     tok = AutoTokenizer.from_pretrained(spec["model"])
@@ -279,7 +319,7 @@ def child_trl(spec: dict) -> dict:
         raise SystemExit("prompts * group must be a multiple of --micro-batch")
     dapo = spec["algo"] == "dapo"
     args = GRPOConfig(
-        output_dir=f"{spec['workdir']}/trl", use_cpu=True, bf16=spec["dtype"] == "bf16", fp16=False,
+        output_dir=f"{spec['workdir']}/trl", use_cpu=spec.get("device", "cpu") == "cpu", bf16=spec["dtype"] == "bf16", fp16=False,
         model_init_kwargs={"dtype": torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32},
         per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=per_step // spec["micro_batch"],
         num_generations=spec["group"], max_completion_length=spec["max_new"],
@@ -324,7 +364,8 @@ def child_trl(spec: dict) -> dict:
     return {"side": "trl", "algo": spec["algo"], "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
             "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(),
             "prompt_lens": times["prompt"][0][:: spec["group"]] if times["prompt"] else [],
-            "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+            "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
+            **gpu.result()}
 
 
 # ----------------------------------------------------------------------------------- the parent
@@ -339,14 +380,16 @@ def summarise(res: dict, warmup: int) -> dict:
     return {"step_median_s": med, "step_min_s": min(tot), "step_max_s": max(tot),
             "generation_s": statistics.median(gen), "train_s": statistics.median(t - g for t, g in zip(tot, gen)),
             "completion_tokens": tokens, "tokens_per_s": tokens / med, "peak_rss_mb": res["peak_rss_mb"],
-            "rss_after_setup_mb": res["rss_after_setup_mb"], "steps_measured": len(st)}
+            "rss_after_setup_mb": res["rss_after_setup_mb"], "steps_measured": len(st),
+            **{k: res[k] for k in ("cuda_peak_mb", "gpu_util_mean") if k in res}}
 
 
 def run_child(side: str, spec: dict, python: str, workdir: Path) -> dict:
     spec_path, out_path = workdir / f"spec-{side}.json", workdir / f"result-{side}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-           "DS_ACCELERATOR": "cpu", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+    if spec.get("device", "cpu") == "cpu":  # both sides on the CPU even where a GPU is present
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
     cmd = [python, str(Path(__file__).resolve()), "--child", side, "--spec", str(spec_path), "--result", str(out_path)]
     print(f"[bench] {side}: {' '.join(cmd)}", flush=True)
@@ -385,7 +428,7 @@ def fmt_ratio(a: float, b: float) -> str:
 def compare(args, workdir: Path) -> dict:
     spec = base_spec(args, workdir)
     write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup))
-    rate = matmul_rate(args.threads, args.dtype)
+    rate = matmul_rate(args.threads, args.dtype, device=args.device)
     load_before = load_avg()
     results = {"ours": run_child("ours", spec, sys.executable, workdir)}
     if args.vs == "trl":
@@ -405,11 +448,11 @@ def compare(args, workdir: Path) -> dict:
     if "trl" in summary:
         o, t = summary["ours"], summary["trl"]
         report["ratios"] = {k: o[k] / t[k] for k in ("step_median_s", "generation_s", "train_s", "peak_rss_mb",
-                                                      "rss_after_setup_mb", "tokens_per_s")}
+                                                      "rss_after_setup_mb", "tokens_per_s", "cuda_peak_mb") if k in o}
         if results["trl"]["prompt_lens"] and results["trl"]["prompt_lens"] != prompt_lens:
             report["warning"] = f"prompt lengths differ: ours {prompt_lens}, trl {results['trl']['prompt_lens']}"
     md = compare_markdown(report, args)
-    stem = f"bench-{args.algo}-{args.dtype}"
+    stem = f"bench-{args.algo}-{args.dtype}" + ("-cuda" if args.device == "cuda" else "")
     (workdir / f"{stem}.json").write_text(json.dumps(report, indent=2))
     (workdir / f"{stem}.md").write_text(md)
     print(md)
@@ -423,7 +466,7 @@ def compare_markdown(r: dict, args) -> str:
     lines = [
         f"{args.algo} (beta = {0.0 if args.algo == 'dapo' else args.beta}), {args.dtype}, {args.prompts} prompts x "
         f"G = {args.group}, {args.max_new} new tokens (EOS ignored), micro-batch {args.micro_batch}, "
-        f"{r['summary']['ours']['steps_measured']} measured steps after {args.warmup} warm-up; "
+        f"{r['summary']['ours']['steps_measured']} measured steps after {args.warmup} warm-up, {args.device}; "
         f"load average {r['load_before']} before, {r['load_after']} after",
         "",
         "| | " + " | ".join(sides) + (" | ours / TRL |" if "trl" in s else " |"),
@@ -443,6 +486,9 @@ def compare_markdown(r: dict, args) -> str:
     row("completion tokens / s", "tokens_per_s", lambda v: f"{v:.1f}")
     row("peak RSS (MiB)", "peak_rss_mb", lambda v: f"{v:.0f}")
     row("RSS after setup (MiB)", "rss_after_setup_mb", lambda v: f"{v:.0f}")
+    if all("cuda_peak_mb" in s[k] for k in sides):
+        row("CUDA peak allocated (MiB)", "cuda_peak_mb", lambda v: f"{v:.0f}")
+        row("GPU utilisation, mean of 0.2 s samples (%)", "gpu_util_mean", lambda v: f"{v:.0f}")
     f = r["flops"]
     lines += [
         "",
@@ -461,7 +507,7 @@ def sweep(args, workdir: Path) -> dict:
     points = [(L, args.group) for L in args.lengths] + [(args.max_new, g) for g in args.groups if g != args.group]
     rows = []
     shape = model_shape(Path(args.model))
-    rate = matmul_rate(args.threads, args.dtype)
+    rate = matmul_rate(args.threads, args.dtype, device=args.device)
     for L, G in points:
         sub = workdir / f"sweep-L{L}-G{G}"
         sub.mkdir(parents=True, exist_ok=True)
@@ -499,7 +545,8 @@ def base_spec(args, workdir: Path, max_new: int | None = None, group: int | None
             "group": group or args.group, "prompts": args.prompts, "max_new": max_new or args.max_new,
             "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
             "seed": args.seed, "temperature": args.temperature, "ignore_eos": not args.keep_eos,
-            "threads": args.threads, "workdir": str(workdir), "data": str(workdir / "prompts.jsonl")}
+            "threads": args.threads, "workdir": str(workdir), "data": str(workdir / "prompts.jsonl"),
+            "device": args.device}
 
 
 def parse_args(argv=None):
@@ -514,7 +561,9 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward, both sides")
     p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo", help="dapo: beta = 0; grpo: beta = --beta")
     p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="on a GPU: bf16 (both sides)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: both sides on the GPU (TRL: use_cpu=False); adds CUDA peak memory and GPU utilisation")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)

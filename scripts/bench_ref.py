@@ -60,19 +60,23 @@ SMOLLM_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9
                     rope_theta=100000.0, rms_norm_eps=1e-5)
 
 
-def random_smollm2(folder: Path) -> Path:
-    """A random-init LlamaForCausalLM of SmolLM2-135M's shape and a 49152-token word-level tokenizer."""
+def random_smollm2(folder: Path, shape: dict = SMOLLM_SHAPE, device: str = "cpu", dtype=None) -> Path:
+    """A random-init LlamaForCausalLM of ``shape`` (SmolLM2-135M's by default), built on ``device`` in ``dtype``,
+    and a word-level tokenizer of its vocabulary ("t4" ... as words)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {t: i for i, t in enumerate(specials)}
-    vocab.update({f"t{i}": i for i in range(len(specials), SMOLLM_SHAPE["vocab_size"])})
+    vocab.update({f"t{i}": i for i in range(len(specials), shape["vocab_size"])})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM_SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    with torch.device(device):  # a GPU initialises a 1.7B model in seconds, a CPU in minutes
+        model = LlamaForCausalLM(LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder

@@ -4,7 +4,8 @@
                            [--out FILE.jsonl] [key=value ...]
 
 PATH is anything ``model.name_or_path`` takes: an HF folder (the original model, or a
-checkpoint the trainer saved, e.g. runs/X/checkpoints/step-N), a hub name, or
+checkpoint the trainer saved, e.g. runs/X/checkpoints/step-N, or runs/X/checkpoints/latest,
+runs/X/checkpoints or runs/X for the run's newest), a hub name, or
 builtin:tiny-char; or a LoRA adapter folder (a LoRA run's checkpoint, or what
 ``PeftModel.save_pretrained`` wrote): its base (``base_model_name_or_path``) with the adapter merged. Greedy decoding; with --k > 1 also k samples per problem at
 ``eval.temperature`` (mean@k, pass@k). Writes one JSONL record per problem (default:
@@ -32,7 +33,8 @@ def default_out(model: str, split: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
-                   help="HF folder, checkpoint folder, LoRA adapter folder, hub name or builtin:tiny-char")
+                   help="HF folder, checkpoint folder (or a run's checkpoints/latest, checkpoints/ or output folder: "
+                        "its newest), LoRA adapter folder, hub name or builtin:tiny-char")
     p.add_argument("--config", required=True, help="YAML whose data / eval / rewards sections define the task")
     p.add_argument("--split", default="eval", help="'eval' (alias 'test': the held-out data) or 'train'")
     p.add_argument("--limit", type=int, default=None, help="first N problems (default: eval.limit)")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. eval.batch_size=16")
     args = p.parse_args(argv)
 
-    from grpo.foundation.config import ConfigError
+    from grpo.foundation.config import ConfigError, custom_chat_template
     from grpo.training.configure import load_config
 
     overrides = [f"model.name_or_path={args.model}", *args.overrides]
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         from grpo.training.evaluation import Evaluator, eval_source, write_records
 
         tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        if (template := custom_chat_template(cfg.data)) is not None:  # the template the run was trained with
+            tokenizer.chat_template = template
         model = load_model(cfg.model).eval()
         rollout = RolloutService.build(cfg, model, tokenizer, eos_token_ids(model, tokenizer))
         evaluator = Evaluator(cfg, rollout, eval_source(cfg, split))
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluator.close()
     m = result.metrics
 
-    out = write_records(result.records, args.out or default_out(args.model, split))
+    # a run's checkpoint given as checkpoints/latest: named after the step folder it resolved to
+    out = write_records(result.records, args.out or default_out(cfg.model.name_or_path, split))
     fmt = f"{m['eval/format_rate']:.3f}" if "eval/format_rate" in m else "n/a (no eval.format reward)"
     print(f"model: {args.model}   split: {split}   problems: {int(m['eval/num_problems'])}"
           f"   (dropped as too long: {int(m['eval/dropped_prompts'])})")

@@ -20,3 +20,8 @@ def garbage(args: str, **_):
 
 def huge(args: str, **_) -> str:
     return "9" * 100_000
+
+
+def hog(args: str, **_) -> str:
+    """Allocates 2 GiB when asked to (past a tool worker's env.tool_limits.memory_mb in tests/test_sandbox.py)."""
+    return str(len(bytearray(2 << 30))) if args == "hog" else "fine"

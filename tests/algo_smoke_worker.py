@@ -22,18 +22,23 @@ from grpo.training.trainer import Trainer  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--plan", required=True, help="JSON file: {algorithm name: [key=value overrides]}")
+    p.add_argument("--plan", required=True, help="JSON file: {algorithm name: [key=value overrides]} (on "
+                   "configs/demo.yaml), or {algorithm name: {\"config\": YAML file, \"overrides\": [...]}}")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args()
     root = Path(__file__).resolve().parent.parent
-    plan: dict[str, list[str]] = json.loads(Path(args.plan).read_text())
-    for name, overrides in plan.items():
+    plan: dict[str, list[str] | dict] = json.loads(Path(args.plan).read_text())
+    for name, entry in plan.items():
+        if isinstance(entry, dict):
+            config, overrides = entry["config"], entry["overrides"]
+        else:
+            config, overrides = "configs/demo.yaml", entry
         out = Path(args.out) / name
-        status: dict = {"algo": name}
+        status: dict = {"algo": name, "config": config}
         try:
-            cfg = load_config(root / "configs" / "demo.yaml", algo=name, overrides=[
+            cfg = load_config(root / config, algo=name, overrides=[
                 f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.save_every=0",
                 "logging.progress_bar=false", "logging.plot=false", *overrides,
             ])

@@ -49,10 +49,14 @@ def global_batch(vocab: int) -> RolloutBatch:
     )
 
 
-def one_run(micro: int, zero: int, model: str, lora: bool, out_dir: Path) -> dict:
-    """The gathered gradient and loss of the fixed batch for every aggregation (on rank 0; {} elsewhere)."""
+def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dict:
+    """The gathered gradient and loss of the fixed batch for every aggregation, and with an entropy bonus (on
+    rank 0; {} elsewhere).
+    ``micro``: rows per micro-batch, or ROWS/TOKENS for a token budget (train.micro_batch_tokens) too."""
+    rows_per, _, tokens = str(micro).partition("/")
     cfg = load_config(overrides=[*([LORA] if lora else []),
-        "algo.beta=0", "train.lr=0", f"train.micro_batch_size={micro}", f"train.zero_stage={zero}",
+        "algo.beta=0", "train.lr=0", f"train.micro_batch_size={rows_per}", f"train.zero_stage={zero}",
+        f"train.micro_batch_tokens={tokens or 0}",
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={out_dir}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
         f"model.name_or_path={model}",
@@ -79,33 +83,51 @@ def one_run(micro: int, zero: int, model: str, lora: bool, out_dir: Path) -> dic
     batch = full.select(rows)
     batch.advantages = trainer.algo.advantages(batch, None)
     results = {}
+    # each rank's own micro-batches (before the padding to the busiest rank's count)
+    mbs = micro_batches(trainer._total_lengths(batch), int(rows_per), int(tokens or 0))
+    results["micro_batches_per_rank"] = dist.all_gather_object(len(mbs))
+    results["passes_per_rank"] = dist.all_gather_object(len(trainer.micro_batches(batch)))
     if zero == 3:  # each rank's LM-head chunks per micro-batch: the test checks that they differ
-        mbs = micro_batches(trainer._total_lengths(batch), micro)
         chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
         results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
-    for aggregation in core.AGGREGATIONS:
-        cfg.algo.aggregation = aggregation
+    # every aggregation; then an entropy bonus (algo.entropy_coef: the entropy's gradient through the LM head)
+    for name in ONLY or [*core.AGGREGATIONS, "entropy-bonus"]:
+        if name == "entropy-bonus":
+            cfg.algo.aggregation, cfg.algo.entropy_coef = "seq-mean-token-mean", 0.5
+            trainer.algo.entropy_alpha = 0.5
+        else:
+            cfg.algo.aggregation = name
         loss = trainer.accumulate_gradients(batch, trainer.step_norms(batch), {})
         grads = [safe_get_full_grad(p) for p in trainer.model.parameters() if p.requires_grad]
         total_loss = dist.all_reduce_sum(loss.reshape(1))
         if dist.is_main():
-            results[aggregation] = {"loss": float(total_loss), "grad": torch.cat([g.reshape(-1).double() for g in grads])}
+            results[name] = {"loss": float(total_loss), "grad": torch.cat([g.reshape(-1).double() for g in grads])}
         trainer.engine.step()  # lr = 0: clears the gradients, changes no weight
     trainer.close()
     return results
 
 
+ONLY: list[str] = []  # --only: these aggregations (default: all, then the entropy bonus)
+
+
+def per_aggregation(results: dict) -> dict:
+    """One run's {aggregation (and "entropy-bonus"): {"loss", "grad"}}, without the per-rank counts beside them."""
+    return {k: v for k, v in results.items() if isinstance(v, dict)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--micro", type=int, default=None)
+    p.add_argument("--micro", default=None, help="ROWS or ROWS/TOKENS")
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
-    p.add_argument("--run", action="append", default=[], metavar="NAME:MICRO:ZERO[:MODEL]",
+    p.add_argument("--run", action="append", default=[], metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS
                    help="several runs in this one launch (--out then holds {NAME: results}); instead of --micro")
+    p.add_argument("--only", action="append", default=[], help="an aggregation (repeatable; default: all)")
     args = p.parse_args()
+    ONLY.extend(args.only)
     if args.lora:  # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
         load_policy = trainer_module.load_policy
 
@@ -124,7 +146,7 @@ def main() -> None:
         results = {}
         for spec in args.run:
             name, micro, zero, *model = spec.split(":", 3)
-            results[name] = one_run(int(micro), int(zero), model[0] if model else args.model, args.lora,
+            results[name] = one_run(micro, int(zero), model[0] if model else args.model, args.lora,
                                     out.parent / f"run-{name}")
     else:
         results = one_run(args.micro, args.zero, args.model, args.lora, out.parent / "run")

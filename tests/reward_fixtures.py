@@ -36,3 +36,59 @@ not_callable = 42
 def not_finite(prompts, completions, **_):
     """nan / inf for completions that say so (numpy-style results of a 0/0 or a log(0))."""
     return [float(c) if c in ("nan", "inf", "-inf") else 1.0 for c in completions]
+
+
+# --- TRL-shaped functions (keyword arguments, None for rows they do not score, async) -------------------
+def trl_needs_solution(completions, solution, **kwargs):
+    """Written for a dataset with a ``solution`` column: fails where there is none."""
+    return [1.0 if c == s else 0.0 for c, s in zip(completions, solution)]
+
+
+def trl_id_count(prompts, completions, completion_ids, **kwargs):
+    """Number of generated tokens; None (not scored) when the prompt says skip."""
+    return [None if "skip" in str(p) else float(len(ids)) for p, ids in zip(prompts, completion_ids)]
+
+
+def trl_exact(completions, answer, **kwargs):
+    """1 when the completion is the answer; completions are message lists for conversational prompts."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if t == a else 0.0 for t, a in zip(texts, answer)]
+
+
+def trl_step(completions, trainer_state, **kwargs):
+    return [float(trainer_state.global_step)] * len(completions)
+
+
+def trl_no_kwargs(completions, answer):
+    """No **kwargs: gets only what it names."""
+    return [float(len(c)) for c in completions]
+
+
+async def trl_async_half(prompts, completions, delay=0.0, **kwargs):
+    """Async: 0.5 per row, None where the completion is empty; sleeps ``delay`` seconds first."""
+    import asyncio
+
+    await asyncio.sleep(delay)
+    return [None if c == "" else 0.5 for c in completions]
+
+
+def plain_positional(p, c, **cols):
+    """This project's plain shape with other parameter names: called positionally (style auto -> plain)."""
+    return [2.0 if x.startswith("1") else 0.0 for x in c]
+
+
+def trl_always_raises(completions, **kwargs):
+    raise ValueError("this judge is misconfigured")
+
+
+def hog_memory(prompts, completions, **_):
+    """Allocates 2 GiB for a completion that says so (past a worker's memory limit in tests/test_sandbox.py)."""
+    blocks = [bytearray(2 << 30) for c in completions if c == "hog"]
+    return [float(len(blocks)) for _ in completions]
+
+
+def spin(prompts, completions, **_):
+    """Burns CPU forever for a completion that says so (past a worker's CPU limit)."""
+    while any(c == "spin" for c in completions):
+        pass
+    return [1.0 for _ in completions]

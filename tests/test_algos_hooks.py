@@ -802,3 +802,32 @@ def test_prorl_resume_brings_a_moved_server_back_and_checks_its_weights(single_r
     with pytest.raises(ConfigError, match="this checkpoint trained against hash:something-else"):
         tampered.attach(tr.context())
     tr.close()
+
+
+def test_adaptive_entropy_bonus_in_a_real_trainer(single_rank_env, tmp_path):
+    """Skywork-OR1's adaptive entropy bonus through the trainer: the training forward's entropy (with its
+    gradient) equals the old-policy pass's on the step's first pass, the coefficient moves by delta per step
+    up to its cap, and a resumed run continues from the checkpointed coefficient."""
+    from grpo.training.trainer import Trainer
+
+    opts = ["algo.entropy_coef=0.01", "algo.entropy_target=100", "algo.entropy_coef_delta=0.01",
+            "algo.entropy_coef_max=0.015", "train.max_steps=2", "train.save_every=0"]
+    tr = make_trainer("grpo", tmp_path, "algo.beta=0", *opts)
+    assert tr.algo.entropy_bonus and tr.algo.needs_entropy
+    rows = tr.train()
+    assert [r["entropy_bonus/coef"] for r in rows] == pytest.approx([0.01, 0.015])  # e_k < 100: c rises to the cap
+    for r in rows:  # mu = 1: the loss's entropy (current policy, with gradient) is the old-policy pass's
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+        assert r["entropy_bonus/entropy"] == pytest.approx(r["entropy"], rel=1e-4)
+    assert tr.algo.entropy_c == pytest.approx(0.015)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml", "grpo", [
+        f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false",
+        "rollout.prompts_per_step=2", "rollout.num_generations=4", "algo.beta=0", *opts[:-2],
+        "algo.entropy_coef_max=0.5", "train.max_steps=3"])
+    resumed = Trainer(cfg, resume=True)
+    try:
+        assert resumed.algo.entropy_c == pytest.approx(0.015)  # not algo.entropy_coef = 0.01
+        m = resumed.train_step()
+        assert m["entropy_bonus/coef"] == pytest.approx(0.015)
+    finally:
+        resumed.close()

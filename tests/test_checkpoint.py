@@ -94,8 +94,10 @@ def test_every_file_and_folder_is_fsynced_before_latest_is_written(tmp_path, mon
     for p in [final, *final.rglob("*")]:
         assert str(tmp / p.relative_to(final)) in synced, p
     assert str(root) in synced  # the folder holding the renamed step
-    assert str(root / "latest.tmp") in synced  # the marker's contents, before its rename
-    assert ("fsync", str(root)) in events[latest_at:]  # and the marker's rename itself
+    # the marker is a symlink: its target is written with the link itself (a folder entry), which the
+    # folder's fsync after the rename makes durable together with the rename
+    assert events[latest_at][1] == str(root / ".latest.tmp")
+    assert ("fsync", str(root)) in events[latest_at:]
 
 
 class _Evil:
@@ -129,3 +131,52 @@ def test_rng_state_round_trips_and_an_older_ndarray_state_still_loads(tmp_path):
     np.random.seed(123)
     assert load_checkpoint(_Engine(), final)["step"] == 1
     assert np.array_equal(np.random.rand(2), expected)
+
+
+def test_latest_is_a_relative_symlink_and_the_text_file_form_still_reads(tmp_path):
+    from grpo.foundation.modeling import resolve_model_path
+
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").is_symlink() and os.readlink(root / "latest") == "step-2"
+    assert (root / "latest" / "config.json").is_file()  # loads like the folder itself
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")]  # no temporary link left
+    for given in (root / "latest", root, tmp_path):
+        assert resolve_model_path(str(given)) == str(root / "step-2")
+    (root / "latest").unlink()
+    (root / "latest").write_text("step-1\n")  # what runs wrote before the symlink
+    assert latest_checkpoint(tmp_path) == root / "step-1"
+    assert resolve_model_path(str(root / "latest")) == str(root / "step-1")
+    save(tmp_path, 3)  # the text file is replaced by the link
+    assert os.readlink(root / "latest") == "step-3" and latest_checkpoint(tmp_path) == root / "step-3"
+    assert resolve_model_path(str(root / "step-1")) == str(root / "step-1")  # a step folder is itself
+    adapter = root / "step-4"  # a LoRA run's step folder: no config.json, and DeepSpeed's own ``latest``
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "latest").write_text("ds")
+    assert resolve_model_path(str(adapter)) == str(adapter)
+
+
+def test_a_latest_naming_a_missing_folder_is_a_clear_error(tmp_path):
+    from grpo.foundation.config import ConfigError
+    from grpo.foundation.modeling import resolve_model_path
+
+    save(tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("step-9")
+    with pytest.raises(ConfigError, match="step folder that does not exist"):
+        resolve_model_path(str(root / "latest"))
+
+
+def test_keep_checkpoints_never_deletes_the_folder_latest_names(tmp_path):
+    for step in (5, 6, 7):
+        save(tmp_path, step)
+    # a run restarted in the same folder without --resume: its first checkpoints are older-numbered
+    save_checkpoint(_Engine(), _Tokenizer(), tmp_path, 1, {"step": 1, "sampler": {"consumed": 8}}, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1", "step-7"]
+    assert latest_checkpoint(tmp_path) == root / "step-1"
+    save_checkpoint(_Engine(), _Tokenizer(), tmp_path, 2, {"step": 2, "sampler": {"consumed": 16}}, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2"]

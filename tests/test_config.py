@@ -78,7 +78,7 @@ def test_wrong_type(override, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.dtype=fp8", r"model.dtype='fp8' is invalid: choose from \['fp32', 'bf16', 'fp16'\]"),
+    ("model.dtype=fp8", r"model.dtype='fp8' is invalid: choose from \['auto', 'fp32', 'bf16', 'fp16'\]"),
     ("algo.aggregation=mean", r"algo.aggregation='mean' is invalid: choose from"),
     ("algo.kl_estimator=k4", r"choose from \['k1', 'k2', 'k3'\]"),
     ("train.zero_stage=4", r"train.zero_stage=4 is invalid: choose from \[0, 1, 2, 3\]"),

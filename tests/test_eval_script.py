@@ -98,3 +98,23 @@ def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, 
     assert summary["eval/accuracy"] == rows[-1]["eval/accuracy"]
     assert summary["eval/length_mean"] == rows[-1]["eval/length_mean"]
     assert [json.loads(x)["completion"] for x in out.read_text().splitlines()] == [r["completion"] for r in saved]
+    # the run's newest checkpoint by its run: checkpoints/latest (a symlink), the checkpoints folder, the run folder
+    for given in (ckpt.parent / "latest", ckpt.parent, ckpt.parent.parent):
+        again = tmp_path / f"{given.name}.jsonl"
+        assert load_eval_script().main(["--model", str(given), "--config", str(config), "--out", str(again)]) == 0
+        assert again.read_text() == out.read_text(), given
+
+    # train.export_final (default on): OUT/final/ is the model + tokenizer only, the trained model's logits
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = tmp_path / "run" / "final"
+    assert "final model (from_pretrained):" in proc.stdout
+    assert not (final / "ds").exists() and not (final / "trainer").exists()
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok.get_vocab() == AutoTokenizer.from_pretrained(ckpt).get_vocab()
+    ids = torch.tensor([tok.encode("1+2=")])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(final)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(ckpt)(ids).logits  # the step-2 checkpoint: the trained model
+    assert torch.equal(got, want)

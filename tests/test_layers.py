@@ -37,8 +37,8 @@ ALLOWED = {
     "data": {"foundation", "data"},
     "rollout": {"foundation", "rollout"},
     "rewards": {"foundation", "rewards"},
-    "envs": {"foundation", "rollout", "rewards", "envs"},  # environments and tools (multi-turn rollouts)
-    "reference": {"foundation", "reference"},
+    "envs": {"foundation", "data", "rollout", "rewards", "envs"},  # environments and tools (multi-turn rollouts)
+    "reference": {"foundation", "rewards", "reference"},  # the server hosts reward models (rewards/models.py)
     "algos": {"foundation", "rewards", "algos"},  # rollout and reference reach algorithms through StepContext
     "training": {"foundation", "data", "rollout", "rewards", "envs", "reference", "algos", "training"},
 }

@@ -93,3 +93,43 @@ def test_a_fresh_run_moves_the_earlier_runs_logs_aside(tmp_path, capsys):
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.9}]
     MetricsLogger(_cfg(tmp_path))  # a second rerun within the same second keeps both earlier files
     assert len(list(tmp_path.glob("metrics.jsonl.bak-*"))) == 2
+
+
+def test_without_a_progress_bar_each_step_prints_one_line(tmp_path, capsys):
+    cfg = load_config(overrides=[f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false",
+                                 "train.max_steps=40"])
+    log = MetricsLogger(cfg)
+    log.log(0, {"eval/accuracy": 0.5}, advance=False)  # the step-0 evaluation is not a step
+    log.log(1, {"reward/mean": 0.25, "kl": 0.00123, "completion/length_mean": 2.5, "time/step": 0.31})
+    log.log(2, {"reward/mean": 0.5})
+    log.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert lines == ["step 1/40 | reward 0.250 | kl 0.00123 | len 2.5 | s/step 0.31", "step 2/40 | reward 0.500"]
+
+
+class FakeRun:
+    id = "abc123"
+
+    def log(self, metrics, step):
+        pass
+
+    def finish(self):
+        pass
+
+
+def test_wandb_run_name_entity_tags_and_the_same_run_on_resume(tmp_path, monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(kw) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    over = [f"train.output_dir={tmp_path}", "logging.report_to=[wandb]", "logging.plot=false", "logging.progress_bar=false",
+            "logging.wandb_name=exp-1", "logging.wandb_entity=team", "logging.wandb_tags=[gsm8k, grpo]"]
+    MetricsLogger(load_config(overrides=over)).close()
+    assert calls[0]["name"] == "exp-1" and calls[0]["entity"] == "team" and calls[0]["tags"] == ["gsm8k", "grpo"]
+    assert "id" not in calls[0] and (tmp_path / "wandb_run_id").read_text() == "abc123"
+    MetricsLogger(load_config(overrides=over), start_step=3).close()  # --resume
+    assert calls[1]["id"] == "abc123" and calls[1]["resume"] == "allow"
+    with pytest.raises(ConfigError, match="wandb_tags"):
+        load_config(overrides=[*over[:-1], "logging.wandb_tags=gsm8k"])

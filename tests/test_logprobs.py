@@ -89,6 +89,16 @@ def naive_head(head, hidden, targets, temperature, softcap):
     return lp, ent
 
 
+def random_head(seed: int, bias: bool = True, requires_grad: bool = True):
+    """A float64 linear head (6 -> 11), 13 hidden states and their targets, and the generator for more."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(6, 11, bias=bias).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(11, 6, generator=g, dtype=torch.float64) * 2)
+    hidden = torch.randn(13, 6, generator=g, dtype=torch.float64, requires_grad=requires_grad)
+    return head, hidden, torch.randint(0, 11, (13,), generator=g), g
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])
 @pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.3, 2.5)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -96,12 +106,7 @@ def test_fused_head_equals_naive(chunk_size, temperature, softcap, bias):
     """Values, entropy and the gradients of hidden states, weight and bias, in float64."""
     from grpo.foundation.logprobs import _LinearHeadLogprob, head_logprobs
 
-    g = torch.Generator().manual_seed(7)
-    head = torch.nn.Linear(6, 11, bias=bias).double()
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(11, 6, generator=g, dtype=torch.float64) * 2)
-    hidden = torch.randn(13, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 11, (13,), generator=g)
+    head, hidden, targets, g = random_head(7, bias)
     upstream = torch.randn(13, generator=g, dtype=torch.float64)
 
     lp, ent = head_logprobs(head, hidden, targets, temperature, chunk_size, with_entropy=True, softcap=softcap)
@@ -114,6 +119,73 @@ def test_fused_head_equals_naive(chunk_size, temperature, softcap, bias):
     assert not ent.requires_grad
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.3, 2.5)])
+def test_entropy_gradient_equals_naive(fused, chunk_size, temperature, softcap):
+    """entropy_grad (an entropy bonus in the loss): the entropy's gradient, alone and together with the
+    log-probs', equals autograd through the full softmax in float64, on the fused and the checkpointed path."""
+    from grpo.foundation.logprobs import head_logprobs
+
+    head, hidden, targets, g = random_head(3)
+    up_lp, up_ent = (torch.randn(13, generator=g, dtype=torch.float64) for _ in range(2))
+    params = [hidden] + list(head.parameters())
+    lp, ent = head_logprobs(head, hidden, targets, temperature, chunk_size, softcap=softcap, fused=fused,
+                            entropy_grad=True)
+    ref_lp, ref_ent = naive_head(head, hidden, targets, temperature, softcap)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=1e-12)
+    assert ent.requires_grad
+    for fast_out, slow_out in [((ent * up_ent).sum(), (ref_ent * up_ent).sum()),  # the entropy alone
+                               ((lp * up_lp + ent * up_ent).sum(), (ref_lp * up_lp + ref_ent * up_ent).sum())]:
+        fast = torch.autograd.grad(fast_out, params, retain_graph=True)
+        slow = torch.autograd.grad(slow_out, params, retain_graph=True)
+        for a, b in zip(fast, slow):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.3, 2.5)])
+def test_sum_pi_squared_equals_naive(fused, temperature, softcap):
+    """sum_pi_squared (verl's optimal token baseline): sum_v pi_v^2 of each token's distribution, detached, next to
+    unchanged log-probs and entropy, in float64; and on the model through completion_logprobs."""
+    from grpo.foundation.logprobs import head_logprobs
+
+    head, hidden, targets, _ = random_head(11, requires_grad=False)
+    with torch.no_grad():
+        lp, ent, sq = head_logprobs(head, hidden, targets, temperature, 5, with_entropy=True, softcap=softcap,
+                                    fused=fused, sum_pi_squared=True)
+        ref_lp, ref_ent = naive_head(head, hidden, targets, temperature, softcap)
+        logits = head(hidden)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        probs = torch.softmax(logits / temperature, -1)
+    want = [sum(float(probs[i, v]) ** 2 for v in range(11)) for i in range(13)]
+    torch.testing.assert_close(sq, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=1e-12)
+    lp2, ent2, sq2 = head_logprobs(head, hidden, targets, temperature, 5, softcap=softcap, fused=fused,
+                                   sum_pi_squared=True)
+    assert ent2 is None and not sq2.requires_grad
+    torch.testing.assert_close(sq2, sq)
+
+
+def test_sum_pi_squared_through_completion_logprobs(model_and_rows):
+    model, prompts, completions = model_and_rows
+    packed = pack(prompts, completions, pad_id=0, width=8)
+    with torch.no_grad():
+        lp, ent, sq = completion_logprobs(model, packed, 0.8, 3, with_entropy=True, sum_pi_squared=True)
+        lp0, ent0 = completion_logprobs(model, packed, 0.8, 3, with_entropy=True)
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            logits = model(torch.tensor([p + c])).logits[0].double() / 0.8
+            probs = torch.softmax(logits, -1)
+            for t in range(len(c)):
+                want = float((probs[len(p) + t - 1] ** 2).sum())
+                assert float(sq[i, t]) == pytest.approx(want, rel=1e-5)
+            assert (sq[i, len(c):] == 0).all()
+    torch.testing.assert_close(lp, lp0)
+    torch.testing.assert_close(ent, ent0)
 
 
 def test_fused_and_checkpointed_paths_agree_on_the_model(model_and_rows):

@@ -275,6 +275,15 @@ def test_checkpoint_resume_merge_and_eval_round_trip(single_rank_env, tmp_path, 
         assert diff <= MERGE_BOUND, diff
         assert (adapted - plain_logprobs(load_model(tr.cfg.model), packed, tr.cfg)).abs().max() > 1e-3  # not the base
 
+        # the end-of-run export (train.export_final: OUT/final/): the same merged model, without the adapter files
+        from grpo.training.checkpoint import export_model
+
+        final = export_model(tr.engine, tr.tokenizer, tmp_path / "final")
+        assert (final / "config.json").is_file() and not (final / "adapter_config.json").exists()
+        exported = AutoModelForCausalLM.from_pretrained(final)
+        diff = (plain_logprobs(exported, packed, tr.cfg) - adapted).abs().max().item()
+        assert diff <= MERGE_BOUND, diff
+
     # the uninterrupted run's next two steps
     want = [tr.train_step() for _ in range(2)]
     tr.close()
@@ -505,17 +514,21 @@ def test_prorl_resets_with_lora_use_the_same_mechanism(single_rank_env, tmp_path
 @pytest.mark.slow
 def test_lora_step_gradient_independent_of_ranks_micro_batches_and_zero2(tmp_path):
     """The adapters' gradient of one step through the real engine: 1 rank x 1 micro-batch (no ZeRO) against
-    2 ranks x micro-batches of 3 under ZeRO-2, for every aggregation (tests/dist_grad_worker.py --lora)."""
+    2 ranks x micro-batches of 3 under ZeRO-2, for two aggregations and an entropy bonus (dist_grad_worker --lora)."""
     from tests.conftest import run_deepspeed
+    from tests.dist_grad_worker import per_aggregation
 
     grads = {}
     for name, (ranks, micro, zero) in {"w1-mb16-z0": (1, 16, 0), "w2-mb3-z2": (2, 3, 2)}.items():
         f = tmp_path / f"{name}.pt"
-        run_deepspeed(["--out", str(f), "--micro", str(micro), "--zero", str(zero), "--lora"], ranks,
+        # two aggregations (token- and sequence-normalised) and the entropy bonus: every aggregation's split
+        # invariance is test_distributed's; here the adapters' gradient path (CI time)
+        run_deepspeed(["--out", str(f), "--micro", str(micro), "--zero", str(zero), "--lora", "--only", "token-mean",
+                       "--only", "seq-mean-token-mean", "--only", "entropy-bonus"], ranks,
                       "tests/dist_grad_worker.py")
         grads[name] = torch.load(f)
     ref, other = grads["w1-mb16-z0"], grads["w2-mb3-z2"]
-    for aggregation, r in ref.items():
+    for aggregation, r in per_aggregation(ref).items():
         o = other[aggregation]
         assert r["grad"].numel() < 20_000 and r["grad"].abs().max() > 1e-4  # the adapters' (small) real gradient
         torch.testing.assert_close(o["grad"], r["grad"], rtol=1e-4, atol=1e-6 * r["grad"].abs().max().item(),
@@ -543,9 +556,10 @@ def test_lora_two_ranks_zero2_free_reference_checkpoint_and_resume(tmp_path):
     shards = sorted((ckpt / "ds").glob("*optim_states.pt"))
     assert len(shards) == 2  # ZeRO-2: each rank's partition of the adapters' optimizer state
     crashed = tmp_path / "crashed"
-    shutil.copytree(full, crashed)
+    shutil.copytree(full, crashed, symlinks=True)
     shutil.rmtree(crashed / "checkpoints" / "step-4")
-    (crashed / "checkpoints" / LATEST).write_text("step-2")
+    (crashed / "checkpoints" / LATEST).unlink()
+    (crashed / "checkpoints" / LATEST).symlink_to("step-2")
     run_deepspeed(run + [f"train.output_dir={crashed}", "--resume"])
     want, got = read_metrics(full / "metrics.jsonl"), read_metrics(crashed / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4] and want[-1]["kl"] > 0

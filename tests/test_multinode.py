@@ -1,6 +1,7 @@
 """More than one node: two simulated nodes of one CPU rank each on loopback, launched the way a cluster
 without ssh is (`deepspeed --hostfile H --no_ssh --num_nodes 2 --node_rank N --master_addr A`), give the
-same metrics and the same step gradient as one node with two ranks."""
+same metrics as one node with two ranks, bit for bit (loss and grad_norm included, so the same step gradient;
+that gradient's independence of the layout, aggregation by aggregation, is tests/test_distributed.py's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.foundation.dist import free_port
 from grpo.training.metrics import read_metrics
@@ -21,6 +21,11 @@ pytestmark = pytest.mark.slow
 RUN = ["--config", "configs/demo.yaml", "logging.progress_bar=false", "logging.plot=false", "algo.beta=0",
        "rollout.prompts_per_step=4", "rollout.num_generations=4", "train.max_steps=3", "reward_pool.num_workers=0"]
 TIMING = ("time/", "tokens_per_sec")
+
+
+def is_timing(key: str) -> bool:
+    """Wall-clock metrics differ between any two runs: the time/* phases, throughput, reward latencies."""
+    return key.startswith(TIMING) or key.endswith("/latency")
 
 
 def run_two_nodes(args: list[str], script: str, tmp: Path, timeout: int = 300) -> None:
@@ -38,8 +43,6 @@ def run_two_nodes(args: list[str], script: str, tmp: Path, timeout: int = 300) -
     finally:
         for p in procs:
             p.kill()
-        for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            f.unlink(missing_ok=True)
     for node, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"node {node} exited {p.returncode}\n{out[-5000:]}"
 
@@ -51,18 +54,7 @@ def test_two_nodes_equal_two_ranks_on_one_node(tmp_path, monkeypatch):
     nodes, ranks = read_metrics(tmp_path / "nodes" / "metrics.jsonl"), read_metrics(tmp_path / "ranks" / "metrics.jsonl")
     assert len(nodes) == len(ranks) == 3
     for a, b in zip(nodes, ranks):
-        assert {k: v for k, v in a.items() if not k.startswith(TIMING)} == \
-               {k: v for k, v in b.items() if not k.startswith(TIMING)}
+        assert {k: v for k, v in a.items() if not is_timing(k)} == {k: v for k, v in b.items() if not is_timing(k)}
     # one writer: rank 0 of node 0 wrote the checkpoint and the metrics, once
     assert (tmp_path / "nodes" / "checkpoints" / "step-3" / "config.json").is_file()
 
-
-def test_two_nodes_give_the_step_gradient_of_two_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    run_two_nodes(["--out", str(tmp_path / "nodes.pt"), "--micro", "3"], "tests/dist_grad_worker.py", tmp_path)
-    run_deepspeed(["--out", str(tmp_path / "ranks.pt"), "--micro", "3"], 2, "tests/dist_grad_worker.py")
-    nodes, ranks = torch.load(tmp_path / "nodes.pt"), torch.load(tmp_path / "ranks.pt")
-    for aggregation, r in ranks.items():
-        assert r["grad"].abs().max() > 1e-3
-        torch.testing.assert_close(nodes[aggregation]["grad"], r["grad"], rtol=0, atol=0, msg=aggregation)
-        assert nodes[aggregation]["loss"] == r["loss"]

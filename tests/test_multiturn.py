@@ -147,7 +147,7 @@ def test_the_calculator_tool_runs_in_a_worker_and_never_evals():
         assert box.call("calculator", "7/2").output == "7/2"
         for bad in ["__import__('os').system('echo pwned')", "2**99999", "1/0", "", "9" * 300]:
             assert not box.call("calculator", bad).ok
-        assert box.pop_counts() == {"tool_calls": 7, "tool_errors": 5, "tool_timeouts": 0}
+        assert box.pop_counts() == {"tool_calls": 7, "tool_errors": 5, "tool_timeouts": 0, "tool_killed": 0}
     finally:
         box.close()
 
@@ -211,7 +211,7 @@ def test_env_config_is_validated():
         load_config(overrides=["env.nam=maze"])
     from grpo.training.trainer import make_env_setup
 
-    with pytest.raises(ConfigError, match=r"env.name='labyrinth' is unknown: choose from \['calculator', 'maze'\]"):
+    with pytest.raises(ConfigError, match=r"env.name='labyrinth' is unknown: choose from \['calculator', 'code', 'maze'\]"):
         make_env_setup(load_config(overrides=["env.name=labyrinth"]))
     with pytest.raises(ConfigError, match="cannot be imported"):
         make_env_setup(load_config(overrides=["env.name=nowhere.mod:Env"]))

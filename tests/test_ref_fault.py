@@ -65,7 +65,9 @@ def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout: float = 1
 
 def test_server_restarted_within_the_retry_window(server, tmp_path):
     out, steps = tmp_path / "run", 16
-    train = start_training(out, server.url, f"train.max_steps={steps}", "ref.retry_window=120")
+    # the trainer starts first and waits for the server (ref.startup_wait), then survives its restart
+    train = start_training(out, server.url, f"train.max_steps={steps}", "ref.retry_window=120",
+                           "ref.startup_wait=120")
     server.start(timeout=120)
     done_at_kill = wait_for_steps(out, train, 2)
     server.kill()

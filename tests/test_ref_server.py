@@ -215,6 +215,47 @@ def test_bad_requests_get_4xx_naming_the_problem_and_the_server_keeps_serving(se
     assert r.status_code == 405 and r.json()["status"] == 405
 
 
+def test_one_connection_carries_the_requests_and_closes_when_the_body_was_not_read(server, inproc):
+    """HTTP/1.1 keep-alive: answers that leave the connection in step keep it (the same socket serves the
+    next request); an answer given before the body was read (401, a 413 past twice the limit) says
+    Connection: close, so no body byte is ever taken for the next request's line."""
+    import http.client
+
+    p, good, expected = _valid_body_and_expected(inproc)
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": CONTENT_TYPE}
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+
+    def ask(method: str, path: str, body: bytes | None = None, headers: dict = auth):
+        conn.request(method, path, body=body, headers=headers)
+        r = conn.getresponse()
+        return r, r.read()
+
+    r, _ = ask("GET", "/health")
+    assert r.status == 200 and r.version == 11 and r.getheader("Connection") is None
+    sock = conn.sock
+    for _ in range(3):
+        r, content = ask("POST", "/v1/logprobs", good)
+        assert r.status == 200 and conn.sock is sock  # no new connection
+        assert_same(decode_response(content, p.length, p.width)[0], expected)
+    r, _ = ask("POST", "/v1/logprobs", b"\x00garbage", auth)  # read, then refused: the connection stays usable
+    assert r.status == 400 and conn.sock is sock
+    r, _ = ask("POST", "/v1/logprobs", good, {"Content-Type": CONTENT_TYPE})  # refused before its body is read
+    assert r.status == 401 and r.getheader("Connection") == "close" and conn.sock is None
+    r, content = ask("POST", "/v1/logprobs", good)  # http.client opens a new connection
+    assert r.status == 200 and conn.sock is not None
+    assert_same(decode_response(content, p.length, p.width)[0], expected)
+    conn.close()
+
+    with requests.Session() as s:  # every bad request of the test above, then a good one, on one session
+        s.headers.update(auth)
+        for name, body, status, field in _bad_bodies(p):
+            r = s.post(server.url + "/v1/logprobs", data=body, timeout=60)
+            assert r.status_code == status and r.json()["field"] == field, (name, r.status_code, r.text)
+            ok = s.post(server.url + "/v1/logprobs", data=good, timeout=60)
+            assert ok.status_code == 200, (name, ok.text)
+            assert_same(decode_response(ok.content, p.length, p.width)[0], expected)
+
+
 # --------------------------------------------------------------------------- reload
 
 
@@ -279,12 +320,14 @@ def test_sigterm_lets_the_in_flight_request_finish(server, inproc):
 
 
 def test_sigterm_does_not_wait_for_idle_or_stalled_connections(tmp_path):
-    """An idle connection, trickled headers and a stalled body: SIGTERM still exits within seconds.
+    """An idle connection, a kept one, trickled headers and a stalled body: SIGTERM still exits within seconds.
     Was: the server joined every connection thread, each blocked up to 120 s per read (trickling: forever)."""
     srv = ServerProcess(["--model", "builtin:tiny-char"], port=free_port(), log_path=tmp_path / "server.log",
                         env={"OMP_NUM_THREADS": "1"}).start(timeout=120)
-    socks = [socket.create_connection((srv.host, srv.port), timeout=10) for _ in range(3)]
-    idle, trickle, stalled = socks
+    socks = [socket.create_connection((srv.host, srv.port), timeout=10) for _ in range(4)]
+    idle, trickle, stalled, kept = socks
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then kept open, waiting for a next request
+    assert kept.recv(65536).startswith(b"HTTP/1.1 200")
     trickle.sendall(b"GET /health HTTP/1.0\r\n")
     stalled.sendall(b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n0123456789")
     stop = threading.Event()
@@ -305,10 +348,10 @@ def test_sigterm_does_not_wait_for_idle_or_stalled_connections(tmp_path):
         t0 = time.monotonic()
         srv.proc.send_signal(15)
         try:
-            code = srv.proc.wait(20)
+            code = srv.proc.wait(30)  # the old wait: 120 s per blocked read, forever while trickled
         except subprocess.TimeoutExpired:
-            pytest.fail("the server was still waiting for idle connections 20 s after SIGTERM")
-        assert code == 0 and time.monotonic() - t0 < 10, (code, time.monotonic() - t0)
+            pytest.fail("the server was still waiting for idle connections 30 s after SIGTERM")
+        assert code == 0, code  # within 30 s (about 1-3 s alone; 11 s seen on a loaded 2-core machine)
     finally:
         stop.set()
         sender.join(10)

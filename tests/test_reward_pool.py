@@ -15,6 +15,11 @@ def combined(specs, workers=1, timeout=5.0, chunk=1):
     return CombinedReward([RewardSpec(**s) for s in specs], RewardPoolConfig(workers, timeout, chunk))
 
 
+def failures(metrics):
+    """The error and timeout counts of ``pop_metrics`` (it reports latency, skipped rows... too)."""
+    return {k: v for k, v in metrics.items() if k.endswith(("/errors", "/timeouts"))}
+
+
 def test_hanging_math_input_hits_the_timeout_and_the_run_goes_on(caplog):
     r = combined([{"fn": "math_correct", "kwargs": {"extract": "boxed", "gold": "plain"}}], workers=1, timeout=3.0)
     try:
@@ -24,8 +29,8 @@ def test_hanging_math_input_hits_the_timeout_and_the_run_goes_on(caplog):
             total, per_fn = r(["p"] * 3, ["\\boxed{5}", HANG, "so \\boxed{5.0}"], answers)
         assert time.monotonic() - t0 < 20
         assert total == [1.0, 0.0, 1.0]
-        assert r.pop_metrics() == {"reward/math_correct/errors": 0.0, "reward/math_correct/timeouts": 1.0}
-        assert "longer than reward_pool.timeout" in caplog.text
+        assert failures(r.pop_metrics()) == {"reward/math_correct/errors": 0.0, "reward/math_correct/timeouts": 1.0}
+        assert "longer than its timeout (3.0s" in caplog.text
         # the replaced worker keeps scoring
         total, _ = r(["p"] * 2, ["\\boxed{5}", "\\boxed{4}"], {"answer": ["5", "5"]})
         assert total == [1.0, 0.0]
@@ -108,7 +113,7 @@ def test_nan_and_inf_rewards_are_errors_scored_zero_and_counted(workers, caplog)
             total, per_fn = r(["p"] * 5, ["ok", "nan", "inf", "-inf", "fine"], {})
         assert per_fn["not_finite"] == [1.0, 0.0, 0.0, 0.0, 1.0]
         assert total == [3.0, 3.0, 3.0, 4.0, 5.0]  # every total finite: the other function still counts
-        assert r.pop_metrics() == {"reward/not_finite/errors": 3.0, "reward/not_finite/timeouts": 0.0,
+        assert failures(r.pop_metrics()) == {"reward/not_finite/errors": 3.0, "reward/not_finite/timeouts": 0.0,
                                    "reward/length_bonus/errors": 0.0, "reward/length_bonus/timeouts": 0.0}
         assert "returned nan for row 0 of its chunk" in caplog.text and "must be a finite number" in caplog.text
     finally:

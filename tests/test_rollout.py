@@ -168,3 +168,79 @@ def test_cached_decoding_equals_full_recomputation(monkeypatch):
             with torch.no_grad():
                 full = model(input_ids=torch.tensor([prompts[r // G] + comp.tokens[r][:t]])).logits[0, -1]
             torch.testing.assert_close(logits[k], full, atol=1e-9, rtol=1e-9)
+
+
+class _SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that make the host wait for the device (a value read, a data-dependent shape)."""
+
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+def _eos_prone(seed: int):
+    """The tiny model with EOS boosted, so rows finish at different steps."""
+    model, tok = build_tiny(seed=seed)
+    orig = model.forward
+
+    def forward(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        out.logits[..., tok.eos_token_id] += 3.0
+        return out
+
+    model.forward = forward
+    return model, tok
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_decode_loop_reads_the_device_once_per_k_tokens(k):
+    """The hf loop's host synchronisations: one read per ``check_every`` tokens, none per token. Counted
+    with a TorchDispatchMode (aten._local_scalar_dense and aten.nonzero) for two completion lengths:
+    the difference is the per-token cost. Equal-length prompts (no padding mask: transformers' mask
+    code reads the mask when there is one)."""
+    model, tok = build_tiny(seed=1)
+    prompts = [tok("12=").input_ids, tok("34=").input_ids]
+
+    def count(T: int) -> int:
+        with _SyncCounter() as c:
+            generate(model, prompts, SamplingParams(max_tokens=T, ignore_eos=True), [tok.eos_token_id],
+                     tok.pad_token_id, n=4, check_every=k)
+        return c.n
+
+    short, long = count(8), count(24)
+    assert long - short == 16 // k  # one read per k tokens, nothing else per token
+
+
+def test_tokens_do_not_depend_on_how_often_finished_rows_are_checked():
+    """Sampling with EOS on: rows finish at different steps; checking every 1, 3 or 8 tokens gives the
+    same tokens, lengths and truncation flags (each row's uniforms do not depend on the rows still active),
+    and the kept caches (multi-turn) hold the same rows (up to the rounding of other batch shapes)."""
+    from grpo.rollout.hf import PrefixStore
+
+    model, tok = _eos_prone(seed=3)
+    prompts = [tok("7=").input_ids, tok("12345+9=").input_ids, tok("ab=").input_ids]
+    runs = []
+    for k in (1, 3, 8):
+        torch.manual_seed(11)
+        store = PrefixStore()
+        comp = generate(model, prompts, SamplingParams(max_tokens=12, temperature=1.3, top_k=20), [tok.eos_token_id],
+                        tok.pad_token_id, n=4, keep=store, check_every=k)
+        runs.append((comp, store))
+    lengths = [len(t) for t in runs[0][0].tokens]
+    assert len(set(lengths)) > 2 and min(lengths) < 12  # rows really finished at different steps
+    for comp, store in runs[1:]:
+        assert comp.tokens == runs[0][0].tokens
+        assert comp.truncated.tolist() == runs[0][0].truncated.tolist()
+        ref = runs[0][1]
+        assert sorted(store.rows) == sorted(ref.rows)
+        by_row = {tuple(r): kv for r, kv in zip(ref.rows, ref.kv)}
+        for r, kv in zip(store.rows, store.kv):
+            for (k1, v1), (k2, v2) in zip(kv, by_row[tuple(r)]):
+                torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)  # other batch sizes: float rounding
+                torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)

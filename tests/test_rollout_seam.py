@@ -40,6 +40,7 @@ def test_a_scripted_engine_trains_through_the_config(single_rank_env, tmp_path):
     assert b.sampler_logp is not None and torch.equal(b.sampler_logp, -0.5 * b.mask)
     assert all(torch.isfinite(torch.tensor(h["loss"])) and h["grad_norm"] > 0 for h in history)
     assert "time/weight_sync" in history[0]
+    assert all(h["time/gc"] >= 0 and h["time/outlier"] in (0.0, 1.0) for h in history)  # the step-time watch
     # the engine's made-up log-probs (-0.5) against the trainer's: a gap is logged, TIS weights the loss
     for h in history:
         assert 0 < h["sampler_gap/mean"] <= h["sampler_gap/max"] and 0 < h["tis/weight_mean"] <= 2.0
@@ -48,7 +49,8 @@ def test_a_scripted_engine_trains_through_the_config(single_rank_env, tmp_path):
 def test_unknown_or_incomplete_engines_fail_with_the_choices(single_rank_env, tmp_path):
     from grpo.training.trainer import Trainer
 
-    with pytest.raises(ConfigError, match=r"rollout.engine='vlm' is unknown: choose from \['hf', 'vllm'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"rollout.engine='vlm' is unknown: choose from \['auto', 'hf', 'static', 'vllm'\]"):
         engine_class("vlm")
     with pytest.raises(ConfigError, match="cannot be imported"):
         engine_class("tests.no_such_module:Engine")

@@ -208,13 +208,13 @@ def test_a_killed_run_resumes_with_synced_weights(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([sys.executable, "train.py", "--config", "configs/demo.yaml", "train.max_steps=1000", *args],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    marker = tmp_path / "checkpoints" / "latest"
+    marker = tmp_path / "checkpoints" / "latest"  # a symlink to the step folder, made once the save is complete
     deadline = time.time() + 240
-    while not marker.is_file() and run.poll() is None and time.time() < deadline:
+    while not marker.is_dir() and run.poll() is None and time.time() < deadline:
         time.sleep(0.5)
     run.send_signal(signal.SIGKILL)
     _, err = run.communicate()
-    assert marker.is_file(), f"no checkpoint before the kill\n{err[-3000:]}"
+    assert marker.is_dir(), f"no checkpoint before the kill\n{err[-3000:]}"
     proc = subprocess.run([sys.executable, "tests/vllm_resume_worker.py", "train.max_steps=1000", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

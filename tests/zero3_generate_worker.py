@@ -31,6 +31,7 @@ from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
 from grpo.rollout.hf import generate, needs_synced_generation  # noqa: E402
 from grpo.rollout.service import RolloutService  # noqa: E402
 from grpo.foundation.tiny import build_tiny  # noqa: E402
+from grpo.training.deepspeed_engine import init_distributed  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +40,7 @@ def main() -> None:
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--model", required=True, help="the tiny model as an HF folder")
     args = p.parse_args()
-    deepspeed.init_distributed(dist_backend=None)
+    init_distributed()  # the trainer's (without DeepSpeed's CPU shm all-reduce op)
     rank = dist.rank()
     cfg = load_config(overrides=["train.zero_stage=3", "data.eval_holdout=5", "eval.batch_size=2",
                                  "reward_pool.num_workers=0", "rollout.max_completion_length=8"])

@@ -98,7 +98,7 @@ def _parquet_rows(path: Path) -> int:
 
 
 class TableSource:
-    """A JSONL / Parquet file or hub dataset with our column names mapped onto its own."""
+    """A JSONL / Parquet / CSV file or hub dataset with our column names mapped onto its own."""
 
     def __init__(self, cfg: DataConfig, path: Optional[str] = None, split: Optional[str] = None):
         import datasets
@@ -111,7 +111,7 @@ class TableSource:
             if cfg.source == "hub":
                 ds = datasets.load_dataset(path, cfg.hub_config, split=split or cfg.split)
             else:
-                kind = "json" if cfg.source == "jsonl" else "parquet"
+                kind = {"jsonl": "json", "parquet": "parquet", "csv": "csv"}[cfg.source]
                 ds = datasets.load_dataset(kind, data_files=path, split="train")
         except FileNotFoundError as e:
             raise ConfigError(f"data: {where}: no such file or dataset ({e})") from e
@@ -183,6 +183,13 @@ def _raw_source(cfg: DataConfig, seed: int, eval_file: bool = False) -> PromptSo
         return CountdownTask(cfg.countdown, seed=cfg.seed)
     if cfg.source == "arithmetic":
         return ArithmeticTask(cfg.arithmetic, seed=cfg.seed)
+    if cfg.source == "code":
+        from grpo.data.code_task import CodeTask
+
+        try:
+            return CodeTask(cfg.code, seed=cfg.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     if eval_file:
         return TableSource(cfg, path=cfg.eval_path or cfg.path, split=cfg.eval_split)
     return TableSource(cfg)

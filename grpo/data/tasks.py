@@ -28,6 +28,11 @@ COUNTDOWN_TEMPLATE = (
 )
 
 
+MBPP_TEMPLATE = ("{prompt} Your code should pass these tests:\n{tests[0]}\nAnswer with the function in a ```python "
+                 "code block.")
+HUMANEVAL_TEMPLATE = "Complete this Python function. Answer with the whole function in a ```python code block.\n{prompt}"
+
+
 @dataclass(frozen=True)
 class TaskPreset:
     """Our column name -> the dataset's column name, and the prompt template (None: the ``prompt`` column)."""
@@ -41,6 +46,10 @@ TASKS = {
     "gsm8k": TaskPreset({"prompt": "question", "answer": "answer"}),
     "math": TaskPreset({"prompt": "problem", "answer": "solution"}),
     "countdown": TaskPreset({"nums": "nums", "target": "target"}, COUNTDOWN_TEMPLATE),
+    # MBPP rows (text, test_list): the tests show the function's name, as in the MBPP paper's prompt
+    "mbpp": TaskPreset({"prompt": "text", "tests": "test_list"}, MBPP_TEMPLATE),
+    # HumanEval rows (prompt = signature + docstring, test = def check(candidate), entry_point)
+    "humaneval": TaskPreset({"prompt": "prompt", "tests": "test", "entry_point": "entry_point"}, HUMANEVAL_TEMPLATE),
 }
 
 

@@ -131,7 +131,18 @@ class RolloutBatch:
         return {k: [it.get(k) for it in self.items] for k in keys}
 
 
-def micro_batches(lengths: list[int], micro_batch_size: int) -> list[list[int]]:
-    """Row indices sorted by total length and cut into micro-batches, so each pads only to its own longest."""
+def micro_batches(lengths: list[int], micro_batch_size: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices sorted by total length and cut into micro-batches, so each pads only to its own longest.
+
+    A micro-batch holds at most ``micro_batch_size`` rows and, when ``max_tokens`` > 0, at most that many
+    padded tokens (its rows times its longest row; a row longer than the budget goes alone)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    return [order[s : s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+    if not max_tokens:
+        return [order[s : s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+    out: list[list[int]] = []
+    for i in order:  # ascending: row i is the longest of any micro-batch it joins
+        if out and len(out[-1]) < micro_batch_size and (len(out[-1]) + 1) * lengths[i] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out

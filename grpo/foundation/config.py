@@ -42,9 +42,9 @@ class LoraConfig:
     the reference is the policy with its adapters switched off: no second copy (grpo/foundation/lora.py).
     """
 
-    r: int = 16
+    r: int = 16  # the adapters' rank
     alpha: float = 32.0  # the update is scaled by alpha / r
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
     # the linear layers that get adapters (names as in the model: Llama-style q_proj ... down_proj)
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -55,11 +55,14 @@ class LoraConfig:
 class ModelConfig:
     """The policy model. ``builtin:tiny-char`` builds the tiny offline model in memory."""
 
-    name_or_path: str = "builtin:tiny-char"
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    name_or_path: str = "builtin:tiny-char"  # HF folder, hub name, or builtin:tiny-char / tiny-arith / tiny-char-h64
+    # the weights' precision; DeepSpeed's mode follows it (bf16 / fp16 keep fp32 master weights). auto: bf16
+    # where torch sees CUDA, fp32 elsewhere, resolved when the config loads (--print-config shows the result)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # recompute activations in the backward pass (HF's gradient_checkpointing_enable): less memory, ~30% more compute
     gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-    attn_implementation: Optional[str] = None
+    trust_remote_code: bool = False  # let transformers run the model folder's own code
+    attn_implementation: Optional[str] = None  # transformers' attn_implementation (sdpa, eager, ...); null: its default
     freeze_bottom_layers: int = 0  # freeze embeddings + the first N decoder layers (cheaper steps on a CPU)
     lora: Optional[LoraConfig] = None  # LoRA adapters (PEFT); null = full fine-tuning
 
@@ -68,28 +71,40 @@ class ModelConfig:
 class DigitsTaskConfig:
     """The built-in procedurally generated task (see grpo/data/sources.py: DigitsTask)."""
 
+    # the answer: the number copied (47=), reversed (47<), plus one (47>), or two numbers added (47+12=)
     op: Literal["copy", "reverse", "add", "successor"] = "copy"
-    digits: int = 2
-    num_examples: int = 1000
+    digits: int = 2  # digits per number
+    num_examples: int = 1000  # prompts generated
 
 
 @dataclass
 class CountdownTaskConfig:
     """The seeded Countdown generator (``data.source: countdown``; see grpo/data/tasks.py)."""
 
-    num_examples: int = 10000
-    min_numbers: int = 3
-    max_numbers: int = 4
+    num_examples: int = 10000  # problems generated (seeded by data.seed)
+    min_numbers: int = 3  # fewest numbers given per problem
+    max_numbers: int = 4  # most numbers given per problem
     max_number: int = 99  # numbers are drawn from 1..max_number
-    max_target: int = 999
+    max_target: int = 999  # largest target
 
 
 @dataclass
 class ArithmeticTaskConfig:
     """The seeded arithmetic word-problem generator (``data.source: arithmetic``; see grpo/data/tasks.py)."""
 
-    num_examples: int = 5000
+    num_examples: int = 5000  # problems generated (seeded by data.seed)
     max_value: int = 50  # operands of + and - go up to this; of * and / up to max_value // 4 (at most 12)
+
+
+@dataclass
+class CodeTaskConfig:
+    """The built-in code task (``data.source: code``; grpo/data/code_task.py): write a named function, scored by
+    the ``code_tests`` reward on generated assert tests."""
+
+    num_examples: int = 2000  # problems generated (seeded by data.seed)
+    num_tests: int = 4  # assert tests per problem
+    families: list[str] = field(default_factory=lambda: ["add_k", "mul_k", "clamp", "count_c", "sum_list", "max_list",
+                                                         "reverse", "is_mult_k"])  # kinds of function asked for
 
 
 @dataclass
@@ -103,11 +118,15 @@ class DataConfig:
     """
 
     # "env": the environment's own generated tasks (``env.name``; see envs/)
-    source: Literal["builtin", "countdown", "arithmetic", "jsonl", "parquet", "hub", "env"] = "builtin"
-    path: Optional[str] = None
-    split: str = "train"
+    # "code": the built-in code task (data.code), scored by the code_tests reward
+    # (left out with a data.path: read from the file's extension, .jsonl/.json -> jsonl, .parquet, .csv)
+    source: Literal["builtin", "countdown", "arithmetic", "code", "jsonl", "parquet", "csv", "hub", "env"] = "builtin"
+    path: Optional[str] = None  # file (jsonl, parquet, csv) or hub dataset name
+    split: str = "train"  # hub split trained on
     hub_config: Optional[str] = None  # hub dataset configuration (gsm8k: "main")
-    task: Literal["custom", "gsm8k", "math", "countdown"] = "custom"
+    # column preset and prompt template of a known schema (custom: the column "prompt", no template)
+    # mbpp: text/test_list (+ code_tests), humaneval: prompt/test/entry_point (+ code_tests)
+    task: Literal["custom", "gsm8k", "math", "countdown", "mbpp", "humaneval"] = "custom"
     # Map of our column names (prompt, answer, ...) to the dataset's column names.
     columns: dict[str, str] = field(default_factory=dict)
     # Python format string over an item's columns, e.g. "{prompt}\nEnd with '#### <number>'."
@@ -115,16 +134,19 @@ class DataConfig:
     builtin: DigitsTaskConfig = field(default_factory=DigitsTaskConfig)
     countdown: CountdownTaskConfig = field(default_factory=CountdownTaskConfig)
     arithmetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
-    chat_template: bool = False  # apply the tokenizer's chat template to prompts (false: plain text)
+    code: CodeTaskConfig = field(default_factory=CodeTaskConfig)
+    # prompts through a chat template: true (the tokenizer's own), a Jinja template string, or the path of a file
+    # holding one (it replaces the tokenizer's, in checkpoints too); false: plain text
+    chat_template: Union[bool, str] = False
     system_prompt: Optional[str] = None  # text, or the name of a ready one: "r1" (grpo/data/sources.py SYSTEM_PROMPTS)
     prefill: Optional[str] = None  # text the answer starts with (e.g. "<think>"), appended to every prompt
-    shuffle: bool = True
+    shuffle: bool = True  # sample prompts in a seeded random order (false: file order)
     seed: int = 0  # the data's own seed: Countdown generation and the held-out split (not train.seed)
     # Held-out evaluation data: a file (same source kind and columns), a hub split, or
     # ``eval_holdout`` items held out of the training data (never trained on).
     eval_path: Optional[str] = None
-    eval_split: Optional[str] = None
-    eval_holdout: int = 0
+    eval_split: Optional[str] = None  # hub split held out for evaluation (e.g. test)
+    eval_holdout: int = 0  # hold this many items out of the training data
 
 
 @dataclass
@@ -136,7 +158,7 @@ class VllmConfig:
     """
 
     gpu_memory_utilization: float = 0.3  # CUDA: the share of the GPU vLLM may take (weights + KV cache)
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks per vLLM engine (must divide the rank count)
     # CUDA: vLLM sleeps (weights offloaded, KV cache freed) during the training passes and wakes for the
     # next sync/generation, so both engines share the memory. Ignored on CPU.
     sleep: bool = True
@@ -151,29 +173,67 @@ class VllmConfig:
     cpu_kv_cache_gb: float = 1.0  # CPU: the KV cache's size (vLLM's VLLM_CPU_KVCACHE_SPACE)
 
 
+# rollout.static.mode: how the static engine runs its decode step (grpo/rollout/static.py)
+STATIC_MODES = ("auto", "eager", "compile", "graphs", "compile+graphs")
+
+
+@dataclass
+class StaticConfig:
+    """The ``static`` engine (``rollout.engine: static``, or ``auto`` on CUDA; grpo/rollout/static.py)."""
+
+    # auto: compile+graphs on CUDA, eager elsewhere; eager: neither (debugging); compile: torch.compile of the
+    # decode step; graphs: a CUDA graph per (rows bucket, length bucket) without compile; compile+graphs: both
+    mode: str = "auto"
+    # decode steps between the host's reads of which rows finished (early exit, compaction into a smaller
+    # rows bucket); each read is a non-blocking copy waited for one step later
+    check_every: int = 16
+    # decode steps read the keys up to the next multiple of this many columns (one compile and one graph per
+    # length bucket); 0: always the whole buffer (fewer compiles, more memory read per step)
+    length_bucket: int = 64
+    # before the training passes: free the KV buffers and the CUDA graphs (their memory goes to training; the
+    # graphs are captured again at the next generation), or keep them (no recapture, the memory stays held)
+    offload: bool = True
+
+
 @dataclass
 class RolloutConfig:
     """Sampling: ``prompts_per_step`` prompts (over all ranks) x ``num_generations`` completions."""
 
-    num_generations: int = 8
-    prompts_per_step: int = 8
-    max_prompt_length: int = 256
-    max_completion_length: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    num_generations: int = 8  # G: completions per prompt (the group)
+    prompts_per_step: int = 8  # prompts per optimizer step over all ranks
+    max_prompt_length: int = 256  # longer prompts are dropped and counted
+    max_completion_length: int = 256  # L_max: new tokens per completion (per turn with env.name); TRL's default
+    temperature: float = 1.0  # sampling temperature (log-probs use it too)
+    top_p: float = 1.0  # nucleus sampling; 1 = off
     top_k: int = 0  # 0 = off
     # Benchmarking / profiling only: EOS does not end a completion, so every completion is exactly
     # max_completion_length tokens (as vLLM's ignore_eos). Never use it for real training.
     ignore_eos: bool = False
-    # The generation engine (grpo/rollout/): a registered name ("hf": the training model itself) or
+    # The generation engine (grpo/rollout/): "auto" (static on CUDA for the models it supports, hf otherwise;
+    # the choice and its reason are logged), "hf" (the training model through transformers), "static" (static
+    # KV buffers, a functional decode step, compiled and CUDA-graphed on CUDA), "vllm", or
     # "package.module:Class" implementing grpo.rollout.engine.GenerationEngine.
-    engine: str = "hf"
+    engine: str = "auto"
     # Multi-turn rollouts (only with ``env.name``): at most ``max_turns`` policy turns per trajectory, each
     # at most ``max_completion_length`` tokens; policy and environment tokens together at most
     # ``max_trajectory_tokens`` (the width L_max of the batch). Running out of either ends the trajectory.
     max_turns: int = 4
-    max_trajectory_tokens: int = 128
+    max_trajectory_tokens: int = 1024  # multi-turn: policy + environment tokens (>= max_completion_length)
     vllm: VllmConfig = field(default_factory=VllmConfig)  # settings of the ``vllm`` engine
+    static: StaticConfig = field(default_factory=StaticConfig)  # settings of the ``static`` engine
+
+
+@dataclass
+class WorkerLimits:
+    """Resource limits of a reward or tool worker process (rewards/pool.py): generous, against runaways only.
+
+    Past ``memory_mb`` an allocation fails (MemoryError: the call is an error and the worker is replaced); past
+    ``cpu_seconds`` of CPU in one call the kernel kills the worker (counted, replaced); past ``file_size_mb`` a
+    write fails. 0 = no limit."""
+
+    memory_mb: int = 8192  # RLIMIT_AS of the worker (address space); math-verify peaks far below
+    cpu_seconds: int = 300  # CPU seconds one call may use (RLIMIT_CPU, re-armed before every call)
+    file_size_mb: int = 1024  # RLIMIT_FSIZE: the largest file a call may write
 
 
 @dataclass
@@ -181,9 +241,9 @@ class ToolSpec:
     """A tool an environment may call: a registered name or ``pkg.module:function`` (args text -> str);
     ``name`` is what the environment calls it (default: the function's name)."""
 
-    fn: str = "calculator"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    name: Optional[str] = None
+    fn: str = "calculator"  # registered name or pkg.module:function
+    kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the tool
+    name: Optional[str] = None  # name the environment calls it by
 
 
 @dataclass
@@ -197,13 +257,14 @@ class EnvConfig:
     ``stop``: strings that end a policy turn besides EOS (the turn is cut after the first one).
     """
 
-    name: Optional[str] = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    tools: Optional[list[ToolSpec]] = None
-    stop: list[str] = field(default_factory=list)
-    tool_timeout: float = 5.0
-    tool_workers: int = 1
+    name: Optional[str] = None  # calculator, maze or pkg.module:Class; null: single-turn
+    kwargs: dict[str, Any] = field(default_factory=dict)  # to the environment and its task generator
+    tools: Optional[list[ToolSpec]] = None  # null: the environment's own tools
+    stop: list[str] = field(default_factory=list)  # strings that end a policy turn besides EOS
+    tool_timeout: float = 5.0  # seconds per tool call
+    tool_workers: int = 1  # 0: tools in the trainer, no timeout
     max_tool_output_chars: int = 2000  # a longer tool answer counts as an error (garbage)
+    tool_limits: WorkerLimits = field(default_factory=WorkerLimits)  # memory / CPU / file-size limits of each tool worker
     num_examples: int = 1000  # tasks generated with data.source: env
 
 
@@ -212,26 +273,46 @@ class AlgoConfig:
     """Shared algorithm knobs. Algorithm-specific keys (``algo.<key>``) are validated
     against the chosen algorithm's ``Options`` dataclass and stored in ``options``."""
 
-    name: str = "grpo"
-    beta: float = 0.04
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: Optional[float] = None
+    name: str = "grpo"  # the algorithm (--algo NAME; python train.py --list-algos)
+    beta: float = 0.04  # KL coefficient; 0: no reference model at all
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1 = -d, k2 = d^2/2, k3 = e^d - d - 1 (d = ref - policy)
+    clip_eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
+    clip_eps_high: float = 0.2  # ratio clipped above at 1 + eps_high
+    dual_clip: Optional[float] = None  # c > 1: the loss of A < 0 tokens bounded by c*A; null = off
     aggregation: Literal[
         "seq-mean-token-mean",
         "token-mean",
         "seq-mean-token-sum-norm",
         "seq-mean-token-sum",
         "seq-sum-token-mean",
-    ] = "seq-mean-token-mean"
+    ] = "seq-mean-token-mean"  # how token losses become the step's loss (docs/algorithms.md)
+    # the std the group advantage is divided by (none: A = r - mean)
     adv_std: Literal["unbiased", "population", "none"] = "unbiased"
-    adv_eps: float = 1e-4
-    adv_scope: Literal["group", "batch"] = "group"
+    adv_eps: float = 1e-4  # added to the std
+    adv_scope: Literal["group", "batch"] = "group"  # batch: the std over the whole step, the mean per group
     num_iterations: int = 1  # mu: optimizer passes per generation batch
     # Truncated importance sampling: each token's policy-gradient term times min(pi_old / pi_sampler, C),
-    # pi_sampler from the generation engine's own log-probs (engines that return them, e.g. vllm).
+    # pi_sampler from the generation engine's own log-probs (engines that return them: static, vllm).
     tis_cap: Optional[float] = None  # C; null = off
+    # KL in the reward (verl's use_kl_in_reward, OpenRLHF's default): each token's reward gets
+    # -kl_in_reward * k1 = -coef (l_old - l_ref) before the advantages (the outcome score r_i becomes
+    # r_i - coef sum_t k1); 0 = off. Only for algorithms whose advantages come from the outcome score.
+    kl_in_reward: float = 0.0
+    # Options of TRL's GRPOTrainer that apply to many losses (docs/algorithms.md, "Options for any loss"):
+    delta: Optional[float] = None  # two-sided clip (INTELLECT-2): the unclipped branch's ratio capped at delta (> 1 + eps_high)
+    off_policy_mask_threshold: Optional[float] = None  # DeepSeek-V3.2: drop sequences with A < 0 and mean KL > this
+    top_entropy_quantile: float = 1.0  # "Beyond the 80/20 rule": policy gradient on the top share of tokens by entropy
+    use_bias_correction_kl: bool = False  # the KL term per token times the ratio pi / pi_old
+    mask_truncated_completions: bool = False  # truncated completions (no EOS) leave the loss and its normalisers
+    # Entropy bonus: - alpha * H in the loss, H the current policy's entropy per token (with its gradient),
+    # aggregated as the loss (algo.aggregation). Fixed alpha = entropy_coef; with entropy_target, Skywork-OR1's
+    # adaptive coefficient: alpha_k = c_k [e_k < target], c_{k+1} = clip(c_k +- entropy_coef_delta) to
+    # [entropy_coef_min, entropy_coef_max], c_0 = entropy_coef, e_k the step's mean entropy before its update.
+    entropy_coef: float = 0.0  # 0 and no target: off
+    entropy_target: Optional[float] = None  # null: the coefficient is fixed
+    entropy_coef_delta: float = 1e-4  # adaptive only (Skywork-OR1's scripts: 1e-4)
+    entropy_coef_min: float = 0.0  # adaptive only
+    entropy_coef_max: float = 5e-3  # adaptive only (Skywork-OR1's scripts: 0.005)
     options: Any = None  # the algorithm's own Options instance (filled by load_config)
 
 
@@ -239,24 +320,36 @@ class AlgoConfig:
 class TrainConfig:
     """Optimisation and the DeepSpeed engine."""
 
-    max_steps: int = 100
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    max_steps: int = 100  # optimizer steps
+    lr: float = 1e-5  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 0  # linear warm-up from 0 to lr
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after the warm-up
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    # > 0: a micro-batch also ends before its padded tokens (rows x its longest prompt + completion) pass this
+    # budget (at least one row each); under several ranks every rank runs as many passes as the busiest one
+    micro_batch_tokens: int = 0
     grad_clip: float = 1.0  # 0 = off
-    zero_stage: Literal[0, 1, 2, 3] = 0
+    zero_stage: Literal[0, 1, 2, 3] = 0  # DeepSpeed ZeRO stage (3: weights partitioned)
     # ZeRO-3 over > 1 rank: build the policy and the in-process reference partitioned from the start
     # (deepspeed.zero.Init; an HF folder with safetensors weights). false: whole on every rank, then partitioned
     zero3_init: bool = True
-    seed: int = 0
-    output_dir: str = "runs/default"
-    save_every: int = 0  # 0 = only at the end
-    logprob_chunk_size: int = 256  # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer)
+    seed: int = 0  # torch's seed (plus the rank) and the prompt order
+    output_dir: str = "runs/default"  # metrics, samples, checkpoints, config.yaml
+    save_every: int = 100  # a checkpoint every N steps (--resume continues from the latest); 0 = only at the end
+    # keep only the newest N checkpoints/step-N folders (older ones are deleted; never the one `latest` names); 0 = all
+    keep_checkpoints: int = 0
+    # at the end write OUT/final/: the model + tokenizer only, a plain HF folder for from_pretrained / vLLM (LoRA: merged)
+    export_final: bool = True
+    # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer); 0 = by device: 256 on a CPU, 2048 on a GPU
+    logprob_chunk_size: int = 0
+    # Adam's state and the master weights of a bf16 model: fp32 (DeepSpeed's bf16 mode: fp32 master weights,
+    # fp32 moments and gradients, about 16-20 bytes a parameter) or bf16 (pure bf16 as TRL's bf16 runs:
+    # the moments in the weights' bf16, about 8 bytes a parameter; needs model.dtype bf16 and no LoRA)
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a NaN/inf loss or gradient norm
 
 
@@ -264,41 +357,73 @@ class TrainConfig:
 class RefConfig:
     """The frozen reference model: in-process copy, or an HTTP server (``url``)."""
 
-    url: Optional[str] = None
+    url: Optional[str] = None  # reference server (ref_client.py); null: in-process (with LoRA: the base)
     model: Optional[str] = None  # defaults to the policy's model
     token: Optional[str] = None  # bearer token; env GRPO_REF_TOKEN also works
-    connect_timeout: float = 5.0
-    read_timeout: float = 120.0
+    connect_timeout: float = 5.0  # seconds, per attempt
+    read_timeout: float = 120.0  # seconds to wait for one answer
     retry_window: float = 60.0  # seconds of retries before giving up
+    # raise it when the server starts at the same time as the trainer (docs/troubleshooting.md)
+    startup_wait: float = 5.0  # seconds a refused connection at start is retried, then the run stops
     host: str = "127.0.0.1"  # server side: bind address
-    port: int = 59875
+    port: int = 59875  # server side: port (0 = any free one)
     max_batch_tokens: int = 16384  # server side: tokens per forward pass
     max_queue: int = 64  # server side: pending requests before 503
     max_request_mb: float = 64.0  # server side: body size limit (413)
     # Periodic reference sync, for every algorithm: every ``sync_every`` steps (0 = off)
     # pi_ref <- mixup_alpha * pi_theta + (1 - mixup_alpha) * pi_ref (1 = a copy of the policy).
     sync_every: int = 0
-    mixup_alpha: float = 1.0
+    mixup_alpha: float = 1.0  # alpha of the sync (1 = copy)
 
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 1
-    samples_per_log: int = 2
+    log_every: int = 1  # steps between samples written to samples.jsonl (metrics: every step)
+    samples_per_log: int = 2  # completions written to samples.jsonl
     report_to: list[str] = field(default_factory=list)  # tensorboard, wandb
-    progress_bar: bool = True
-    plot: bool = True
-    wandb_project: str = "grpo"
-    health_patience: int = 5  # warn when a run looks stuck (truncation, all-equal groups, zero gradient) this many steps in a row
+    progress_bar: bool = True  # tqdm progress bar on rank 0; false: one plain line per step on stdout (batch logs)
+    plot: bool = True  # write metrics.png at the end
+    wandb_project: str = "grpo"  # W&B project (with report_to: [wandb])
+    wandb_name: Optional[str] = None  # W&B run name (null: W&B picks one)
+    wandb_entity: Optional[str] = None  # W&B entity, a user or team (null: your default)
+    wandb_tags: list[str] = field(default_factory=list)  # W&B run tags
+    # warn when a run looks stuck (truncation, all-equal groups, zero gradient) this many steps in a row
+    health_patience: int = 5
 
 
 @dataclass
 class RewardSpec:
-    """One reward function: a registered name or ``pkg.module:function``; its weight; its kwargs."""
+    """One reward source (docs/rewards.md): exactly one of ``fn`` (a function), ``model`` (a learned reward
+    model) or ``url`` (a remote scoring endpoint); its weight in the sum; the keys of its kind."""
 
-    fn: str = "digits_match"
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    fn: Optional[str] = None  # a registered name or ``pkg.module:function``
+    model: Optional[str] = None  # a sequence-classification model: hub id or local folder
+    url: Optional[str] = None  # a remote endpoint: JSON {"prompts", "completions", ...} in, a list of floats out
+    weight: float = 1.0  # its weight in the sum of the reward sources
+    name: Optional[str] = None  # the name in the metrics (default: the function / model / host name)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # fn: extra keyword arguments; url: extra JSON fields
+    # --- functions
+    style: Literal["auto", "trl", "plain"] = "auto"  # how it is called (auto: by its signature; docs/rewards.md)
+    isolation: Literal["process", "inline"] = "process"  # worker pool with a timeout, or in the trainer process
+    timeout: Optional[float] = None  # seconds per call (fn, url); default reward_pool.timeout
+    batch_size: Optional[int] = None  # rows per call (fn, url); default reward_pool.chunk_size
+    # --- reward models
+    label: Optional[str] = None  # the output label to read (default: the only logit)
+    normalize: Literal["none", "running", "fixed"] = "none"  # running mean/std, or (x - shift) / scale
+    shift: float = 0.0  # normalize: fixed: (score - shift) / scale
+    scale: float = 1.0  # normalize: fixed: the divisor
+    clamp: Optional[list[float]] = None  # [low, high] after normalising
+    batch_tokens: int = 4096  # padded tokens per forward pass
+    where: Literal["trainer", "server"] = "trainer"  # in-process, or on the reference server (ref.url)
+    dtype: Optional[Literal["fp32", "bf16", "fp16"]] = None  # default: bf16 on CUDA, fp32 on CPU
+    chat_template: Optional[bool] = None  # format conversations with the RM's template (default: when it has one)
+    # --- remote endpoints
+    retry_window: float = 30.0  # seconds of retries (connection errors, timeouts, 5xx) before failing the run
+    token_env: str = "GRPO_REWARD_TOKEN"  # environment variable holding the endpoint's bearer token
+
+    @property
+    def kind(self) -> str:
+        return "model" if self.model else "url" if self.url else "fn"
 
 
 @dataclass
@@ -316,8 +441,27 @@ class EvalConfig:
     max_completion_length: Optional[int] = None  # None = rollout.max_completion_length
     batch_size: int = 64  # prompts per generation call
     correctness: Optional[RewardSpec] = None
-    threshold: float = 1.0
+    threshold: float = 1.0  # correctness value counted as right
     format: Optional[RewardSpec] = None
+
+
+@dataclass
+class SandboxConfig:
+    """Limits of untrusted, model-written code: the ``code_tests`` reward and the ``python`` tool run each
+    program through rewards/sandbox.py under these (docs/sandbox.md). 0 = no limit for the numeric ones."""
+
+    timeout: float = 5.0  # wall-clock seconds per execution; then its whole process group is killed
+    cpu_seconds: int = 5  # RLIMIT_CPU per process (killed past it: reason cpu)
+    memory_mb: int = 512  # RLIMIT_AS per process, in MiB (allocations fail past it: reason memory)
+    file_size_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write, in MiB
+    open_files: int = 64  # RLIMIT_NOFILE: open file descriptors per process
+    processes: int = 64  # RLIMIT_NPROC of the sandbox user (all its processes at once): no fork bomb
+    max_output_bytes: int = 65536  # stdout and stderr are each kept up to this; a program writing more is killed
+    network: Literal["auto", "required", "allowed"] = "auto"  # auto: own network namespace where the kernel
+    # allows it, else logged once; required: fail instead; allowed: keep the trainer's network
+    user: str = "nobody"  # as root, run the code as this unprivileged user ("" = stay root: not advised)
+    # interpreter for Python code ("" = the trainer's, or /usr/bin/python3 when the sandbox user cannot run it)
+    python: str = ""
 
 
 @dataclass
@@ -326,7 +470,10 @@ class RewardPoolConfig:
 
     num_workers: int = 2  # 0 = in the trainer process, without a timeout (debugging only)
     timeout: float = 10.0  # seconds per call; a call past it scores 0 and is counted
-    chunk_size: int = 1  # completions per call (a timeout or error zeroes the whole chunk)
+    chunk_size: int = 0  # rows per call (a timeout or error zeroes the whole chunk); 0 = the step's rows split
+    # evenly over the workers (one call per worker and function); math_correct defaults to 1 (it can hang)
+    max_failing_steps: int = 2  # stop the run when a function fails on > half its rows this many steps in a row
+    limits: WorkerLimits = field(default_factory=WorkerLimits)  # memory / CPU / file-size limits of each worker
 
 
 @dataclass
@@ -338,10 +485,21 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(fn="digits_match")])
     reward_pool: RewardPoolConfig = field(default_factory=RewardPoolConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+def auto_dtype(device_type: Optional[str] = None) -> str:
+    """The precision ``auto`` stands for on a device of this type (None: CUDA when torch sees it): bf16 on
+    CUDA, fp32 elsewhere."""
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bf16" if device_type == "cuda" else "fp32"
 
 
 # --------------------------------------------------------------------------- validation
@@ -362,6 +520,29 @@ def _positive(path: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{path}={value!r} is invalid: it must be {need}")
 
 
+def check_optimizer_states(cfg: Config) -> None:
+    """bf16 optimizer states need bf16 weights (model.dtype auto is checked again once resolved)."""
+    if cfg.train.optimizer_states == "bf16" and (cfg.model.dtype not in ("bf16", "auto") or cfg.model.lora is not None):
+        raise ConfigError(
+            f"train.optimizer_states='bf16' keeps Adam's state in the weights' dtype: it needs model.dtype='bf16' "
+            f"(got {cfg.model.dtype!r}) and no model.lora (the adapters train in fp32); use optimizer_states='fp32'")
+
+
+def custom_chat_template(data: "DataConfig") -> Optional[str]:
+    """``data.chat_template`` as a Jinja template to install on the tokenizer: None for true/false, the string
+    itself when it looks like a template ({{ or {%), else the contents of the file it names."""
+    value = data.chat_template
+    if isinstance(value, bool):
+        return None
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') nor an "
+                          f"existing file ({str(path.absolute())!r}); give true/false, a template, or its file's path")
+    return path.read_text()
+
+
 def validate(cfg: Config) -> None:
     """Checks on values that types alone cannot express."""
     r, t, a = cfg.rollout, cfg.train, cfg.algo
@@ -371,18 +552,26 @@ def validate(cfg: Config) -> None:
     _positive("rollout.max_prompt_length", r.max_prompt_length)
     _positive("rollout.temperature", r.temperature)
     if not r.engine.strip():
-        raise ConfigError("rollout.engine is empty: name an engine ('hf') or give 'package.module:Class'")
+        raise ConfigError("rollout.engine is empty: name an engine ('auto', 'hf', 'static', 'vllm') or give "
+                          "'package.module:Class'")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p!r} is invalid: it must be in (0, 1]")
     _positive("rollout.top_k", r.top_k, allow_zero=True)
     _validate_vllm(r.vllm)
+    if r.static.mode not in STATIC_MODES:
+        raise ConfigError(f"rollout.static.mode={r.static.mode!r} is invalid: choose from {list(STATIC_MODES)}")
+    _positive("rollout.static.check_every", r.static.check_every)
+    _positive("rollout.static.length_bucket", r.static.length_bucket, allow_zero=True)
     _positive("train.max_steps", t.max_steps)
     _positive("train.lr", t.lr, allow_zero=True)
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
     _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
     _positive("train.save_every", t.save_every, allow_zero=True)
-    _positive("train.logprob_chunk_size", t.logprob_chunk_size)
+    _positive("train.keep_checkpoints", t.keep_checkpoints, allow_zero=True)
+    _positive("train.logprob_chunk_size", t.logprob_chunk_size, allow_zero=True)
+    _positive("train.micro_batch_tokens", t.micro_batch_tokens, allow_zero=True)
+    check_optimizer_states(cfg)
     _positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
     _positive("algo.beta", a.beta, allow_zero=True)
     _positive("algo.clip_eps_low", a.clip_eps_low, allow_zero=True)
@@ -394,8 +583,8 @@ def validate(cfg: Config) -> None:
         if r.engine == "hf":
             raise ConfigError(
                 f"algo.tis_cap={a.tis_cap!r} needs the sampler's own log-probs, and rollout.engine=hf samples with "
-                f"the training model itself (there is no sampler/trainer gap to correct): use rollout.engine=vllm "
-                f"or set algo.tis_cap=null"
+                f"the training model itself (there is no sampler/trainer gap to correct): use rollout.engine=static "
+                f"or vllm, or set algo.tis_cap=null"
             )
         if cfg.env.name:
             raise ConfigError(
@@ -405,6 +594,7 @@ def validate(cfg: Config) -> None:
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={a.dual_clip!r} is invalid: it must be > 1 (or null)")
     _positive("algo.adv_eps", a.adv_eps, allow_zero=True)
+    _positive("algo.kl_in_reward", a.kl_in_reward, allow_zero=True)
     _positive("algo.num_iterations", a.num_iterations)
     _positive("logging.log_every", cfg.logging.log_every)
     _positive("logging.samples_per_log", cfg.logging.samples_per_log, allow_zero=True)
@@ -422,12 +612,16 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg)
     _positive("reward_pool.num_workers", cfg.reward_pool.num_workers, allow_zero=True)
     _positive("reward_pool.timeout", cfg.reward_pool.timeout)
-    _positive("reward_pool.chunk_size", cfg.reward_pool.chunk_size)
+    _positive("reward_pool.chunk_size", cfg.reward_pool.chunk_size, allow_zero=True)
+    _positive("reward_pool.max_failing_steps", cfg.reward_pool.max_failing_steps)
+    for i, spec in enumerate(cfg.rewards):
+        _validate_reward(f"rewards[{i}]", spec, cfg)
     if cfg.ref.url is not None and not cfg.ref.url.startswith(("http://", "https://")):
         raise ConfigError(f"ref.url={cfg.ref.url!r} is invalid: it must start with http:// or https://")
     _positive("ref.connect_timeout", cfg.ref.connect_timeout)
     _positive("ref.read_timeout", cfg.ref.read_timeout)
     _positive("ref.retry_window", cfg.ref.retry_window, allow_zero=True)
+    _positive("ref.startup_wait", cfg.ref.startup_wait, allow_zero=True)
     _positive("ref.max_batch_tokens", cfg.ref.max_batch_tokens)
     _positive("ref.max_queue", cfg.ref.max_queue)
     _positive("ref.max_request_mb", cfg.ref.max_request_mb)
@@ -435,6 +629,38 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
     _validate_ref_sync(cfg)
     _validate_env(cfg)
+    _validate_limits(cfg)
+
+
+def _validate_reward(path: str, s: RewardSpec, cfg: Config) -> None:
+    given = [k for k in ("fn", "model", "url") if getattr(s, k)]
+    if len(given) != 1:
+        raise ConfigError(f"{path} must name exactly one of fn, model or url (got {given or 'none'}), e.g. "
+                          "{fn: math_correct}, {model: path/or/hub-id}, {url: http://host:port/score}")
+    if s.url is not None and not s.url.startswith(("http://", "https://")):
+        raise ConfigError(f"{path}.url={s.url!r} is invalid: it must start with http:// or https://")
+    if s.timeout is not None:
+        _positive(f"{path}.timeout", s.timeout)
+    if s.batch_size is not None:
+        _positive(f"{path}.batch_size", s.batch_size)
+    _positive(f"{path}.batch_tokens", s.batch_tokens)
+    _positive(f"{path}.scale", s.scale)
+    _positive(f"{path}.retry_window", s.retry_window, allow_zero=True)
+    if s.clamp is not None and (len(s.clamp) != 2 or not s.clamp[0] < s.clamp[1]):
+        raise ConfigError(f"{path}.clamp={s.clamp!r} is invalid: give [low, high] with low < high")
+    if s.where == "server" and s.kind != "model":
+        raise ConfigError(f"{path}.where=server is for reward models (model: ...); a function runs in the trainer")
+    if s.where == "server" and cfg.ref.url is None:
+        raise ConfigError(f"{path}.where=server needs ref.url: the reference server (ref_client.py --reward-model "
+                          f"{s.model}) hosts the reward model")
+    own = {"fn": ("style", "isolation"), "model": ("label", "normalize", "clamp", "where", "dtype", "chat_template"),
+           "url": ("retry_window",)}
+    defaults = RewardSpec()
+    for kind, keys in own.items():
+        for k in keys:
+            if kind != s.kind and getattr(s, k) != getattr(defaults, k):
+                raise ConfigError(f"{path}.{k} is a key of {kind} rewards; this entry is a {s.kind} reward "
+                                  f"({s.kind}: {getattr(s, s.kind)!r})")
 
 
 def _validate_vllm(v: VllmConfig) -> None:
@@ -515,9 +741,78 @@ def _validate_env(cfg: Config) -> None:
                           "implemented; set eval.every=0 (the training reward is the environment's)")
 
 
+def _validate_limits(cfg: Config) -> None:
+    """Worker and sandbox limits: numbers >= 0 (0 = none), the sandbox's timeout > 0."""
+    for path, lim in (("reward_pool.limits", cfg.reward_pool.limits), ("env.tool_limits", cfg.env.tool_limits)):
+        for f in dataclasses.fields(lim):
+            _positive(f"{path}.{f.name}", getattr(lim, f.name), allow_zero=True)
+    sb = cfg.sandbox
+    _positive("sandbox.timeout", sb.timeout)
+    for key in ("cpu_seconds", "memory_mb", "file_size_mb", "open_files", "processes"):
+        _positive(f"sandbox.{key}", getattr(sb, key), allow_zero=True)
+    _positive("sandbox.max_output_bytes", sb.max_output_bytes)
+    if 0 < sb.memory_mb < 64:
+        raise ConfigError(f"sandbox.memory_mb={sb.memory_mb} is invalid: the interpreter alone needs ~30 MiB; give "
+                          f">= 64 (or 0 = no limit)")
+    if 0 < sb.open_files < 16:
+        raise ConfigError(f"sandbox.open_files={sb.open_files} is invalid: give >= 16 (or 0 = no limit)")
+    if 0 < sb.processes < 4:
+        raise ConfigError(f"sandbox.processes={sb.processes} is invalid: the launcher and the program need 2 of the "
+                          f"sandbox user's processes; give >= 4 (or 0 = no limit)")
+
+
+FILE_SOURCES = ("jsonl", "parquet", "csv")  # data.source values read from a local file
+TASK_SOURCES = ("builtin", "countdown", "arithmetic", "code", "env")  # generated tasks: no data.path
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
+
+
+def _infer_data_source(tree: dict) -> dict:
+    """A ``data.path`` without ``data.source``: the source from the file's extension (a compression suffix
+    such as .gz is looked through), or a ConfigError saying which source to set."""
+    data = tree.get("data")
+    if not isinstance(data, dict) or data.get("source") is not None or data.get("path") in (None, ""):
+        return tree
+    path = str(data["path"])
+    suffixes = [x.lower() for x in Path(path).suffixes]
+    if suffixes and suffixes[-1] in (".gz", ".bz2", ".xz", ".zst"):
+        suffixes = suffixes[:-1]
+    source = _EXTENSIONS.get(suffixes[-1]) if suffixes else None
+    if source is None:
+        raise ConfigError(
+            f"data.path={path!r} is set without data.source, and its extension does not say its format: set "
+            f"data.source=jsonl (.jsonl / .json), parquet, csv, or hub for a Hugging Face dataset (e.g. "
+            f"data.source=hub data.path=openai/gsm8k data.hub_config=main)")
+    return {**tree, "data": {**data, "source": source}}
+
+
+def _require_rewards(user_tree: dict, cfg: Config) -> None:
+    """A run on anything but the built-in digits task (or an environment, which scores itself) must name its
+    rewards: the default ``digits_match`` only fits the digits task."""
+    if user_tree.get("rewards") is not None or cfg.data.source == "builtin" or cfg.env.name:
+        return
+    d = cfg.data
+    if d.source == "countdown" or d.task == "countdown":
+        example = "rewards: [{fn: countdown}]"
+    elif d.source == "code" or d.task in ("mbpp", "humaneval"):
+        example = "rewards: [{fn: code_tests}]"
+    elif d.source == "arithmetic":
+        example = "rewards: [{fn: math_correct, kwargs: {extract: last_number, gold: plain}}]"
+    elif d.task in ("gsm8k", "math"):
+        example = "rewards: [{fn: math_correct}]"
+    else:
+        example = "rewards: [{fn: my_package.my_module:my_reward}] or a built-in such as [{fn: math_correct}]"
+    raise ConfigError(
+        f"no rewards: section, and data.source={d.source!r} is not the built-in digits task whose default reward "
+        f"(digits_match) it would silently train against. Name the reward in the YAML, e.g. {example}, or on the "
+        f"command line: 'rewards=[{{fn: NAME}}]' (docs/troubleshooting.md)")
+
+
 def _validate_data(d: DataConfig) -> None:
-    if d.source in ("jsonl", "parquet") and not d.path:
+    if d.source in FILE_SOURCES and not d.path:
         raise ConfigError(f"data.path is required when data.source={d.source!r}")
+    if d.path and d.source in TASK_SOURCES:
+        raise ConfigError(f"data.path={d.path!r} is not read with data.source={d.source!r} (a generated task): set "
+                          f"data.source to one of {list(FILE_SOURCES)} or hub to train on it, or drop data.path")
     if d.source == "hub" and not d.path:
         raise ConfigError("data.path (the hub dataset name) is required when data.source='hub'")
     _positive("data.builtin.digits", d.builtin.digits)
@@ -542,8 +837,8 @@ def _validate_data(d: DataConfig) -> None:
     if d.eval_split is not None and d.source != "hub":
         raise ConfigError(f"data.eval_split={d.eval_split!r} needs data.source='hub'; use data.eval_path for a file "
                           "or data.eval_holdout to hold items out")
-    if d.eval_path is not None and d.source not in ("jsonl", "parquet"):
-        raise ConfigError(f"data.eval_path={d.eval_path!r} needs data.source 'jsonl' or 'parquet'")
+    if d.eval_path is not None and d.source not in FILE_SOURCES:
+        raise ConfigError(f"data.eval_path={d.eval_path!r} needs data.source {' or '.join(map(repr, FILE_SOURCES))}")
 
 
 def _validate_eval(cfg: Config) -> None:
@@ -552,11 +847,15 @@ def _validate_eval(cfg: Config) -> None:
     _positive("eval.k", e.k)
     _positive("eval.temperature", e.temperature)
     _positive("eval.batch_size", e.batch_size)
+    for key in ("correctness", "format"):
+        if getattr(e, key) is not None:
+            _validate_reward(f"eval.{key}", getattr(e, key), cfg)
     if e.limit is not None:
         _positive("eval.limit", e.limit)
     if e.max_completion_length is not None:
         _positive("eval.max_completion_length", e.max_completion_length)
     d = cfg.data
+    custom_chat_template(d)  # a template file that is not there fails here
     if e.every and d.eval_path is None and d.eval_split is None and not d.eval_holdout:
         raise ConfigError(f"eval.every={e.every} needs held-out data: set data.eval_path, data.eval_split "
                           "or data.eval_holdout")
@@ -576,6 +875,12 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# other spellings of a choice (torch's and TRL's dtype names)
+_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+            "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+            "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32"}
+
+
 def _coerce(path: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp`` and convert it (str->float/int/bool)."""
     origin = get_origin(tp)
@@ -583,6 +888,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         return value
     if origin is Literal:
         choices = get_args(tp)
+        if isinstance(value, str) and _ALIASES.get(value.lower()) in choices:  # model.dtype=bfloat16 (TRL's)
+            value = _ALIASES[value.lower()]
         for c in choices:
             if value == c and type(value) is type(c):
                 return c
@@ -727,7 +1034,10 @@ def parse_overrides(items: list[str]) -> dict:
         key = key.strip()
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:  # not YAML (a Jinja template: '{% ...'): the text itself, checked by its key's type
+            value = raw
         _set_dotted(tree, key, value)
     return tree
 
@@ -797,15 +1107,28 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
         if k in common:
             continue
         if k not in option_names:
+            owners = algorithm.option_owners(k) if hasattr(algorithm, "option_owners") else []
+            if owners:
+                raise ConfigError(
+                    f"algo.{k} is an option of {' and '.join(owners)}, not of {name}: choose "
+                    f"{'that algorithm' if len(owners) == 1 else 'one of them'} (--algo {owners[0]}) or drop "
+                    f"algo.{k}. {name}'s own options: {option_names or 'none'}")
             raise _unknown_key("algo", k, sorted(common) + option_names)
         option_user[k] = v
 
+    user_tree = _infer_data_source(user_tree)
     tree = _deep_merge(user_tree, {"algo": _deep_merge(dict(algorithm.defaults), common_user)})
     tree["algo"] = {k: v for k, v in tree["algo"].items() if k in common}  # options go to cfg.algo.options
     tree["algo"]["name"] = name
     cfg = build_dataclass(Config, tree)
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
     validate(cfg)
+    _require_rewards(user_tree, cfg)
+    if getattr(algorithm, "multi_turn", False) and not cfg.env.name:
+        raise ConfigError(
+            f"{name} needs multi-turn rollouts, and env.name is not set: set env.name (a registered environment, "
+            f"e.g. env.name=calculator with data.source=env; see docs/agents.md), or choose a single-turn algorithm"
+        )
     if getattr(algorithm, "group_relative", False) and cfg.rollout.num_generations < 2:
         raise ConfigError(
             f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
@@ -817,8 +1140,64 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
             f"algo.tis_cap={cfg.algo.tis_cap!r} weights each token's policy-gradient term, and {name} has a "
             f"sequence-level loss: set algo.tis_cap=null, or pick a token-level algorithm"
         )
+    if cfg.algo.kl_in_reward and not algorithm.takes_kl_in_reward():
+        raise ConfigError(
+            f"algo.kl_in_reward={cfg.algo.kl_in_reward!r} does not apply to {name}: its advantages are not computed "
+            f"from the outcome score alone. Set algo.kl_in_reward=0, or choose an algorithm that takes it "
+            f"({', '.join(algorithm.kl_in_reward_algorithms())})"
+        )
+    _validate_loss_options(cfg, algorithm, name)
     algorithm.validate(cfg)
     return cfg
+
+
+def _validate_loss_options(cfg: Config, algorithm: Any, name: str) -> None:
+    """The options of TRL's trainer that apply to many losses: range, and whether ``name``'s loss has what
+    they act on (a ratio clip, a per-token policy-gradient term, a KL term)."""
+    a = cfg.algo
+    if a.delta is not None:
+        if not getattr(algorithm, "ratio_clip", True):
+            raise ConfigError(f"algo.delta={a.delta!r} caps PPO's clipped ratio, and {name} has no ratio clip: "
+                              f"set algo.delta=null or choose an algorithm with one (grpo, dapo, gspo, ...)")
+        if a.delta <= 1 + a.clip_eps_high:
+            raise ConfigError(f"algo.delta={a.delta!r} is invalid: it must be > 1 + algo.clip_eps_high = "
+                              f"{1 + a.clip_eps_high} (INTELLECT-2 uses 4), or null")
+    token_options = {"off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
+                     "top_entropy_quantile": a.top_entropy_quantile != 1.0}
+    if a.off_policy_mask_threshold is not None:
+        _positive("algo.off_policy_mask_threshold", a.off_policy_mask_threshold, allow_zero=True)
+    if not 0 <= a.top_entropy_quantile <= 1:
+        raise ConfigError(f"algo.top_entropy_quantile={a.top_entropy_quantile!r} is invalid: it must lie in [0, 1] "
+                          f"(1 = every token; the paper uses 0.2)")
+    for key, on in token_options.items():
+        if on and not getattr(algorithm, "token_level_pg", True):
+            raise ConfigError(f"algo.{key} masks per-token policy-gradient terms, and {name} has a sequence-level "
+                              f"loss: leave algo.{key} at its default, or pick a token-level algorithm")
+    if a.use_bias_correction_kl and a.beta <= 0:
+        raise ConfigError(f"algo.use_bias_correction_kl=true weights the KL term, and algo.beta={a.beta} (no KL "
+                          f"term): set algo.beta > 0 or algo.use_bias_correction_kl=false")
+    _validate_entropy_bonus(a)
+
+
+def _validate_entropy_bonus(a: AlgoConfig) -> None:
+    """``algo.entropy_coef`` and Skywork-OR1's adaptive coefficient (``algo.entropy_target`` and its keys)."""
+    _positive("algo.entropy_coef", a.entropy_coef, allow_zero=True)
+    adaptive = ("entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
+    if a.entropy_target is None:
+        changed = [k for k in adaptive if getattr(a, k) != getattr(AlgoConfig, k)]
+        if changed:
+            raise ConfigError(f"algo.{changed[0]}={getattr(a, changed[0])!r} tunes the adaptive entropy coefficient, "
+                              f"and algo.entropy_target is null (a fixed algo.entropy_coef): set algo.entropy_target "
+                              f"(Skywork-OR1 uses 0.2), or leave {', '.join('algo.' + k for k in adaptive)} at "
+                              f"their defaults")
+        return
+    _positive("algo.entropy_target", a.entropy_target)
+    _positive("algo.entropy_coef_delta", a.entropy_coef_delta)
+    _positive("algo.entropy_coef_min", a.entropy_coef_min, allow_zero=True)
+    _positive("algo.entropy_coef_max", a.entropy_coef_max)
+    if a.entropy_coef_min > a.entropy_coef_max:
+        raise ConfigError(f"algo.entropy_coef_min={a.entropy_coef_min!r} is invalid: it must be <= "
+                          f"algo.entropy_coef_max={a.entropy_coef_max!r}")
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

@@ -99,6 +99,67 @@ def valid_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
     return (~uniform_groups(rewards, group_size)).nonzero(as_tuple=True)[0].tolist()
 
 
+def leave_one_out(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_g r), in float64."""
+    r = group_view(rewards.double(), group_size)
+    G = r.shape[1]
+    return ((r - r.mean(dim=1, keepdim=True)) * G / (G - 1)).reshape(-1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over every masked entry on all ranks (unbiased var), 0 off the mask.
+    verl's ``masked_whiten`` (REINFORCE++ and its baseline variant)."""
+    mean, std = global_mean_std(x, "unbiased", mask)
+    return (x.double() - mean) / torch.sqrt(std * std + eps) * mask.double()
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum_{k >= t} gamma^(k - t) m_k r_k on the masked positions ([rows, T])."""
+    r = (token_rewards * mask).double()
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask.double()
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[rows, T]: each row's outcome reward on its last completion token, 0 elsewhere."""
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    out = torch.zeros_like(mask, dtype=torch.float64)
+    out[torch.arange(mask.shape[0]), last] = rewards.double()
+    return out * mask.double()
+
+
+def token_covariance(adv: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Clip-Cov / KL-Cov (arXiv 2505.22617): cov_t = (A_t - mean A)(l_t - mean l), the means over every
+    masked token of the step (all ranks); 0 off the mask. ``adv`` is [rows] or [rows, T]."""
+    a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).double().expand_as(mask)
+    l = logp.detach().double()
+    mean_a = global_mean_std(a, "none", mask)[0]
+    mean_l = global_mean_std(l, "none", mask)[0]
+    return (a - mean_a) * (l - mean_l) * mask.double()
+
+
+def global_rank_positions(local: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """For a flat bool tensor of this rank's candidates: each candidate's index among every rank's
+    candidates (rank order), and the total count."""
+    counts = dist.all_gather_object(int(local.sum()))
+    offset = sum(counts[: dist.rank()])
+    return offset + torch.arange(int(local.sum())), sum(counts)
+
+
+def global_top_k_mask(values: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """True on the ``k`` largest ``values`` among the valid entries of every rank (ties at the k-th value
+    all count)."""
+    pool = torch.cat([torch.as_tensor(v) for v in dist.all_gather_object(values[valid.bool()].double().cpu())])
+    if k <= 0 or pool.numel() == 0:
+        return torch.zeros_like(valid, dtype=torch.bool)
+    threshold = pool.topk(min(k, pool.numel())).values[-1]
+    return (values.double() >= threshold) & valid.bool()
+
+
 # --------------------------------------------------------------------------- ratios
 
 
@@ -154,14 +215,17 @@ def clipped_surrogate(
     eps_low: float | torch.Tensor,
     eps_high: float | torch.Tensor,
     dual_clip: Optional[float] = None,
+    delta: Optional[float] = None,
 ) -> Surrogate:
-    """l = min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); with dual clip c, l = max(l, c A) for A < 0.
+    """l = min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); with dual clip c, l = max(l, c A) for A < 0;
+    with ``delta`` (two-sided clip, INTELLECT-2 / TRL) the unclipped branch uses min(rho, delta).
 
     ``eps_low``/``eps_high`` may be tensors (per-token bounds, e.g. DCPO).
     """
     low, high = 1.0 - eps_low, 1.0 + eps_high
     clipped = torch.minimum(torch.maximum(ratio, torch.as_tensor(low, dtype=ratio.dtype)), torch.as_tensor(high, dtype=ratio.dtype))
-    value = torch.minimum(ratio * adv, clipped * adv)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    value = torch.minimum(unclipped * adv, clipped * adv)
     if dual_clip is not None:
         value = torch.where(adv < 0, torch.maximum(value, dual_clip * adv), value)
     return Surrogate(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -91,20 +90,6 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
-
-
-def shm_buffer_path(rank_: int) -> Path:
-    """DeepSpeed's CPU shared-memory all-reduce buffer of ``rank_`` (named after uid, master addr and port)."""
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
-    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank_}"
-
-
-def release_shm_buffer() -> None:
-    """Unlink this rank's buffer at exit: DeepSpeed never does, and each one holds ~70 MB of RAM."""
-    try:
-        shm_buffer_path(rank()).unlink(missing_ok=True)
-    except OSError:
-        pass
 
 
 def barrier() -> None:

@@ -2,7 +2,8 @@
 
 The LM head runs only on completion positions, chunk by chunk; under autograd each chunk
 is checkpointed, so neither the forward nor the backward pass ever holds a
-[tokens x vocab] float32 tensor for more than one chunk.
+[tokens x vocab] float32 tensor for more than one chunk. The entropy is detached unless
+``entropy_grad`` (an entropy bonus in the loss: ``algo.entropy_coef``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -57,14 +59,24 @@ def _chunk_logprob(head, hidden, targets, temperature, softcap):
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
 
 
-def _chunk_logprob_entropy(head, hidden, targets, temperature, softcap):
+def _chunk_logprob_entropy(head, hidden, targets, temperature, softcap, entropy_grad=False, sum_pi_squared=False):
+    """(log-probs, entropy, sum_v pi_v^2 or None); the last is detached, the entropy too unless ``entropy_grad``."""
     logits = _head_logits(head, hidden, temperature, softcap)
     lse = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         probs = torch.softmax(logits, dim=-1)
         entropy = lse - (probs * logits).sum(-1)
-    return lp, entropy
+    sq = None
+    if sum_pi_squared:
+        with torch.no_grad():
+            sq = _sum_pi_squared(logits, lse)
+    return lp, entropy, sq
+
+
+def _sum_pi_squared(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """sum_v pi_v^2 = exp(logsumexp(2 z) - 2 logsumexp(z)), per row."""
+    return torch.exp(torch.logsumexp(2 * logits, dim=-1) - 2 * lse)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,14 +93,18 @@ class _LinearHeadLogprob(torch.autograd.Function):
     exists at a time, forward or backward. Same values and gradients as autograd through the
     naive expression (tests/test_logprobs.py), with fewer passes over the logits than
     checkpointing the naive chunk (no second log-sum-exp, no scatter into a zero tensor).
+    With ``entropy_grad`` the entropy H = -sum_v p_v log p_v is differentiable too:
+    d H / d z_v = -p_v (log p_v + H), added in the same buffer (one more per chunk).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, with_entropy,
+                entropy_grad=False, sum_pi_squared=False):
         n, acc = hidden.shape[0], _acc_dtype(weight.dtype)
         lp = torch.empty(n, dtype=acc, device=hidden.device)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
+        sq = torch.empty(n, dtype=acc, device=hidden.device) if sum_pi_squared else None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             logits = _LinearHeadLogprob._logits(hidden[s:e], weight, bias, temperature, softcap)[0]
@@ -97,11 +113,16 @@ class _LinearHeadLogprob(torch.autograd.Function):
             if ent is not None:  # H = lse - sum_v p_v z_v
                 z = logits
                 ent[s:e] = lse[s:e] - (torch.exp(z - lse[s:e].unsqueeze(-1)) * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+            if sq is not None:
+                sq[s:e] = _sum_pi_squared(logits, lse[s:e])
+        entropy_grad = entropy_grad and ent is not None
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent if entropy_grad else None)
         ctx.temperature, ctx.softcap, ctx.chunk_size = temperature, softcap, chunk_size
-        if ent is not None:
+        if ent is not None and not entropy_grad:
             ctx.mark_non_differentiable(ent)
-        return lp, ent
+        if sq is not None:
+            ctx.mark_non_differentiable(sq)
+        return lp, ent, sq
 
     @staticmethod
     def _logits(h, weight, bias, temperature, softcap):
@@ -116,8 +137,8 @@ class _LinearHeadLogprob(torch.autograd.Function):
         return logits, th
 
     @staticmethod
-    def backward(ctx, grad_lp, grad_ent):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_lp, grad_ent, grad_sq):
+        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         T, cap, chunk = ctx.temperature, ctx.softcap, ctx.chunk_size
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
@@ -125,13 +146,20 @@ class _LinearHeadLogprob(torch.autograd.Function):
         acc = _acc_dtype(weight.dtype)  # weight gradients summed over chunks in at least float32
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        grad_lp = grad_lp.to(acc)
+        grad_lp = torch.zeros_like(lse) if grad_lp is None else grad_lp.to(acc)
+        grad_ent = grad_ent.to(acc) if (grad_ent is not None and ent is not None) else None
         for s in range(0, hidden.shape[0], chunk):
             e = min(hidden.shape[0], s + chunk)
             logits, th = _LinearHeadLogprob._logits(hidden[s:e], weight, bias, T, cap)
             g = grad_lp[s:e]
-            # d lp / d logits = onehot - softmax, times the incoming gradient, in place
-            dz = logits.sub_(lse[s:e].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+            logp = logits.sub_(lse[s:e].unsqueeze(-1))  # log softmax, in place
+            if grad_ent is None:  # d lp / d logits = onehot - softmax, times the incoming gradient, in place
+                dz = logp.exp_().mul_(-g.unsqueeze(-1))
+            else:  # + d H / d logits = -p (log p + H), times its incoming gradient
+                p = logp.exp()
+                dz = logp.add_(ent[s:e].unsqueeze(-1)).mul_(grad_ent[s:e].unsqueeze(-1)).add_(g.unsqueeze(-1))
+                dz.mul_(p).neg_()
+                del p
             dz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g.unsqueeze(-1))
             if T != 1.0:
                 dz.div_(T)
@@ -149,7 +177,7 @@ class _LinearHeadLogprob(torch.autograd.Function):
                 grad_b += dz.sum(0)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _plain_linear(head: torch.nn.Module) -> bool:
@@ -172,34 +200,53 @@ def _collective_max(n: int) -> int:
     return int(dist.all_reduce_max(torch.tensor([float(n)], dtype=torch.float64))[0])
 
 
+def device_chunk_size(chunk_size: int, device: torch.device) -> int:
+    """``train.logprob_chunk_size``, where 0 means by device: 256 tokens on a CPU (small buffers, nothing to
+    fill), 2048 on a GPU (a [2048 x vocab] GEMM keeps it busy; 400 MB of fp32 logits for a 49k vocabulary)."""
+    return chunk_size or (2048 if torch.device(device).type == "cuda" else 256)
+
+
 def head_logprobs(
     head: torch.nn.Module,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 256,
+    chunk_size: int = 0,
     with_entropy: bool = False,
     softcap: Optional[float] = None,
     fused: bool = True,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log softmax(head(h)/T)[target] for [n, H] hidden states, chunk by chunk; entropy is detached.
+    entropy_grad: bool = False,
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """log softmax(head(h)/T)[target] for [n, H] hidden states, chunk by chunk; the entropy (``with_entropy``)
+    is detached unless ``entropy_grad``. Returns (log-probs, entropy or None), and a third tensor with
+    ``sum_pi_squared``: sum_v pi_v^2 per token, detached (verl's optimal token baseline).
 
     A plain linear head takes the fused path (:class:`_LinearHeadLogprob`); any other head (or
-    ``fused=False``) runs the naive chunk under activation checkpointing.
+    ``fused=False``) runs the naive chunk under activation checkpointing. ``chunk_size`` 0: by device
+    (:func:`device_chunk_size`).
     """
+    chunk_size = device_chunk_size(chunk_size, hidden.device)
+    with_entropy = with_entropy or entropy_grad
     if fused and _plain_linear(head):
-        lp, ent = _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
-                                           chunk_size, with_entropy)
-        return lp, ent
+        out = _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
+                                       chunk_size, with_entropy, entropy_grad, sum_pi_squared)
+        return out if sum_pi_squared else out[:2]
     if fused and _partitioned_linear(head) and not torch.is_grad_enabled():
         # ZeRO-3 without gradients (old log-probs, the reference): gather the head once, then the fused
         # path. One collective per call, however many chunks: ranks with unequal token counts stay in step.
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([p for p in (head.weight, head.bias) if p is not None]):
-            return _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
-                                            chunk_size, with_entropy)
-    fn = _chunk_logprob_entropy if with_entropy else _chunk_logprob
+            out = _LinearHeadLogprob.apply(hidden, head.weight, head.bias, targets, temperature, softcap,
+                                           chunk_size, with_entropy, False, sum_pi_squared)
+            return out if sum_pi_squared else out[:2]
+    want_entropy, with_entropy = with_entropy, with_entropy or sum_pi_squared
+    if with_entropy:
+        def fn(*a):
+            return _chunk_logprob_entropy(*a, entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
+    else:
+        fn = _chunk_logprob
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     starts = list(range(0, hidden.shape[0], chunk_size))
     if partitioned(head):
@@ -207,7 +254,7 @@ def head_logprobs(
         # fewer completion tokens runs empty chunks so that every rank makes as many calls as the busiest
         # one; their (empty) outputs join the result, so their backward passes run too.
         starts += [hidden.shape[0]] * (_collective_max(len(starts)) - len(starts))
-    lps, ents = [], []
+    lps, ents, sqs = [], [], []
     for s in starts:
         h, y = hidden[s : s + chunk_size], targets[s : s + chunk_size]
         if use_ckpt:
@@ -217,10 +264,13 @@ def head_logprobs(
         if with_entropy:
             lps.append(out[0])
             ents.append(out[1])
+            sqs.append(out[2])
         else:
             lps.append(out)
     lp = torch.cat(lps) if lps else hidden.new_zeros(0)
     ent = (torch.cat(ents) if ents else hidden.new_zeros(0)) if with_entropy else None
+    if sum_pi_squared:
+        return lp, (ent if want_entropy else None), (torch.cat(sqs) if sqs else hidden.new_zeros(0))
     return lp, ent
 
 
@@ -232,12 +282,15 @@ def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
     return [list(p) for p in seen], which
 
 
-def _can_share_prefix(model: torch.nn.Module) -> bool:
-    """A cache-capable decoder run without activation checkpointing (which turns the cache off)."""
+def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
+    """A cache-capable decoder run without activation checkpointing (which turns the cache off), and no sliding
+    window shorter than ``length`` tokens: transformers applies the window to cache columns, and the shared path
+    leaves padding columns between a prompt and its completion (the window would then cover the wrong keys)."""
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
-    return bool(getattr(model.config, "use_cache", True)) and not ckpt
+    window = getattr(model.config, "sliding_window", None)
+    return bool(getattr(model.config, "use_cache", True)) and not ckpt and (not window or window >= length)
 
 
 def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[list[int]], which: list[int],
@@ -265,6 +318,8 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
     idx = torch.tensor(which, dtype=torch.long, device=device)
     cache.batch_select_indices(idx)  # differentiable: the rows' gradients add up in the shared prompt
     B, width = packed.input_ids.shape[0], packed.width
+    if width > 1:  # the completions run padded to the longest one here, not to the batch's width (kept > 1:
+        width = max(2, min(width, max(packed.length.tolist())))  # ZeRO-3 ranks agree on running this pass)
     start, length = packed.start.to(device), packed.length.to(device)
     if width > 1:
         cols = torch.arange(width - 1, device=device)
@@ -283,11 +338,14 @@ def completion_logprobs(
     model: torch.nn.Module,
     packed: Packed,
     temperature: float = 1.0,
-    chunk_size: int = 256,
+    chunk_size: int = 0,
     with_entropy: bool = False,
     share_prefix: bool = True,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy.
+    entropy_grad: bool = False,
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy (``with_entropy``;
+    differentiable with ``entropy_grad``); with ``sum_pi_squared`` a third [B, width] tensor, sum_v pi_v^2.
 
     Rows that share a prompt (a group) run it once (``share_prefix``; see
     :func:`_shared_prefix_hidden`); the LM head runs on completion positions only.
@@ -295,13 +353,14 @@ def completion_logprobs(
     device = next(model.parameters()).device
     ids = packed.input_ids.to(device)
     B, width = ids.shape[0], packed.width
-    cols = torch.arange(width, device=device)
-    valid = cols.unsqueeze(0) < packed.length.to(device).unsqueeze(1)  # [B, width]
-    rows, tcols = valid.nonzero(as_tuple=True)
+    # which (row, column) pairs hold a completion token: found on the host, where the lengths are (a nonzero
+    # on the device would make the host wait for it), then copied over
+    valid = np.arange(width)[None, :] < packed.length.cpu().numpy()[:, None]  # [B, width]
+    rows, tcols = (torch.from_numpy(x).to(device, non_blocking=True) for x in valid.nonzero())
     pos = packed.start.to(device)[rows] + tcols  # position of the completion token
     targets = ids[rows, pos]
     prompts, which = _prompt_groups(packed) if share_prefix and B > 1 else ([], [])
-    share = bool(prompts) and len(prompts) < B and _can_share_prefix(model)
+    share = bool(prompts) and len(prompts) < B and _can_share_prefix(model, ids.shape[1])
     if partitioned(model):  # ZeRO-3: one forward pass or two (prompts, then completions) on every rank alike
         share = not dist.any_rank(not (share and width > 1))
     if share:
@@ -310,10 +369,13 @@ def completion_logprobs(
         hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
         h = hidden[rows, pos - 1]
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    lp, ent = head_logprobs(model.get_output_embeddings(), h, targets, temperature, chunk_size, with_entropy, softcap)
+    lp, ent, *sq = head_logprobs(model.get_output_embeddings(), h, targets, temperature, chunk_size, with_entropy,
+                                 softcap, entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
     out = torch.zeros(B, width, dtype=lp.dtype, device=device)
     out = out.index_put((rows, tcols), lp)
     ent_out = None
     if ent is not None:
         ent_out = torch.zeros(B, width, dtype=ent.dtype, device=device).index_put((rows, tcols), ent)
+    if sum_pi_squared:
+        return out, ent_out, torch.zeros(B, width, dtype=sq[0].dtype, device=device).index_put((rows, tcols), sq[0])
     return out, ent_out

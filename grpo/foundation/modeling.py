@@ -4,18 +4,96 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.foundation.config import ConfigError, ModelConfig
+from grpo.foundation.config import ConfigError, ModelConfig, auto_dtype
 from grpo.foundation.tiny import BUILTIN_NAME, build_builtin, is_builtin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# first path parts that mean a folder of this checkout even when missing (the configs' models/ folder, run outputs)
+LOCAL_ROOTS = ("models", "runs", "checkpoints")
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` means a folder on this machine, not a hub id (``org/name``): it starts with / . or ~,
+    has more than one path separator, or its first part is an existing folder or one of LOCAL_ROOTS."""
+    if name.startswith(("/", ".", "~")) or (os.sep != "/" and os.sep in name):
+        return True
+    parts = name.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and (parts[0] in LOCAL_ROOTS or Path(parts[0]).is_dir()))
+
+
+LATEST = "latest"  # OUT/checkpoints/latest: a relative symlink to the newest step folder (a text file naming it before)
+ASIDE = ".old-"  # prefix of a step folder renamed aside while the same step is saved again
+
+
+def latest_in(root: str | Path) -> Optional[Path]:
+    """The step folder ``root/latest`` names (``root``: a run's ``checkpoints`` folder), or None. Reads both
+    forms: the symlink, and the text file older runs wrote. While the same step is being saved again its
+    folder is briefly renamed aside; then the aside copy is the answer."""
+    root = Path(root)
+    marker = root / LATEST
+    if marker.is_symlink():
+        name = Path(os.readlink(marker)).name
+    elif marker.is_file():
+        name = marker.read_text().strip()
+    else:
+        return None
+    for path in (root / name, root / (ASIDE + name)):
+        if path.is_dir():
+            return path
+    return None
+
+
+def resolve_model_path(name: str) -> str:
+    """A checkpoint given by its run: ``OUT/checkpoints/latest``, ``OUT/checkpoints`` or ``OUT`` itself become
+    the newest step folder (an HF folder, or with LoRA an adapter folder); any other name is returned as is."""
+    if is_builtin(name) or not looks_local(name):
+        return name
+    path = Path(name).expanduser()
+    # a model folder is itself (a step folder holds DeepSpeed's own ``latest`` beside the weights)
+    model_folder = path.is_dir() and any((path / f).is_file() for f in ("config.json", "adapter_config.json"))
+    if path.name == LATEST and (path.is_symlink() or path.is_file()):
+        root = path.parent
+    elif path.is_dir() and not model_folder and os.path.lexists(path / LATEST):
+        root = path
+    elif path.is_dir() and not model_folder and os.path.lexists(path / "checkpoints" / LATEST):
+        root = path / "checkpoints"
+    else:
+        return name
+    found = latest_in(root)
+    if found is None:
+        raise ConfigError(f"{name!r}: {str(root / LATEST)!r} names a step folder that does not exist in {str(root)!r}")
+    return str(found)
+
+
+def check_model_path(key: str, name: str) -> None:
+    """A model that looks local (:func:`looks_local`) and is missing fails at once, naming the path, instead of
+    falling through to the hub (a minute of retries, then "couldn't connect to huggingface.co")."""
+    if is_builtin(name) or not looks_local(name):
+        return
+    path = Path(resolve_model_path(name)).expanduser()
+    if path.is_dir():
+        return
+    what = "is a file, not a model folder" if path.exists() else "does not exist"
+    hint = ""
+    if "smollm2" in name.lower():
+        hint = " The SmolLM2 presets' folder is built by `python scripts/fetch_smollm2.py` (docs/troubleshooting.md)."
+    raise ConfigError(
+        f"{key}={name!r} looks like a local folder, and {str(path.absolute())!r} {what}. Give an existing HF model "
+        f"folder (config.json and weights), a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct', or {BUILTIN_NAME!r}.{hint}")
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer, with a pad token guaranteed (EOS is reused when the tokenizer has none)."""
+    name_or_path = resolve_model_path(name_or_path)
     if is_builtin(name_or_path):
         return build_builtin(name_or_path)[1]
     try:
@@ -53,8 +131,8 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
     A saved LoRA adapter folder (``adapter_config.json``, e.g. a LoRA run's checkpoint) loads as its base
     with the adapter merged in: a plain model, the adapted policy's weights.
     """
-    name = name_or_path or cfg.name_or_path
-    dtype = DTYPES[cfg.dtype]
+    name = resolve_model_path(name_or_path or cfg.name_or_path)
+    dtype = DTYPES[auto_dtype() if cfg.dtype == "auto" else cfg.dtype]  # auto: a ModelConfig not from load_config
     from grpo.foundation.lora import is_adapter_folder
 
     if is_adapter_folder(name):
@@ -85,7 +163,11 @@ def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool =
     if cfg.freeze_bottom_layers and apply_freeze:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5 (the old name warns)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -28,6 +28,8 @@ BUILTIN_MODELS = {
     "builtin:tiny-char-h64": (CHARSET, {"num_heads": 1}),
     "builtin:tiny-arith": (ARITH_CHARSET, {}),
 }
+# make_tiny_model's ``arch``: the architectures of the recipes' models (SmolLM2 is a Llama, Qwen2.5 a Qwen2).
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
@@ -62,14 +64,19 @@ def make_tiny_model(
     pad_token_id: int = 0,
     bos_token_id: int = 1,
     eos_token_id: int = 2,
-) -> LlamaForCausalLM:
-    config = LlamaConfig(
+    arch: str = "llama",
+    num_kv_heads: int | None = None,
+) -> LlamaForCausalLM | Qwen2ForCausalLM:
+    """A randomly initialised causal LM of ``arch`` (a key of ARCHS) with these sizes (``num_kv_heads`` <
+    ``num_heads``: grouped-query attention; default: as many as ``num_heads``)."""
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 4,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         pad_token_id=pad_token_id,
@@ -78,7 +85,7 @@ def make_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     model.generation_config.pad_token_id = pad_token_id
     model.generation_config.eos_token_id = eos_token_id
     return model
@@ -107,6 +114,34 @@ def write_tiny(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
     """Write the tiny model and tokenizer as a normal HF folder."""
     out = Path(out_dir)
     model, tok = build_tiny(seed=seed, **model_kwargs)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def build_tiny_classifier(seed: int = 0, num_labels: int = 1, charset: str = CHARSET, **model_kwargs):
+    """A tiny LlamaForSequenceClassification (a reward model: one logit, or ``num_labels``) over the char tokenizer."""
+    from transformers import LlamaForSequenceClassification
+
+    tok = make_char_tokenizer(charset)
+    base = make_tiny_model(len(tok), seed=seed, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, **model_kwargs)
+    config = base.config
+    config.num_labels = num_labels
+    config.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config)
+    return model, tok
+
+
+def write_tiny_classifier(out_dir: str | Path, seed: int = 0, padding_side: str = "right", num_labels: int = 1,
+                          **model_kwargs) -> Path:
+    """Write a tiny reward model and its tokenizer (padding on ``padding_side``) as a normal HF folder."""
+    out = Path(out_dir)
+    model, tok = build_tiny_classifier(seed=seed, num_labels=num_labels, **model_kwargs)
+    tok.padding_side = tok.init_kwargs["padding_side"] = padding_side  # init_kwargs: what save_pretrained keeps
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

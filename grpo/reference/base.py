@@ -61,10 +61,10 @@ def sliced_logprobs(
     for sl in slices:
         part = Packed(packed.input_ids[sl], packed.attention_mask[sl], packed.start[sl], packed.length[sl], packed.width)
         lp, ent = completion_logprobs(model, part, temperature, chunk_size, with_entropy, share_prefix=not synced)
-        lps.append(lp.float().cpu())
+        lps.append(lp.float())  # on the device: one copy to the host at the end, not one wait per slice
         if ent is not None:
-            ents.append(ent.float().cpu())
-    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+            ents.append(ent.float())
+    return torch.cat(lps).cpu(), (torch.cat(ents).cpu() if with_entropy else None)
 
 
 class Reference(Protocol):

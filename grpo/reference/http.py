@@ -1,6 +1,7 @@
 """The trainer's client of the reference server (``ref.url``; the server is ``ref_client.py``).
 
-One pooled HTTP session; connect/read timeouts; retries with exponential backoff and jitter
+One keep-alive HTTP/1.1 connection per thread (http.client: about 1.3 ms a request less than ``requests``
+on loopback, docs/results.md); connect/read timeouts; retries with exponential backoff and jitter
 on connection errors, timeouts, 503 and other 5xx for up to ``ref.retry_window`` seconds, then
 :class:`ReferenceServerError` naming the URL and how to start the server. Every attempt of one
 log-prob request carries the same ``Idempotency-Key``, so a retry after a read timeout joins
@@ -12,6 +13,8 @@ trainer keeps working meanwhile; ``pop_metrics`` reports latency and bytes per s
 
 from __future__ import annotations
 
+import http.client
+import json as jsonlib
 import os
 import random
 import threading
@@ -19,12 +22,12 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import requests
 import torch
-from requests.adapters import HTTPAdapter
 
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.logprobs import Packed
@@ -41,20 +44,140 @@ def backoff(attempt: int, retry_after: float = 0.0) -> float:
     return max(retry_after, step * random.uniform(0.5, 1.0))
 
 
-def _retry_after(resp: requests.Response) -> float:
+@dataclass
+class Answer:
+    """One HTTP answer, read whole."""
+
+    status_code: int
+    headers: Any  # http.client.HTTPMessage: case-insensitive .get
+    content: bytes
+
+    def json(self) -> Any:
+        return jsonlib.loads(self.content)
+
+
+class ReadTimeout(TimeoutError):
+    """Connected and sent, but no whole answer within ref.read_timeout."""
+
+
+class Connections:
+    """One keep-alive connection per thread to ``url``'s server. ``request`` sends, reads the whole answer and
+    keeps the connection unless the server closes it; a kept connection that the server has closed meanwhile
+    (it closes idle ones, docs/reference-server.md) is replaced once, at once, before the error counts."""
+
+    def __init__(self, url: str, connect_timeout: float, read_timeout: Optional[float], headers: dict[str, str]):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"ref.url={url!r} is not an http:// or https:// URL (e.g. http://127.0.0.1:59875)")
+        self.cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self.host, self.port, self.prefix = parts.hostname, parts.port, parts.path.rstrip("/")
+        self.connect_timeout, self.read_timeout, self.headers = connect_timeout, read_timeout, headers
+        self._local = threading.local()
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def _open(self) -> http.client.HTTPConnection:
+        conn = self.cls(self.host, self.port, timeout=self.connect_timeout)
+        conn.connect()  # TCP_NODELAY is set by http.client
+        conn.sock.settimeout(self.read_timeout)
+        with self._lock:
+            self._all.append(conn)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+            with self._lock:
+                if conn in self._all:
+                    self._all.remove(conn)
+
+    def request(self, method: str, path: str, body: Optional[bytes], headers: dict[str, str]) -> Answer:
+        headers = {**self.headers, **headers}
+        for attempt in range(2):
+            conn = getattr(self._local, "conn", None)
+            kept = conn is not None
+            try:
+                if conn is None:
+                    conn = self._local.conn = self._open()
+            except OSError:
+                self._local.conn = None
+                raise
+            try:
+                conn.request(method, self.prefix + path, body=body, headers=headers)
+                resp = conn.getresponse()
+                answer = Answer(resp.status, resp.headers, resp.read())
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self._drop()
+                if kept and attempt == 0:
+                    continue  # the server had closed the kept connection: once more on a new one
+                raise
+            except TimeoutError as e:
+                self._drop()
+                raise ReadTimeout(f"no answer within ref.read_timeout={self.read_timeout:g} s") from e
+            except (OSError, http.client.HTTPException):
+                self._drop()
+                raise
+            if resp.will_close:
+                self._drop()
+            return answer
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+
+
+def _retry_after(resp: Answer) -> float:
     try:
         return max(0.0, float(resp.headers.get("Retry-After", 0)))
     except ValueError:
         return 0.0
 
 
-def _error_text(resp: requests.Response) -> str:
+def _error_text(resp: Answer) -> str:
     try:
         payload = resp.json()
         field = f" [{payload['field']}]" if payload.get("field") else ""
         return f"HTTP {resp.status_code}{field}: {payload.get('error')}"
     except (ValueError, AttributeError, KeyError):
-        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+        return f"HTTP {resp.status_code}: {resp.content[:200].decode(errors='replace')}"
+
+
+def how_to_start(url: str) -> str:
+    """How to start the reference server that ``url`` should reach."""
+    port = urlsplit(url).port or 59875
+    return (f"Start it with `python ref_client.py --config <your config>` (or `python ref_client.py --model "
+            f"<reference model> --port {port}`), or check ref.url.")
+
+
+def probe(cfg: Config) -> None:
+    """At start, before any model loads: is anything listening at ``ref.url``? A refused (or unreachable)
+    connection is retried for ``ref.startup_wait`` seconds, then :class:`ReferenceServerError` naming
+    ref_client.py: not the minute of ``ref.retry_window``, which is for outages of a server that was up.
+    Anything that answers, even slowly or with an error, passes: the client's own checks and retries follow."""
+    r = cfg.ref
+    url = r.url.rstrip("/") + "/health"
+    deadline = time.monotonic() + r.startup_wait
+    while True:
+        try:
+            requests.get(url, timeout=(min(r.connect_timeout, max(r.startup_wait, 1.0)), r.read_timeout))
+            return
+        except requests.ConnectionError as e:  # refused, reset, unreachable, connect timeout
+            if time.monotonic() + 0.25 > deadline:
+                raise ReferenceServerError(
+                    f"nothing is listening at ref.url={r.url!r} (tried for ref.startup_wait={r.startup_wait:g} s; "
+                    f"{type(e).__name__}). The reference server must run before training starts: "
+                    f"{how_to_start(r.url)} A server started at the same time as the trainer: raise "
+                    f"ref.startup_wait. No server at all: ref.url=null keeps the reference in the trainer "
+                    f"(docs/troubleshooting.md)."
+                ) from None
+            time.sleep(0.25)
+        except requests.RequestException:  # it answered, or is slow: HTTPReference takes it from here
+            return
 
 
 class HTTPReference:
@@ -67,12 +190,9 @@ class HTTPReference:
         self.retry_window = r.retry_window
         self.rows_per_pass = cfg.train.micro_batch_size
         self.pad_id = int(tokenizer.pad_token_id) if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-        self.session = requests.Session()
-        self.session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0))
-        self.session.mount("https://", HTTPAdapter(pool_connections=1, pool_maxsize=4, max_retries=0))
         token = r.token or os.environ.get(TOKEN_ENV)
-        if token:
-            self.session.headers["Authorization"] = f"Bearer {token}"
+        self.connections = Connections(self.url, r.connect_timeout, r.read_timeout,
+                                       {"Authorization": f"Bearer {token}"} if token else {})
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ref-http")
         self._lock = threading.Lock()
         self._metrics = self._zero_metrics()
@@ -83,13 +203,11 @@ class HTTPReference:
 
     # ------------------------------------------------------------------ transport
     def _how_to_start(self) -> str:
-        port = urlsplit(self.url).port or 59875
-        return (f"Start it with `python ref_client.py --config <your config>` (or `python ref_client.py --model "
-                f"<reference model> --port {port}`), check ref.url, or raise ref.retry_window.")
+        return how_to_start(self.url)[:-1] + ", or raise ref.retry_window."
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None, json: Optional[dict] = None,
                  content_type: Optional[str] = None, key: Optional[str] = None,
-                 retry_5xx: bool = True) -> requests.Response:
+                 retry_5xx: bool = True) -> Answer:
         """The first non-retryable answer; retries connection errors, timeouts, 503 and 5xx within the window.
 
         ``key`` (the same on every attempt) lets the server recognise the retries of one request.
@@ -97,23 +215,24 @@ class HTTPReference:
         """
         url = self.url + path
         deadline = time.monotonic() + self.retry_window
+        if json is not None:
+            body, content_type = jsonlib.dumps(json).encode(), "application/json"
         headers = {"Content-Type": content_type} if content_type else {}
         if key:
             headers["Idempotency-Key"] = key
         attempt = 0
         while True:
             try:
-                resp = self.session.request(method, url, data=body, json=json, headers=headers, timeout=self.timeout)
+                resp = self.connections.request(method, path, body, headers)
                 if resp.status_code < 500 or (not retry_5xx and resp.status_code != 503):
                     if resp.status_code >= 400:
                         raise ReferenceServerError(f"reference server at {url} refused the request: {_error_text(resp)}")
                     return resp
                 last, wait_at_least = _error_text(resp), _retry_after(resp)
-            except requests.RequestException as e:  # connection refused/reset, timeouts
+            except (OSError, http.client.HTTPException) as e:  # connection refused/reset, timeouts
                 last, wait_at_least = f"{type(e).__name__}: {e}", 0.0
-                if isinstance(e, requests.ReadTimeout):
-                    last += (f" (the server may need longer than ref.read_timeout={self.timeout[1]:g} s "
-                             f"for this request; raise ref.read_timeout)")
+                if isinstance(e, ReadTimeout):
+                    last += (" (the server may need longer than that for this request; raise ref.read_timeout)")
             attempt += 1
             delay = backoff(attempt, wait_at_least)
             if time.monotonic() + delay > deadline:
@@ -213,4 +332,4 @@ class HTTPReference:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.session.close()
+        self.connections.close()

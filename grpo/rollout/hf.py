@@ -22,8 +22,15 @@ from grpo.foundation import dist
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """One token per row from temperature / top-k / top-p filtered logits."""
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                u: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per row from temperature / top-k / top-p filtered logits (``u``: see ``sample_categorical``)."""
+    return sample_categorical(filter_logits(logits, temperature, top_p, top_k), u)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """float32 logits / temperature with the tokens outside top-k and top-p set to -inf: the distribution
+    the sampler draws from (its log-softmax is the sampler's "processed" log-probs). No host sync."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -36,21 +43,24 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
         drop = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return sample_categorical(logits)
+    return logits
 
 
-def sample_categorical(logits: torch.Tensor) -> torch.Tensor:
+def sample_categorical(logits: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One index per row, drawn with probability softmax(logits), by inverting the cumulative distribution.
 
     Exactly the distribution of ``torch.multinomial(softmax(logits), 1)``, at a fraction of its
     cost on CPU (one cumsum and a binary search instead of multinomial's per-row setup: 0.7 ms
     against 14 ms for 16 rows of a 49k vocabulary). Tokens of probability 0 are never drawn: the
     uniform is kept strictly below the total mass, and ``right=True`` skips flat (zero) steps.
+    ``u``: the [rows, 1] uniforms to use (drawn here when None).
     """
     w = (logits - logits.amax(-1, keepdim=True)).exp_()  # unnormalised: u is scaled by the total
     cdf = w.cumsum_(-1)  # non-negative terms: non-decreasing in floating point too
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
+    if u is None:
+        u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device)
+    u = u.to(cdf.dtype) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
@@ -103,7 +113,16 @@ class _GrowLayer(DynamicLayer):
         self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._k, self._v = self._k[indices], self._v[indices]
+        """Keep the rows ``indices``: their filled columns are gathered into the first rows of the same
+        buffer, which is then narrowed (no new whole-buffer allocation or copy of the empty columns)."""
+        n = indices.numel()
+        if n > self._k.shape[0]:  # more rows than the buffer holds (not a selection): a new buffer
+            self._k, self._v = self._k[indices], self._v[indices]
+        else:
+            L = self.length
+            self._k[:n, ..., :L, :] = self._k[indices, ..., :L, :]  # the right side is gathered first
+            self._v[:n, ..., :L, :] = self._v[indices, ..., :L, :]
+            self._k, self._v = self._k[:n], self._v[:n]
         self._views()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -193,11 +212,12 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, devi
     return out.past_key_values, out.logits[:, -1], att, pos[:, -1], sum(c for _, c in matches)
 
 
-def _keep_rows(cache: DynamicCache, rows: torch.Tensor, att: Optional[torch.Tensor], width: int,
+def _keep_rows(cache: DynamicCache, rows: torch.Tensor, att: Optional[torch.Tensor], prompt_width: int,
                prompts: list[list[int]], tokens: list[list[int]], store: PrefixStore) -> None:
-    """Copy the cache of the batch rows ``rows`` (their first ``width`` columns, the attended ones) into
-    ``store``."""
+    """Copy the cache of the batch rows ``rows`` into ``store``: the attended ones of their first
+    ``prompt_width + len(tokens) - 1`` columns (every fed position: the last token was never fed)."""
     for b, prompt, toks in zip(rows.tolist(), prompts, tokens):
+        width = prompt_width + len(toks) - 1
         cols = att[b, :width].nonzero(as_tuple=True)[0] if att is not None else slice(0, width)
         store.add(prompt, toks, [(layer.keys[b][:, cols].clone(), layer.values[b][:, cols].clone())
                                  for layer in cache.layers])
@@ -214,6 +234,13 @@ def _join_forward(model: torch.nn.Module, pad_id: int, device: torch.device) -> 
     model(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
 
 
+def default_check_every(device: torch.device) -> int:
+    """Decode steps between the host's reads of which rows have finished: every step on a CPU (a read
+    costs nothing there and finished rows leave at once), every 8 on an accelerator, where each read
+    drains the device's queue (finished rows then run up to 7 more steps, their tokens thrown away)."""
+    return 1 if torch.device(device).type == "cpu" else 8
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -225,6 +252,7 @@ def generate(
     synced: bool = False,
     reuse: Optional[PrefixStore] = None,
     keep: Optional[PrefixStore] = None,
+    check_every: Optional[int] = None,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
 
@@ -232,9 +260,13 @@ def generate(
     prompts, and each keeps running forwards until the last row on any rank has finished.
     ``reuse``: prompts start from the longest prefix kept there (``PrefixStore``); ``keep``: every row's
     cache is copied there as it finishes. ``Completions.reused`` counts the prompt positions not fed again.
+    ``check_every``: decode steps between host reads of the finished rows (``default_check_every``); the
+    only host synchronisations of the loop are these reads (and, synced, one all-reduce each). Each row
+    draws its uniforms from one [rows] draw per step, so the tokens do not depend on ``check_every``.
     """
     G, cfg = n, params
     device = next(model.parameters()).device
+    k = check_every or default_check_every(device)
     was_training = model.training
     model.eval()
     # ignore_eos: no token ends a row, every completion is max_completion_length long
@@ -243,6 +275,7 @@ def generate(
     R, T = P * G, cfg.max_tokens
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
+    finished = torch.zeros(R, dtype=torch.bool, device=device)  # EOS drawn (the row may not have left yet)
     active = torch.arange(R, device=device)
     reused = 0
     if P:
@@ -262,27 +295,36 @@ def generate(
 
     t = 0
     while True:
+        check = (t + 1) % k == 0 or t >= T - 1 or (not synced and not active.numel())
         if active.numel():
-            tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k)
+            u = torch.rand((R, 1), device=device)[active]  # row r's uniform whichever rows are still here
+            tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k, u)
             result[active, t] = tok
-            done = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(tok, dtype=torch.bool)
-            lengths[active[done]] = t + 1
-            leave = done if t < T - 1 else torch.ones_like(done)  # at T every row ends (truncated unless EOS)
-            if keep is not None and leave.any():
-                gone = leave.nonzero(as_tuple=True)[0]
-                rows = active[gone].tolist()
-                _keep_rows(cache, gone, att_all, Lp + t, [prompts[r // G] for r in rows],
-                           [result[r, : t + 1].tolist() for r in rows], keep)
-            if leave.all():
-                active = active[:0]
-            elif leave.any():
-                idx = (~leave).nonzero(as_tuple=True)[0]  # finished rows leave the batch and its KV cache
-                cache.batch_select_indices(idx)
-                active, tok, next_pos = active[idx], tok[idx], next_pos[idx]
-                if att_all is not None:
-                    att_all = att_all[idx]
+            was = finished[active]
+            if eos.numel():
+                now = torch.isin(tok, eos) & ~was
+                lengths[active] = torch.where(now, t + 1, lengths[active])
+                was = was | now
+                finished[active] = was
+            if check:
+                leave = was if t < T - 1 else torch.ones_like(was)  # at T every row ends (truncated unless EOS)
+                stay = (~leave).nonzero(as_tuple=True)[0]  # the loop's one host read of these k steps
+                if stay.numel() < active.numel():
+                    if keep is not None:
+                        gone = leave.nonzero(as_tuple=True)[0]
+                        rows = active[gone].tolist()
+                        ends = lengths[active[gone]].tolist()
+                        _keep_rows(cache, gone, att_all, Lp, [prompts[r // G] for r in rows],
+                                   [result[r, :e].tolist() for r, e in zip(rows, ends)], keep)
+                    if not stay.numel():
+                        active = active[:0]
+                    else:  # finished rows leave the batch and its KV cache
+                        cache.batch_select_indices(stay)
+                        active, tok, next_pos = active[stay], tok[stay], next_pos[stay]
+                        if att_all is not None:
+                            att_all = att_all[stay]
         t += 1
-        if not (dist.any_rank(active.numel() > 0) if synced else active.numel() > 0):
+        if check and not (dist.any_rank(active.numel() > 0) if synced else active.numel() > 0):
             break
         if not active.numel():
             _join_forward(model, pad_id, device)

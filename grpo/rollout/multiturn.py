@@ -167,7 +167,7 @@ class MultiTurnRollout:
         self.stop = list(stop or [])
         self.prefill = prefill or ""
         self.render = ChatRenderer(service.tokenizer, service.eos_ids, system_prompt, prefill)
-        self.tool_counts = tool_counts  # () -> {"tool_calls": n, "tool_errors": n, "tool_timeouts": n} since last call
+        self.tool_counts = tool_counts  # () -> {"tool_calls": n, "tool_errors": n, "tool_timeouts": n, "tool_killed": n} since last call
         self.counts = {k: 0.0 for k in self.COUNTERS}
         self.env_time = 0.0
         self._reported_error = False
@@ -329,7 +329,7 @@ class MultiTurnRollout:
     def pop_metrics(self) -> dict[str, float]:
         """Counts since the last call, summed over ranks (collective: every rank calls it)."""
         tools = self.tool_counts() if self.tool_counts is not None else {}
-        keys = list(self.COUNTERS) + ["tool_calls", "tool_errors", "tool_timeouts"]
+        keys = list(self.COUNTERS) + ["tool_calls", "tool_errors", "tool_timeouts", "tool_killed"]
         local = torch.tensor([float(self.counts.get(k, tools.get(k, 0.0))) for k in keys], dtype=torch.float64)
         s = dict(zip(keys, dist.all_reduce_sum(local).tolist()))
         self.counts = {k: 0.0 for k in self.COUNTERS}
@@ -337,7 +337,7 @@ class MultiTurnRollout:
         return {
             "env/turns_mean": s["turns"] / n,
             "env/tool_calls": s["tool_calls"], "env/tool_errors": s["tool_errors"] + s["tool_timeouts"],
-            "env/tool_timeouts": s["tool_timeouts"],
+            "env/tool_timeouts": s["tool_timeouts"], "env/tool_killed": s["tool_killed"],
             "env/invalid_actions": s["invalid_actions"], "env/invalid_per_trajectory": s["invalid_actions"] / n,
             "env/step_limit_frac": s["step_limit_hits"] / n, "env/budget_frac": s["budget_hits"] / n,
             "env/errors": s["env_errors"],

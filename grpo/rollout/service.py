@@ -27,18 +27,41 @@ from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
 from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, SamplingParams, completion_mask, cut_at_eos
 from grpo.rollout.hf import HFEngine, needs_synced_generation
+from grpo.rollout.static import StaticEngine, unsupported_reason
 from grpo.rollout.vllm_engine import VLLMEngine, require_vllm
 
-# name -> engine class; ``rollout.engine`` may also be any ``package.module:Class``
-ENGINES: dict[str, type] = {"hf": HFEngine, "vllm": VLLMEngine}
+
+def auto_engine(setup: EngineSetup) -> GenerationEngine:
+    """``rollout.engine: auto``: the static engine on CUDA for the models it supports, hf otherwise (the choice
+    and its reason printed once, at build, by the main rank)."""
+    device = next(setup.model.parameters()).device
+    reason = "the policy is not on CUDA" if device.type != "cuda" else unsupported_reason(setup.model)
+    if dist.is_main():
+        print(f"rollout.engine=auto: {'static (CUDA, a supported model)' if reason is None else f'hf ({reason})'}",
+              flush=True)
+    if reason is None:
+        return StaticEngine(setup)
+    tis_cap = setup.cfg.algo.tis_cap
+    if tis_cap is not None:
+        raise ConfigError(f"algo.tis_cap={tis_cap!r} needs the sampler's own log-probs, and rollout.engine=auto picked "
+                          f"hf here ({reason}), which has none: set rollout.engine=static (CPU runs it too) or vllm, "
+                          f"or set algo.tis_cap=null")
+    return HFEngine(setup)
+
+
+# name -> engine class (or a function of the EngineSetup that builds one); ``rollout.engine`` may also be any
+# ``package.module:Class``
+ENGINES: dict[str, Callable[[EngineSetup], GenerationEngine]] = {
+    "auto": auto_engine, "hf": HFEngine, "static": StaticEngine, "vllm": VLLMEngine}
 # name -> a check that the engine's optional dependencies are installed (a ConfigError naming the extra)
 REQUIREMENTS: dict[str, Callable[[], Any]] = {"vllm": require_vllm}
 
-# (prompt texts, completion texts, dataset columns) -> (total reward per row, {function: values})
-Scorer = Callable[[list[str], list[str], dict[str, list]], tuple[list[float], dict[str, list[float]]]]
+# (prompt texts, completion texts, dataset columns, raw_prompts=dataset prompts, completion_ids=token ids)
+#   -> (total reward per row, {source: values, nan where the source skipped the row}); rewards.CombinedReward
+Scorer = Callable[..., tuple[list[float], dict[str, list[float]]]]
 
 
-def engine_class(name: str) -> type:
+def engine_class(name: str) -> Callable[[EngineSetup], GenerationEngine]:
     """The engine class that ``rollout.engine`` names (a registered name or ``package.module:Class``)."""
     if name in ENGINES:
         if name in REQUIREMENTS:
@@ -74,6 +97,9 @@ class RolloutService:
         self.cfg = setup.cfg.rollout
         self.engine = engine if engine is not None else engine_class(self.cfg.engine)(setup)
         self.timings: dict[str, float] = {}
+        # called with each single-turn step's batch once generated, before its rewards (the trainer's early
+        # reference request); None: nothing
+        self.on_generated: Optional[Callable[[RolloutBatch], None]] = None
 
     @classmethod
     def build(cls, cfg, model: torch.nn.Module, tokenizer, eos_ids: list[int],
@@ -177,6 +203,8 @@ class RolloutService:
         )
         if comp.logprobs is not None:
             batch.sampler_logp = completion_logp_tensor(comp.logprobs, batch.width)
+        if self.on_generated is not None:  # e.g. the trainer's reference request, in flight while rewards run
+            self.on_generated(batch)
         self.score(batch)
         return batch
 
@@ -185,7 +213,9 @@ class RolloutService:
         if self.scorer is None:
             raise RuntimeError("this rollout service has no reward functions (built without a scorer)")
         t0 = time.perf_counter()
-        total, per_fn = self.scorer(batch.prompt_text, batch.completion_text, batch.columns())
+        total, per_fn = self.scorer(batch.prompt_text, batch.completion_text, batch.columns(),
+                                    raw_prompts=[it.get("prompt") for it in batch.items],
+                                    completion_ids=[list(c) for c in batch.completion_ids])
         batch.rewards = torch.tensor(total, dtype=torch.float32)
         batch.reward_terms = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_fn.items()}
         self._time("reward", t0)

@@ -46,6 +46,12 @@ def require_vllm():
     return vllm
 
 
+def check_tensor_parallel(tp: int, world: int) -> None:
+    """The ranks split into vLLM tensor-parallel groups of ``tp`` (checked at start, and by the engine)."""
+    if world % tp:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={tp} must divide the number of ranks ({world})")
+
+
 def _plain_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model (PEFT's wrapper removed)."""
     get = getattr(model, "get_base_model", None)
@@ -84,9 +90,7 @@ class VLLMEngine:
         self.vcfg = v = cfg.rollout.vllm
         self.cuda = torch.cuda.is_available()
         self.rank, self.tp = dist.rank(), v.tensor_parallel_size
-        if dist.world_size() % self.tp:
-            raise ConfigError(f"rollout.vllm.tensor_parallel_size={self.tp} must divide the number of ranks "
-                              f"({dist.world_size()})")
+        check_tensor_parallel(self.tp, dist.world_size())
         if self.tp > 1:
             setup.synced = True  # the ranks of a TP group generate together: every call is collective
         self.folder = write_model_folder(setup, Path(cfg.train.output_dir).resolve() / "vllm" / f"rank-{self.rank}")

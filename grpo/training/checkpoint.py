@@ -6,8 +6,10 @@ each rank's RNG, data position and algorithm state. With LoRA the folder holds t
 PEFT's format instead of the whole model (``adapter_config.json``, ``adapter_model.safetensors``:
 ``PeftModel.from_pretrained(base, folder)`` loads it; ``scripts/merge_lora.py`` merges it), and
 ``ds/`` only the adapter's weights (the frozen base is not copied into every checkpoint). Everything
-is written to a temporary folder first, fsynced (files and folders) and renamed; ``latest`` is
-replaced atomically last, so a crash mid-save never leaves a half checkpoint as the latest. Saving a
+is written to a temporary folder first, fsynced (files and folders) and renamed; ``latest`` (a relative
+symlink to the step folder, so ``OUT/checkpoints/latest`` loads like the folder itself; runs written before
+it was a symlink hold a text file naming the folder, still read) is replaced atomically last (a new
+symlink renamed over it), so a crash mid-save never leaves a half checkpoint as the latest. Saving a
 step whose folder exists (a finished run resumed, which saves its last step again) renames the old
 folder aside to ``.old-step-N`` instead of deleting it first; until the new one is in place
 ``latest_checkpoint`` falls back to that copy, so ``latest`` always resolves.
@@ -30,9 +32,7 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter, state_dict_for_save
-
-LATEST = "latest"
-ASIDE = ".old-"  # prefix of a step folder renamed aside while the same step is saved again
+from grpo.foundation.modeling import ASIDE, LATEST, latest_in
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -40,16 +40,8 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
-    root = checkpoints_dir(output_dir)
-    marker = root / LATEST
-    if not marker.is_file():
-        return None
-    name = marker.read_text().strip()
-    # the aside copy: a crash while the same step was being saved again, between its two renames
-    for path in (root / name, root / (ASIDE + name)):
-        if path.is_dir():
-            return path
-    return None
+    """The newest complete step folder of the run in ``output_dir`` (what ``--resume`` continues), or None."""
+    return latest_in(checkpoints_dir(output_dir))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,12 +64,13 @@ def _fsync_tree(folder: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def _link_atomic(path: Path, target: str) -> None:
+    """Point the symlink ``path`` at ``target`` (relative to its folder): a new link renamed over the old one
+    (a symlink or the older text file), so ``path`` always names one folder or the other."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -145,15 +138,22 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
     if dist.is_main():
         _fsync_tree(tmp)
         _swap_in(tmp, final)
-        _write_atomic(root / LATEST, final.name)
+        _link_atomic(root / LATEST, final.name)
         for stale in root.glob(ASIDE + "step-*"):  # ``latest`` names a folder in place: no longer needed
             shutil.rmtree(stale, ignore_errors=True)
         if keep > 0:
-            steps = sorted((int(p.name.split("-")[1]), p) for p in root.glob("step-*") if p.is_dir())
-            for _, p in steps[:-keep]:
-                shutil.rmtree(p, ignore_errors=True)
+            _prune(root, final, keep)
     dist.barrier()
     return final
+
+
+def _prune(root: Path, latest: Path, keep: int) -> None:
+    """Keep ``latest`` and the newest ``keep - 1`` other step folders; delete the rest. ``latest`` is never
+    deleted, even when older-numbered than the others (a run restarted without --resume in the same folder)."""
+    others = sorted((int(p.name.split("-")[1]), p) for p in root.glob("step-*")
+                    if p.is_dir() and p.name != latest.name and p.name.split("-")[1].isdigit())
+    for _, p in others[:max(len(others) - (keep - 1), 0)]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _write_hf(engine, tokenizer, folder: Path) -> None:

@@ -2,6 +2,9 @@
 registry (algos/) put together.
 
     load_config(path, algo, overrides): defaults < algorithm defaults < YAML < --algo < key=value
+    check_run(cfg, resume):             what the run would refuse later, checked before any model loads
+                                        (train.py: for --print-config and the run alike)
+    probe_services(cfg):                the run's servers answer at start (ref.url), before any model loads
     needs_reference(path, overrides):   whether that run queries a reference model
     needs_reference_server(path, overrides): whether it needs a reference server started for it (not with
                                         LoRA's free reference: the policy with its adapters off)
@@ -9,11 +12,12 @@ registry (algos/) put together.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 from algos import get_algorithm
-from grpo.foundation.config import Config, build_config, read_user_tree
+from grpo.foundation.config import FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states, read_user_tree
 from grpo.reference.handle import adapters_off_reference
 
 
@@ -24,7 +28,97 @@ def load_config(
 ) -> Config:
     """Resolve and validate; a wrong key or value raises ConfigError naming the valid choices."""
     tree, name = read_user_tree(path, algo, overrides)
-    return build_config(tree, get_algorithm(name))
+    cfg = build_config(tree, get_algorithm(name))
+    if cfg.model.dtype == "auto":  # resolved once, before anything reads it: every consumer sees a real dtype
+        cfg.model.dtype = auto_dtype()
+        check_optimizer_states(cfg)
+    resolve_checkpoint_paths(cfg)
+    return cfg
+
+
+def resolve_checkpoint_paths(cfg: Config) -> None:
+    """A model given as a run's checkpoint (``OUT/checkpoints/latest``, ``OUT/checkpoints``, ``OUT``) becomes its
+    newest step folder, once: every consumer (the loaders, vLLM, a reference server, config.yaml) sees that folder."""
+    from grpo.foundation.modeling import resolve_model_path
+
+    cfg.model.name_or_path = resolve_model_path(cfg.model.name_or_path)
+    if cfg.ref.model:
+        cfg.ref.model = resolve_model_path(cfg.ref.model)
+
+
+def check_run(cfg: Config, resume: bool = False) -> None:
+    """Everything the run would otherwise refuse later, checked before any model loads and without starting
+    anything: names that must resolve (reward functions, the generation engine, the environment and its
+    tools), loggers that must be installed, local model folders and data files that must exist, prompts
+    that must split over the ranks, a checkpoint to resume. Raises ConfigError naming the fix."""
+    from grpo.foundation.modeling import check_model_path
+    from grpo.rollout.service import engine_class
+    from grpo.training.metrics import logger_module
+    from rewards import resolve
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                          f"number of ranks ({world})")
+    engine_class(cfg.rollout.engine)
+    if cfg.rollout.engine == "vllm":
+        from grpo.rollout.vllm_engine import check_tensor_parallel
+
+        check_tensor_parallel(cfg.rollout.vllm.tensor_parallel_size, world)
+    get_algorithm(cfg.algo.name)(cfg)  # what an algorithm resolves when built (grpo-ps: its step reward)
+    for target in cfg.logging.report_to:
+        logger_module(target)
+    if cfg.env.name:
+        from envs import EnvConfigError
+        from envs.base import EnvSetup
+
+        try:
+            EnvSetup.resolve(cfg.env)
+        except (EnvConfigError, ValueError) as e:
+            raise ConfigError(str(e)) from e
+    else:  # with an environment the rewards are its own
+        for i, spec in enumerate(cfg.rewards):
+            if spec.kind == "fn":
+                resolve(spec.fn, key=f"rewards[{i}].fn")
+    for key in ("correctness", "format"):
+        spec = getattr(cfg.eval, key)
+        if spec is not None and spec.kind == "fn":
+            resolve(spec.fn, key=f"eval.{key}.fn")
+    check_model_path("model.name_or_path", cfg.model.name_or_path)
+    if cfg.model.attn_implementation == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError as e:
+            raise ConfigError("model.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                              "installed: pip install flash-attn --no-build-isolation (CUDA only), or use sdpa") from e
+    if cfg.ref.model and not cfg.ref.url:
+        check_model_path("ref.model", cfg.ref.model)
+    for i, spec in enumerate(cfg.rewards):
+        if spec.kind == "model" and spec.where == "trainer":
+            check_model_path(f"rewards[{i}].model", spec.model)
+    d = cfg.data
+    if d.source in FILE_SOURCES:
+        for key in ("path", "eval_path"):
+            path = getattr(d, key)
+            if path and not any(c in path for c in "*?[") and "://" not in path and not Path(path).exists():
+                raise ConfigError(f"data.{key}={path!r}: no such file ({str(Path(path).absolute())!r}); paths are "
+                                  f"relative to the directory train.py runs in")
+    if resume:
+        from grpo.training.checkpoint import checkpoints_dir, latest_checkpoint
+
+        if latest_checkpoint(cfg.train.output_dir) is None:
+            raise ConfigError(f"--resume: no checkpoint in {checkpoints_dir(cfg.train.output_dir)}; start without "
+                              f"--resume, or set train.output_dir to the run to continue")
+
+
+def probe_services(cfg: Config) -> None:
+    """The servers this run queries answer at start (ReferenceServerError within ``ref.startup_wait`` seconds
+    otherwise): the reference server, when the run uses a reference or a reward model hosted there."""
+    uses_server = any(s.kind == "model" and s.where == "server" for s in cfg.rewards)
+    if cfg.ref.url and (uses_server or get_algorithm(cfg.algo.name)(cfg).needs_reference):
+        from grpo.reference.http import probe
+
+        probe(cfg)
 
 
 def needs_reference(config: Optional[str | Path], overrides: list[str]) -> bool:

@@ -12,7 +12,6 @@ The trainer calls only what is here to touch DeepSpeed:
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 from typing import Optional
@@ -62,22 +61,36 @@ def deepspeed_config(cfg: Config) -> dict:
     }
     if t.grad_clip > 0:
         ds["gradient_clipping"] = t.grad_clip
-    if cfg.model.dtype == "bf16" and cfg.model.lora is None:
+    if t.optimizer_states == "bf16" and t.zero_stage == 0:
+        pass  # no bf16 section: no fp32 master copy, and AdamW's moments take the bf16 weights' dtype (pure bf16)
+    elif cfg.model.dtype == "bf16" and cfg.model.lora is None:
         # (with LoRA the base stays bf16 and the fp32 adapters train in DeepSpeed's fp32 mode)
         # check_grad_overflow: ZeRO skips an update whose gradient norm is not finite (fp32 and fp16 always do)
         ds["bf16"] = {"enabled": True, "check_grad_overflow": True}
+        if t.optimizer_states == "bf16":  # ZeRO 1-3: bf16 master weights, gradients and Adam moments
+            ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     elif cfg.model.dtype == "fp16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
     return ds
 
 
 def init_distributed() -> None:
-    """The process group (a world of one without the launcher), and the CPU all-reduce buffer's cleanup."""
+    """The process group (a world of one without the launcher).
+
+    Without CUDA, DeepSpeed would compile its shared-memory all-reduce op at start (about 45 s on a fresh
+    install, every rank waiting on the build's lock) and give each rank a ~70 MB /dev/shm buffer that it never
+    removes; only its inference all-reduce uses them (training's all-reduces go through torch.distributed), so
+    it is not built."""
+    import importlib
+
     import deepspeed
 
+    # the module itself: deepspeed.comm re-exports the name torch, so `import deepspeed.comm.torch as m` gives torch
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if not torch.cuda.is_available() and hasattr(ds_torch, "build_shm_op"):
+        ds_torch.build_shm_op = lambda: None
     dist.default_single_process_env()
     deepspeed.init_distributed(dist_backend=None)
-    atexit.register(dist.release_shm_buffer)
 
 
 def share_cpu_threads() -> None:
@@ -143,8 +156,11 @@ def stage0_grad_norm(engine, zero_stage: int) -> Optional[float]:
     ``engine.step()``, which clears them."""
     if zero_stage != 0:
         return None
-    sq = [p.grad.detach().float().pow(2).sum() for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    # one multi-tensor kernel, accumulated in fp32 (no fp32 copy of each bf16 gradient); one host read
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))))
 
 
 def grad_norm(engine, stage0_norm: Optional[float]) -> float:

@@ -62,7 +62,7 @@ class Evaluator:
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.correct_spec: RewardSpec = cfg.eval.correctness or cfg.rewards[0]
         specs = [self.correct_spec] + ([cfg.eval.format] if cfg.eval.format else [])
-        self.scorer = CombinedReward(specs, cfg.reward_pool)
+        self.scorer = CombinedReward(specs, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox)
         self.names = [t.name for t in self.scorer.terms]
         e = cfg.eval
         length = e.max_completion_length or cfg.rollout.max_completion_length
@@ -75,7 +75,8 @@ class Evaluator:
         prompts = self.tokenizer.batch_decode([self.dataset.ids[i] for i in rows for _ in range(k)])
         texts = self.rollout.decode(tokens)
         keys = [c for c in items[0] if c != "prompt"]
-        _, per_fn = self.scorer(prompts, texts, {c: [it.get(c) for it in items] for c in keys})
+        _, per_fn = self.scorer(prompts, texts, {c: [it.get(c) for it in items] for c in keys},
+                                raw_prompts=[it["prompt"] for it in items], completion_ids=tokens)
         return texts, per_fn
 
     @torch.no_grad()

@@ -2,11 +2,15 @@
 
 ``LearningHealth`` warns once per cause, loudly and with the fix, when for ``patience`` steps in a row
     - more than 90% of the completions are truncated (no EOS within rollout.max_completion_length),
-    - more than 95% of the groups have all-equal rewards (every advantage of the group is 0),
+    - a reward source fails (raises or times out) on more than half of its rows: reward errors, not a hard task,
+    - more than 95% of the groups have all-equal rewards (every advantage of the group is 0) while the
+      rewards themselves work: the task is too hard or too easy,
     - the gradient norm is 0.
 ``NonFiniteWatchdog`` counts steps whose loss or gradient norm is not finite (their update is
 skipped) and stops the run after ``limit`` of them in a row, naming the step and the likely causes;
 no checkpoint ever holds weights from a skipped update.
+``RewardFailureGuard`` stops the run when a reward source fails on more than half of its rows for
+``reward_pool.max_failing_steps`` steps in a row, with the source's own error and a guess at the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ import sys
 
 from grpo.foundation.config import Config
 
+def reward_failed_frac(m: dict[str, float]) -> float:
+    """The largest share of rows any reward source failed on (errors + timeouts) this step."""
+    return max((v for k, v in m.items() if k.startswith("reward/") and k.endswith("/failed_frac")), default=0.0)
+
+
 CHECKS = {
+    "reward_errors": (
+        lambda m: reward_failed_frac(m) > 0.5,
+        "a reward function fails (raises or times out) on more than half of its rows (reward/<name>/errors and "
+        "/timeouts in metrics.jsonl): the rewards are broken, not the task. Its first traceback is in the log; "
+        "see docs/rewards.md for the call signature.",
+    ),
     "truncation": (
         lambda m: m.get("completion/truncated_frac", 0.0) > 0.9,
         "more than 90% of the completions hit rollout.max_completion_length={L} without EOS: their "
@@ -23,7 +38,7 @@ CHECKS = {
         "or ask for shorter answers in the prompt.",
     ),
     "zero_advantage": (
-        lambda m: m.get("advantage/zero_group_frac", 0.0) > 0.95,
+        lambda m: m.get("advantage/zero_group_frac", 0.0) > 0.95 and reward_failed_frac(m) <= 0.5,
         "more than 95% of the groups have all-equal rewards, so their advantages are 0 and they teach "
         "nothing: the task is too hard or too easy for the policy, or the reward too coarse. Raise "
         "rollout.num_generations={G}, use a partial-credit reward, or use dynamic sampling (--algo dapo).",
@@ -86,3 +101,31 @@ class NonFiniteWatchdog:
                 f"algo.num_iterations={a.num_iterations} passes. Lower train.lr, or resume from the last "
                 f"checkpoint with --resume after changing the setting (train.max_nonfinite_steps={self.limit})."
             )
+
+
+class RewardsFailing(TrainingStopped):
+    """A reward source failed on most rows several steps in a row; the message holds its error and the fix."""
+
+
+class RewardFailureGuard:
+    """Counts, per reward source, the steps in a row on which it failed on more than half of its rows (from the
+    rank-reduced ``reward/<name>/failed_frac``, so every rank decides alike) and stops the run at ``limit``."""
+
+    def __init__(self, limit: int, threshold: float = 0.5):
+        self.limit, self.threshold = limit, threshold
+        self.streak: dict[str, int] = {}
+
+    def check(self, step: int, metrics: dict[str, float], rewards) -> None:
+        for key, frac in metrics.items():
+            if not (key.startswith("reward/") and key.endswith("/failed_frac")):
+                continue
+            name = key[len("reward/"):-len("/failed_frac")]
+            self.streak[name] = self.streak.get(name, 0) + 1 if frac > self.threshold else 0
+            if self.streak[name] >= self.limit:
+                report = rewards.failure_report(name) if name in rewards.first_error else (
+                    "(the error happened on another rank: see that rank's log)")
+                raise RewardsFailing(
+                    f"step {step}: reward {name!r} failed on {frac:.0%} of its rows, {self.streak[name]} steps in a "
+                    f"row (reward_pool.max_failing_steps={self.limit}); its rows would score 0 and nothing would "
+                    f"be learned. Its first error:\n{report}"
+                )

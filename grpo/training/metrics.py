@@ -26,6 +26,49 @@ from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
 
+def logger_module(target: str) -> Any:
+    """What ``logging.report_to``'s ``target`` writes with (TensorBoard's SummaryWriter, the wandb module), or
+    a ConfigError naming the package to install (checked at start: grpo/training/configure.py check_run)."""
+    try:
+        if target == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            return SummaryWriter
+        import wandb
+
+        return wandb
+    except ImportError as e:
+        raise ConfigError(f"logging.report_to includes {target!r} but it is not installed: pip install {target}, "
+                          f"or remove it from logging.report_to ({e})") from e
+
+
+WANDB_RUN_ID = "wandb_run_id"  # OUT/wandb_run_id: the W&B run that --resume continues
+
+
+def wandb_init_args(cfg: Config, out: Path, start_step: int) -> dict[str, Any]:
+    """wandb.init's arguments: project, name, entity, tags; on --resume the run this output folder logged to."""
+    lc = cfg.logging
+    args: dict[str, Any] = {"project": lc.wandb_project, "dir": str(out)}
+    args.update({k: v for k, v in (("name", lc.wandb_name), ("entity", lc.wandb_entity)) if v is not None})
+    if lc.wandb_tags:
+        args["tags"] = list(lc.wandb_tags)
+    saved = out / WANDB_RUN_ID
+    if start_step > 0 and saved.is_file():
+        args.update(id=saved.read_text().strip(), resume="allow")
+    return args
+
+
+def console_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
+    """One plain line per step for logs without a progress bar: step, reward, KL, length, time."""
+    parts = [f"step {step}/{max_steps}"]
+    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("kl", "kl", ".4g"),
+                            ("completion/length_mean", "len", ".1f"), ("time/step", "s/step", ".2f")):
+        v = metrics.get(key)
+        if isinstance(v, (int, float)):
+            parts.append(f"{label} {v:{fmt}}")
+    return " | ".join(parts)
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks do nothing."""
 
@@ -48,21 +91,13 @@ class MetricsLogger:
             _truncate_after(self.samples_path, start_step)
         for target in cfg.logging.report_to:
             if target == "tensorboard":
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
-                except ImportError as e:
-                    raise ConfigError(
-                        "logging.report_to includes 'tensorboard' but it is not installed: pip install tensorboard"
-                    ) from e
-                self.tb = SummaryWriter(str(self.out / "tensorboard"))
+                self.tb = logger_module(target)(str(self.out / "tensorboard"))
             elif target == "wandb":
-                try:
-                    import wandb
-                except ImportError as e:
-                    raise ConfigError("logging.report_to includes 'wandb' but it is not installed: pip install wandb") from e
                 from grpo.foundation.config import to_dict
 
-                self.wandb = wandb.init(project=cfg.logging.wandb_project, config=to_dict(cfg), dir=str(self.out))
+                self.wandb = logger_module(target).init(**wandb_init_args(cfg, self.out, start_step),
+                                                        config=to_dict(cfg))
+                (self.out / WANDB_RUN_ID).write_text(str(self.wandb.id))
         if cfg.logging.progress_bar:
             from tqdm import tqdm
 
@@ -86,6 +121,8 @@ class MetricsLogger:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        if self.bar is None and self.cfg.logging.progress_bar is False and advance:
+            print(console_line(step, self.cfg.train.max_steps, metrics), flush=True)
         if self.bar is not None:
             post = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
                     "len": f"{metrics.get('completion/length_mean', float('nan')):.1f}",
@@ -241,16 +278,17 @@ def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss
     """
     m: dict[str, float] = {}
 
-    def moments(prefix: str, x: torch.Tensor, with_range: bool = False) -> None:
-        mean, std = core.global_mean_std(x.reshape(-1), "population")
+    def moments(prefix: str, x: torch.Tensor, with_range: bool = False, mask: Optional[torch.Tensor] = None) -> None:
+        mean, std = core.global_mean_std(x.reshape(-1), "population", mask=mask)
         m[f"{prefix}/mean"], m[f"{prefix}/std"] = float(mean), float(std)
         if with_range:
             m[f"{prefix}/max"] = float(dist.all_reduce_max(x.max().double().reshape(1)))
             m[f"{prefix}/min"] = -float(dist.all_reduce_max((-x.min()).double().reshape(1)))
 
     moments("reward", batch.rewards)
-    for name, vals in batch.reward_terms.items():
-        moments(f"reward/{name}", vals)
+    for name, vals in batch.reward_terms.items():  # nan: rows the source skipped (None), left out
+        scored = ~torch.isnan(vals.reshape(-1))
+        moments(f"reward/{name}", torch.nan_to_num(vals.reshape(-1), nan=0.0), mask=scored)
     adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[batch.mask.bool()]
     moments("advantage", adv, with_range=True)
     zero = core.uniform_groups(batch.rewards, batch.group_size).double()

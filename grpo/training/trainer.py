@@ -12,6 +12,7 @@ Algorithms see none of this class: their hooks get a StepContext (algos/base.py)
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from grpo.data.sources import PromptDataset, PromptSampler, load_source
 from grpo.data.tasks import system_prompt
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
-from grpo.foundation.config import Config, ConfigError, dump_config
+from grpo.foundation.config import Config, ConfigError, custom_chat_template, dump_config
 from grpo.foundation.logprobs import completion_logprobs
 from grpo.foundation import lora
 from grpo.foundation.modeling import eos_token_ids, load_model, load_policy, load_tokenizer
@@ -36,9 +37,10 @@ from grpo.training import deepspeed_engine as ds
 from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, save_checkpoint,
                                      write_weights)
 from grpo.training.evaluation import Evaluator
-from grpo.training.health import LearningHealth, NonFiniteWatchdog
+from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
 from grpo.training.partitioned import frozen_partitioned, load_partitioned
+from grpo.training.steptime import GcTimer, OutlierWatch
 from rewards import CombinedReward
 
 
@@ -50,7 +52,7 @@ def make_env_setup(cfg: Config):
     from envs.base import EnvSetup
 
     try:
-        return EnvSetup(cfg.env)
+        return EnvSetup(cfg.env, cfg.sandbox)
     except (EnvConfigError, ValueError) as e:
         raise ConfigError(str(e)) from e
 
@@ -75,6 +77,8 @@ class Trainer:
 
         self.algo: Algorithm = get_algorithm(cfg.algo.name)(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+        if (template := custom_chat_template(cfg.data)) is not None:  # data.chat_template: a template or a file
+            self.tokenizer.chat_template = template
         self.env = make_env_setup(cfg)  # multi-turn rollouts when env.name is set (None: single-turn)
         if cfg.data.source == "env":
             source = self.env.tasks(cfg.env.num_examples, cfg.data.seed)
@@ -83,7 +87,7 @@ class Trainer:
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
         # with an environment the rewards are its own: no reward functions, no reward workers
-        self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool) if self.env is None else None
+        self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox) if self.env is None else None
 
         # ZeRO-3 over several ranks: built partitioned, so no rank ever holds the whole model (LoRA, which
         # ZeRO-3 refuses, loads through load_policy)
@@ -95,6 +99,7 @@ class Trainer:
         self.device = self.engine.device
         self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards)
         self.multiturn = None
+        self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.env is not None:
             self.multiturn = MultiTurnRollout(
                 self.rollout, self.env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
@@ -106,6 +111,8 @@ class Trainer:
             cfg, self.algo.needs_reference, self.device, self.tokenizer,
             vocab_size=model.config.get_text_config().vocab_size, policy=self.model, synced=zero3 is not None,
             load=None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)))
+        if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
+            self.rollout.on_generated = self._early_reference
         if cfg.ref.sync_every and self.reference is None:
             raise ConfigError(f"ref.sync_every={cfg.ref.sync_every}: algorithm {cfg.algo.name!r} uses no reference "
                               "here; set ref.sync_every=0")
@@ -120,6 +127,7 @@ class Trainer:
             self.step = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
             self.algo.load_state_dict(state.get("algo", {}))
+            self.algo.load_options_state_dict(state.get("algo_options", {}))
             ref_state = state.get("reference") or {}
             if self.reference is not None and ref_state.get("folder"):  # it had been synced: bring it back
                 self.reference.restore(ref_state["folder"], ref_state.get("version"))
@@ -131,7 +139,13 @@ class Trainer:
         self.algo.attach(self.context())
         self.logger = MetricsLogger(cfg, start_step=self.step)
         self.health = LearningHealth(cfg, cfg.logging.health_patience, dist.is_main())
+        self.gc_timer = GcTimer()  # time/gc: the garbage collector's pauses inside each step
+        self.step_watch = OutlierWatch(verbose=dist.is_main())  # a step > 1.5x the running median is named
         self.watchdog = NonFiniteWatchdog(cfg, cfg.train.max_nonfinite_steps)
+        self.reward_guard = RewardFailureGuard(cfg.reward_pool.max_failing_steps)
+        if dist.is_main():
+            print(f"policy {cfg.model.name_or_path}: {cfg.model.dtype} on {self.device}"
+                  f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}", flush=True)
         if dist.is_main() and self.dataset.dropped:
             print(f"dropped {self.dataset.dropped} prompts longer than rollout.max_prompt_length", flush=True)
 
@@ -213,21 +227,42 @@ class Trainer:
                                     indices)
 
     # ------------------------------------------------------------------ log-probs
+    def micro_batches(self, batch: RolloutBatch) -> list[list[int]]:
+        """This rank's micro-batches (``train.micro_batch_size`` rows, ``train.micro_batch_tokens`` padded
+        tokens). Under several ranks, as many as the busiest rank's: the missing ones are empty lists, run as
+        zero-weight passes (ZeRO-3 gathers weights inside every forward and backward: every rank must run the
+        same number of them)."""
+        t = self.cfg.train
+        chunks = micro_batches(self._total_lengths(batch), t.micro_batch_size, t.micro_batch_tokens)
+        if self.world > 1:
+            most = int(dist.all_reduce_max(torch.tensor([float(len(chunks))], dtype=torch.float64))[0])
+            chunks += [[] for _ in range(most - len(chunks))]
+        return chunks
+
     @torch.no_grad()
-    def policy_logprobs(self, batch: RolloutBatch, with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Current policy's log-probs (and entropy) for the whole batch, micro-batch by micro-batch."""
-        lp = torch.zeros(len(batch), batch.width)
-        ent = torch.zeros(len(batch), batch.width) if with_entropy else None
-        for rows in micro_batches(self._total_lengths(batch), self.cfg.train.micro_batch_size):
-            out_lp, out_ent = completion_logprobs(
-                self.model, batch.packed(rows, self.tokenizer.pad_token_id), self.cfg.rollout.temperature,
-                self.cfg.train.logprob_chunk_size, with_entropy,
+    def policy_logprobs(self, batch: RolloutBatch, with_entropy: bool,
+                        sum_pi_squared: bool = False) -> tuple[Optional[torch.Tensor], ...]:
+        """Current policy's log-probs (and entropy; and sum_v pi_v^2 as a third tensor with ``sum_pi_squared``)
+        for the whole batch, micro-batch by micro-batch. The results stay on the device until the last
+        micro-batch: one copy to the host, no wait per micro-batch."""
+        lp = torch.zeros(len(batch), batch.width, device=self.device)
+        ent = torch.zeros(len(batch), batch.width, device=self.device) if with_entropy else None
+        sq = torch.zeros(len(batch), batch.width, device=self.device) if sum_pi_squared else None
+        for rows in self.micro_batches(batch):
+            out_lp, out_ent, *out_sq = completion_logprobs(
+                self.model, batch.packed(rows or [0], self.tokenizer.pad_token_id), self.cfg.rollout.temperature,
+                self.cfg.train.logprob_chunk_size, with_entropy, sum_pi_squared=sum_pi_squared,
             )
-            idx = torch.tensor(rows)
-            lp[idx] = out_lp.float().cpu()
+            if not rows:  # an empty micro-batch (another rank's extra one): the forward only joins in
+                continue
+            idx = torch.tensor(rows, device=self.device)
+            lp[idx] = out_lp.float()
             if ent is not None:
-                ent[idx] = out_ent.float().cpu()
-        return lp, ent
+                ent[idx] = out_ent.float()
+            if sq is not None:
+                sq[idx] = out_sq[0].float()
+        out = (lp.cpu(), (ent.cpu() if ent is not None else None))
+        return (*out, sq.cpu()) if sq is not None else out
 
     def step_norms(self, batch: RolloutBatch) -> core.StepNorms:
         """Sequence and token counts of the whole step, over all ranks."""
@@ -240,11 +275,39 @@ class Trainer:
     def _total_lengths(batch: RolloutBatch) -> list[int]:
         return [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
 
+    # ------------------------------------------------------------------ the reference request
+    def _early_reference(self, batch: RolloutBatch) -> None:
+        """rollout's on_generated: a reference server gets the step's rows right after generation, so its
+        answer is computed while the rewards, the algorithm's batch changes and the old log-probs run. Once a
+        step: an algorithm's extra generations (refills) do not send more."""
+        if self._early is not None:
+            return
+        future = self.reference.submit(batch.packed(None, self.tokenizer.pad_token_id), self.cfg.rollout.temperature)
+        self._early = ([list(p) for p in batch.prompt_ids], [list(c) for c in batch.completion_ids], future)
+
+    def _reference_request(self, batch: RolloutBatch, ctx: StepContext):
+        """The future of the reference log-probs of ``batch``: the early request when the batch's rows are still
+        the ones it sent (``ref/early_request`` 1), else a request now (an algorithm filtered, refilled or
+        rewrote rows; an in-process reference computes here)."""
+        early, self._early = self._early, None
+        if self.reference is None:
+            return None
+        if early is not None and early[0] == batch.prompt_ids and early[1] == batch.completion_ids:
+            ctx.metrics["ref/early_request"] = 1.0
+            return early[2]
+        if self.reference.remote:
+            ctx.metrics["ref/early_request"] = 0.0
+        return self.reference.submit(batch.packed(None, self.tokenizer.pad_token_id), self.cfg.rollout.temperature)
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         cfg, algo = self.cfg, self.algo
         t_start = time.perf_counter()
         self.rollout.pop_timings()  # evaluation's generation is not this step's
+        self._early = None
+        self.gc_timer.pop()
+        if self.rewards is not None:
+            self.rewards.set_state(self.step, cfg.train.max_steps)
         batch = self.generate(self._rank_indices())
         ctx = self.context()
         # The one place where algorithms change the batch (shaping, filtering + refill, correction, pruning).
@@ -254,9 +317,12 @@ class Trainer:
         self.rollout.offload()  # vllm on CUDA: its memory is the training passes' until the next sync
 
         t0 = time.perf_counter()
-        pad = self.tokenizer.pad_token_id
-        ref_future = self.reference.submit(batch.packed(None, pad), cfg.rollout.temperature) if self.reference else None
-        if algo.needs_old_logprobs or algo.needs_entropy:
+        ref_future = self._reference_request(batch, ctx)
+        if algo.needs_sum_pi_squared:  # verl's optimal token baseline
+            old, ent, sq = self.policy_logprobs(batch, algo.needs_entropy, sum_pi_squared=True)
+            batch.extra = {**batch.extra, "sum_pi_squared": sq}
+            batch.old_logp, batch.entropy = old, ent
+        elif algo.needs_old_logprobs or algo.needs_entropy:
             old, ent = self.policy_logprobs(batch, algo.needs_entropy)
             batch.old_logp = old if algo.needs_old_logprobs else None
             batch.entropy = ent
@@ -269,6 +335,7 @@ class Trainer:
 
         if batch.advantages is None:  # a hook may have set them already (CPPO, before pruning)
             batch.advantages = algo.advantages(batch, ctx)
+        batch = algo.prepare_loss(batch, ctx)  # options acting on the whole batch (masks), before the normalisers
         norms = self.step_norms(batch)
 
         t3 = time.perf_counter()
@@ -284,13 +351,16 @@ class Trainer:
                 finite, grad_norm = self.optimizer_step(loss_sum)
                 if not finite:
                     break
+            t_sync = time.perf_counter()
             if finite or i > 0:
                 self.rollout.sync_weights()
         else:
             ctx.metrics["update_skipped"] = 1.0
+            t_sync = time.perf_counter()
         t4 = time.perf_counter()
         timings.update(self.rollout.pop_timings())
-        timings["train"] = t4 - t3
+        timings["train"] = t_sync - t3  # the passes and the optimizer step; the engine's sync is weight_sync
+        timings["gc"] = self.gc_timer.pop()
         timings["step"] = t4 - t_start
 
         self._last_batch = scored
@@ -298,7 +368,11 @@ class Trainer:
         m = step_metrics(scored, stats, loss_sum, grad_norm, lr, ctx.metrics, timings,
                          entropy=batch.entropy, mask=batch.mask)
         if self.rewards is not None:
+            if any(t.kind == "model" for t in self.rewards.terms):  # the same on every rank (collective below)
+                m["reward/model_time_frac"] = float(dist.all_reduce_max(torch.tensor(
+                    [self.rewards.model_seconds()], dtype=torch.float64))[0]) / max(m["time/step"], 1e-9)
             m.update(self.rewards.pop_metrics())
+            self.reward_guard.check(self.step + 1, m, self.rewards)  # may stop the run
         if self.multiturn is not None:
             m.update(self.multiturn.pop_metrics())
         if self.reference is not None:
@@ -328,35 +402,51 @@ class Trainer:
     def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict,
                              gap: Optional[SamplerGap] = None) -> torch.Tensor:
         """Backward over every micro-batch of this rank; returns this rank's share of the loss.
-        ``gap``: the first pass of the step measures the sampler/trainer gap on the way."""
+        ``gap``: the first pass of the step measures the sampler/trainer gap on the way.
+
+        The loss and the stats are summed on the device and read once, after the last micro-batch (a
+        read per micro-batch would make the host wait for each backward before queueing the next)."""
         cfg = self.cfg
-        chunks = micro_batches(self._total_lengths(batch), cfg.train.micro_batch_size)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        chunks = self.micro_batches(batch)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums: dict[str, list[torch.Tensor]] = {}
         for k, rows in enumerate(chunks):
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
             ds.begin_micro_batch(self.engine)
-            mb = batch.select(rows).to(self.device)
-            logp, _ = completion_logprobs(self.model, mb.packed(None, self.tokenizer.pad_token_id),
-                                          cfg.rollout.temperature, cfg.train.logprob_chunk_size)
+            mb = batch.select(rows or [0]).to(self.device)
+            logp, ent = completion_logprobs(self.model, mb.packed(None, self.tokenizer.pad_token_id),
+                                            cfg.rollout.temperature, cfg.train.logprob_chunk_size,
+                                            entropy_grad=self.algo.entropy_bonus)
+            if not rows:  # another rank's extra micro-batch: a pass of weight 0 through the same modules
+                self.engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
+                continue
             if gap is not None:  # before any update of this step: logp is pi_old
                 gap.add(mb.old_logp if mb.old_logp is not None else logp, mb.sampler_logp, mb.mask)
-            out = self.algo.loss(logp.float(), mb, norms)
+            out = self.algo.loss_with_bonus(logp.float(), ent.float() if ent is not None else None, mb, norms)
             # DeepSpeed averages gradients over ranks: multiply by the world size so the
             # summed shares give exactly the gradient of the whole step's loss.
             self.engine.backward(out.loss * self.world, scale_wrt_gas=False)
-            loss_sum += out.loss.detach().double().cpu()
+            loss_sum += out.loss.detach().double()
             for name, (s, c) in out.stats.items():
-                acc = stats.setdefault(name, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
-                acc[0] += s.double().cpu()
-                acc[1] += c.double().cpu()
-        return loss_sum
+                acc = sums.setdefault(name, [torch.zeros((), dtype=torch.float64, device=self.device),
+                                             torch.zeros((), dtype=torch.float64, device=self.device)])
+                acc[0] += s.detach().double().to(self.device)
+                acc[1] += c.detach().double().to(self.device)
+        names = list(sums)
+        host = torch.stack([loss_sum, *(x for n in names for x in sums[n])]).cpu()  # the pass's one read
+        for j, name in enumerate(names):
+            acc = stats.setdefault(name, [torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)])
+            acc[0] += host[1 + 2 * j]
+            acc[1] += host[2 + 2 * j]
+        return host[0]
 
     # ------------------------------------------------------------------ loop
     def save(self) -> Path:
-        state = {"step": self.step, "sampler": self.sampler.state_dict(), "algo": self.algo.state_dict()}
+        state = {"step": self.step, "sampler": self.sampler.state_dict(), "algo": self.algo.state_dict(),
+                 "algo_options": self.algo.options_state_dict()}
         if self.reference is not None and self.reference.folder:
             state["reference"] = {"folder": self.reference.folder, "version": self.reference.version}
-        return save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state)
+        return save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state, keep=self.cfg.train.keep_checkpoints)
 
     def train(self) -> list[dict]:
         """Run to ``train.max_steps``; worker processes (reward pool, evaluation) end with it."""
@@ -367,6 +457,8 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the reward and evaluation worker pools and the generation engine's resources (idempotent)."""
+        self.gc_timer.close()
+        gc.unfreeze()
         self.rollout.close()
         if self.rewards is not None:
             self.rewards.close()
@@ -384,9 +476,14 @@ class Trainer:
         last_saved = None
         if self.evaluator is not None and self.step == 0:  # the starting point, logged as step 0
             self.logger.log(0, self.evaluate(), advance=False)
+        # the objects built so far (model, data, tokenizer) live to the end: out of the collector's full
+        # passes, which otherwise walk them all inside some steps (a step-time outlier)
+        gc.collect()
+        gc.freeze()
         while self.step < cfg.train.max_steps:
             metrics = self.train_step()
             self.step += 1
+            self.step_watch.check(self.step, metrics)  # time/outlier; names the phase of a slow step
             if self.evaluator is not None and self.evaluator.due(self.step):
                 metrics.update(self.evaluate())
             self.algo.on_step_end(self.context(), metrics)  # may add metrics (e.g. ProRL's reference version)
@@ -398,9 +495,12 @@ class Trainer:
                 last_saved = self.save()
         if last_saved is None or not last_saved.name.endswith(f"-{self.step}"):
             last_saved = self.save()
+        final = export_model(self.engine, self.tokenizer, self.out / "final") if cfg.train.export_final else None
         plot = self.logger.close()
         if dist.is_main():
             print(f"final checkpoint: {last_saved}", flush=True)
+            if final is not None:
+                print(f"final model (from_pretrained): {final}", flush=True)
             if plot:
                 print(f"plot: {plot}", flush=True)
         return history

@@ -1,0 +1,501 @@
+"""The ``static`` engine: decoding over static KV buffers with a functional step over the policy's own weights.
+
+Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model families below; see docs/gpu.md) and
+exact on a CPU too, where it runs eager. Read top to bottom:
+
+* ``ModelSpec`` / ``unsupported_reason``: which models it runs (Llama, Qwen2, Qwen3, Mistral shapes: grouped-query
+  attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling, SiLU MLP, tied or
+  untied head, sliding windows); anything else gets a reason and the ``hf`` engine.
+* ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
+  a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
+* ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
+  code. KV buffers are [layers, rows, kv_heads, max_len, head_dim]; every row of a call writes the same column,
+  and carries its own position; ``kpos`` [rows, max_len] holds the position of every written column (-1: left
+  padding or not written yet), and the attention mask is built from positions alone (key position <= query
+  position, within the sliding window), so ragged left-padded prompts need no other bookkeeping.
+* ``StaticEngine.generate``: prefill each prompt once, copy its KV to its G rows, then decode. The rows are padded
+  to a rows bucket, keys are read up to a length bucket (``rollout.static.length_bucket`` columns), the uniforms
+  of every step are drawn up front from the engine's seeded ``torch.Generator`` (row r uses column r whatever the
+  bucket, so tokens do not depend on buckets or compaction), and the host reads which rows finished once every ``check_every`` steps
+  through a non-blocking copy (into pinned memory on CUDA) that it waits for only after the next step is queued.
+  When the live rows fit a smaller bucket they are moved there (compaction).
+* ``rollout.static.mode``: ``eager``, ``compile`` (torch.compile of the decode step), ``graphs`` (a CUDA graph per
+  (rows bucket, length bucket)), ``compile+graphs``; ``auto`` = compile+graphs on CUDA, eager elsewhere. Graphs hold
+  pointers: every call compares each weight's ``data_ptr`` with the captured ones and recaptures on a change.
+
+``Completions.logprobs`` are the sampler's log-probs of the drawn tokens under the distribution it drew from
+(temperature, top-k, top-p applied and renormalised: vLLM's ``processed_logprobs``); without top-k / top-p they are
+the trainer's temperature-scaled log-probs of the same weights. Multi-turn: every call prefills its prompts whole
+(turns after the first are re-prefilled; nothing is kept between calls). ZeRO-3: each call gathers the partitioned
+weights once (a collective: every rank calls ``generate`` alike) into a copy the engine owns, so decoding needs no
+collectives; the copy is a whole model per rank, freed with the KV buffers by ``offload``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from grpo.foundation import dist, lora
+from grpo.foundation.config import ConfigError
+from grpo.foundation.logprobs import partitioned
+from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
+from grpo.rollout.hf import filter_logits, sample_categorical
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE types whose frequencies do not depend on the sequence length: inv_freq and the cos/sin scale are read
+# from the model's rotary module once. ("dynamic" and "longrope" change with the length: not supported.)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LENGTH_BUCKET = 64  # KV buffers are allocated in multiples of this many columns
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    windows: tuple[Optional[int], ...]  # per layer: sliding window (keys with q_pos - k_pos < window), None: full
+    qk_norm: bool
+
+
+def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why the static engine cannot run ``model`` (None: it can)."""
+    if lora.has_lora(model):
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"model_type {kind!r} is not one of the static engine's families {list(MODEL_TYPES)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}: the static engine's MLP is SiLU-gated"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in ROPE_TYPES:
+        return f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports {list(ROPE_TYPES)}"
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(cfg, key, None):
+            return f"{key}={getattr(cfg, key)}: not implemented in the static engine"
+    if getattr(cfg, "quantization_config", None):
+        return "quantized weights: the static engine multiplies by the weights as they are stored"
+    return None
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    layer_types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    windows = tuple(
+        (window if (layer_types is None or layer_types[i] == "sliding_attention") else None)
+        for i in range(cfg.num_hidden_layers)
+    )
+    return ModelSpec(
+        layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, eps=cfg.rms_norm_eps,
+        windows=windows, qk_norm=cfg.model_type == "qwen3",
+    )
+
+
+@dataclass
+class Weights:
+    """The tensors one step reads: per layer a dict (``q``/``k``/``v``/``o`` weight and bias, ``q_norm``,
+    ``k_norm``, ``in_norm``, ``post_norm``, ``gate``/``up``/``down``), and the embedding, final norm, head."""
+
+    embed: torch.Tensor
+    layers: list[dict[str, Optional[torch.Tensor]]]
+    norm: torch.Tensor
+    head: torch.Tensor
+    inv_freq: torch.Tensor
+    rope_scale: float
+
+    def flat(self) -> list[Optional[torch.Tensor]]:
+        """Every tensor in a fixed order (a compiled step takes them as a list: its guards then check tensors,
+        never the identity of this object)."""
+        return [self.embed, self.norm, self.head, self.inv_freq] + [t for layer in self.layers for t in layer.values()]
+
+    @classmethod
+    def unflat(cls, flat: list[Optional[torch.Tensor]], rope_scale: float) -> "Weights":
+        n = len(LAYER_KEYS)
+        layers = [dict(zip(LAYER_KEYS, flat[i: i + n])) for i in range(4, len(flat), n)]
+        return cls(embed=flat[0], layers=layers, norm=flat[1], head=flat[2], inv_freq=flat[3], rope_scale=rope_scale)
+
+    def pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.flat() if t is not None)
+
+
+LAYER_KEYS = {
+    "q": "self_attn.q_proj.weight", "q_bias": "self_attn.q_proj.bias",
+    "k": "self_attn.k_proj.weight", "k_bias": "self_attn.k_proj.bias",
+    "v": "self_attn.v_proj.weight", "v_bias": "self_attn.v_proj.bias",
+    "o": "self_attn.o_proj.weight", "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "in_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight", "gate_bias": "mlp.gate_proj.bias",
+    "up": "mlp.up_proj.weight", "up_bias": "mlp.up_proj.bias",
+    "down": "mlp.down_proj.weight", "down_bias": "mlp.down_proj.bias",
+}
+
+
+def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch.Tensor]) -> Weights:
+    """``named``: transformers' names -> tensors (``named_parameters`` or a LoRA-merged state dict)."""
+    named = {k.removeprefix("base_model.model."): v for k, v in named.items()}
+    embed = named["model.embed_tokens.weight"]
+    layers = [{key: named.get(f"model.layers.{i}.{name}") for key, name in LAYER_KEYS.items()}
+              for i in range(spec.layers)]
+    rotary = model.model.rotary_emb if hasattr(model, "model") else model.get_base_model().model.rotary_emb
+    return Weights(embed=embed, layers=layers, norm=named["model.norm.weight"],
+                   head=named.get("lm_head.weight", embed), inv_freq=rotary.inv_freq,
+                   rope_scale=float(getattr(rotary, "attention_scaling", 1.0)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
+            k_buf: torch.Tensor, v_buf: torch.Tensor, kpos: torch.Tensor, length: int,
+            last_only: bool = True) -> torch.Tensor:
+    """Feed ``ids`` [R, S] at positions ``pos`` [R, S] (-1: left padding) into columns ``col .. col + S - 1``
+    (``col``: a one-element long tensor, so a captured graph replays at any column) of the KV buffers
+    [layers, R, kv_heads, max_len, head_dim]; attend to the first ``length`` columns (a static bucket >= the
+    last written column + 1). Returns float32 logits [R, V] of the last column (``last_only``) or [R, S, V]."""
+    R, S = ids.shape
+    H, KV, D = spec.heads, spec.kv_heads, spec.head_dim
+    cols = col + torch.arange(S, device=ids.device)
+    kpos.index_copy_(1, cols, pos)
+    qpos = pos.clamp(min=0)  # padding queries read whatever their row holds; their outputs are never used
+    keys_pos = kpos[:, None, None, :length]  # [R, 1, 1, length]
+    attend = (keys_pos >= 0) & (keys_pos <= qpos[:, None, :, None])  # [R, 1, S, length]
+    freqs = qpos[..., None].float() * w.inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    x = F.embedding(ids, w.embed)
+    cos = (emb.cos() * w.rope_scale).to(x.dtype)[:, None]  # [R, 1, S, D]
+    sin = (emb.sin() * w.rope_scale).to(x.dtype)[:, None]
+    for i, lw in enumerate(w.layers):
+        h = rms_norm(x, lw["in_norm"], spec.eps)
+        q = F.linear(h, lw["q"], lw["q_bias"]).view(R, S, H, D)
+        k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
+        v = F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
+        if spec.qk_norm:
+            q, k = rms_norm(q, lw["q_norm"], spec.eps), rms_norm(k, lw["k_norm"], spec.eps)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+        k_buf[i].index_copy_(2, cols, k)
+        v_buf[i].index_copy_(2, cols, v.transpose(1, 2))
+        mask = attend
+        if spec.windows[i] is not None:
+            mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
+        a = F.scaled_dot_product_attention(q, k_buf[i, :, :, :length], v_buf[i, :, :, :length], attn_mask=mask,
+                                           scale=D ** -0.5, enable_gqa=H != KV)
+        x = x + F.linear(a.transpose(1, 2).reshape(R, S, H * D), lw["o"], lw["o_bias"])
+        h = rms_norm(x, lw["post_norm"], spec.eps)
+        mlp = F.silu(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"])
+        x = x + F.linear(mlp, lw["down"], lw["down_bias"])
+    if last_only:
+        x = x[:, -1]
+    return F.linear(rms_norm(x, w.norm, spec.eps), w.head).float()
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float,
+           top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [R], the sampler's log-prob of it [R]) from float32 logits [R, V] and uniforms ``u`` [R]:
+    the hf engine's sampler (``filter_logits``, ``sample_categorical``), no host sync."""
+    z = filter_logits(logits, temperature, top_p, top_k)
+    tok = sample_categorical(z, u[:, None])
+    return tok, torch.log_softmax(z, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+def rows_bucket(n: int) -> int:
+    """Rows are padded to a power of two up to 64, then to a multiple of 64."""
+    return 1 << max(0, (n - 1).bit_length()) if n <= 64 else -(-n // 64) * 64
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def capture_graph(run: Callable[[], tuple[torch.Tensor, ...]], pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    """A CUDA graph of ``run`` (after one warm-up run on a side stream) and its output tensors, which every
+    ``replay()`` overwrites. Its inputs are whatever tensors ``run`` reads: their storage must stay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model (under a PeftModel wrapper, its base)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def resolve_mode(mode: str, device: torch.device) -> str:
+    """``rollout.static.mode`` on this device (``auto``: compile+graphs on CUDA, eager elsewhere)."""
+    if mode == "auto":
+        return "compile+graphs" if device.type == "cuda" else "eager"
+    if "graphs" in mode and device.type != "cuda":
+        raise ConfigError(f"rollout.static.mode={mode!r} needs CUDA (graphs are CUDA graphs), and the policy is on "
+                          f"{device.type}: use 'eager' or 'compile' (or 'auto')")
+    return mode
+
+
+class StaticEngine:
+    """``rollout.engine: static``: see the module's docstring."""
+
+    def __init__(self, setup: EngineSetup):
+        reason = unsupported_reason(setup.model)
+        if reason is not None:
+            raise ConfigError(f"rollout.engine='static' cannot run this model: {reason}; use rollout.engine='hf' "
+                              f"(or 'auto', which picks hf for it)")
+        self.setup, self.model = setup, setup.model
+        self.spec = model_spec(_base(self.model))
+        self.device = next(self.model.parameters()).device
+        cfg = setup.cfg.rollout.static
+        self.mode = resolve_mode(cfg.mode, self.device)
+        self.check_every, self.length_bucket = cfg.check_every, cfg.length_bucket
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(setup.cfg.train.seed * 1_000_003 + dist.rank())  # the engine's own stream
+        self.merged: Optional[dict[str, torch.Tensor]] = None  # LoRA: the merged copy (adapted weights only)
+        self.owned: Optional[dict[str, torch.Tensor]] = None  # ZeRO-3: the gathered weights
+        self.kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # k, v, kpos (capacity buffers)
+        self.graphs: dict[tuple, tuple] = {}  # (rows, length, sampling) -> (graph, static inputs, outputs)
+        self.pool = None
+        self.pointers: tuple[int, ...] = ()  # the weights' data_ptrs the graphs were captured with
+        self.metrics: dict[str, float] = {}
+        self.step = self._step
+        if "compile" in self.mode:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per bucket
+            self.step = torch.compile(self._step, dynamic=False)
+
+    # -- weights
+    def weights(self) -> Weights:
+        """The step's tensors, read from the module now (LoRA: the merged copy, made at the first call; ZeRO-3:
+        gathered once, collectively, and copied into tensors the engine owns)."""
+        if partitioned(self.model):
+            import deepspeed
+
+            params = dict(self.model.named_parameters())
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+                named = self._own(params)
+        elif lora.has_lora(self.model):
+            if self.merged is None:
+                self.merged = self._merge()
+            named = {**lora.base_state_dict(self.model), **self.merged}
+        else:
+            named = dict(self.model.named_parameters())
+        return read_weights(_base(self.model), self.spec, {k: v.detach() for k, v in named.items()})
+
+    def _own(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of ``named`` in tensors the engine keeps between calls (their pointers stay: no recapture)."""
+        if self.owned is None or any(k not in self.owned or self.owned[k].shape != v.shape for k, v in named.items()):
+            self.owned = {k: v.detach().clone() for k, v in named.items()}
+        else:
+            for k, v in named.items():
+                self.owned[k].copy_(v.detach())
+        return self.owned
+
+    def _merge(self) -> dict[str, torch.Tensor]:
+        """The adapted weights (base + scale * B A, and modules_to_save), copies the engine owns."""
+        base = lora.base_state_dict(self.model)
+        return {k: v.clone() for k, v in lora.merged_state_dict(self.model).items()
+                if k not in base or v.data_ptr() != base[k].data_ptr()}
+
+    def sync_weights(self) -> None:
+        """LoRA: refresh the merged copy in place (its pointers stay, so captured graphs stay valid). A plain
+        policy is read afresh at every call; a weight whose storage moved is seen by the pointer check."""
+        if self.merged is None:
+            return
+        fresh = self._merge()
+        for k, v in fresh.items():
+            if k in self.merged and self.merged[k].shape == v.shape:
+                self.merged[k].copy_(v)
+            else:  # a new adapted weight (e.g. a head untied by a reference sync): a new pointer, a recapture
+                self.merged[k] = v
+        for k in set(self.merged) - set(fresh):  # now the base's own tensor again
+            del self.merged[k]
+
+    def pop_metrics(self) -> dict[str, float]:
+        out, self.metrics = self.metrics, {}
+        return out
+
+    def offload(self) -> None:
+        """Before the training passes (``rollout.static.offload``): free the KV buffers and the graphs' memory,
+        rebuilt and captured again at the next call."""
+        if self.setup.cfg.rollout.static.offload:
+            self.release()
+
+    def release(self) -> None:
+        self.kv, self.graphs, self.pool, self.owned = None, {}, None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- one decode step (compiled and / or captured)
+    def _step(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, u: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: float,
+              sampling: tuple[float, float, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        w = Weights.unflat(flat, rope_scale)
+        logits = forward(self.spec, w, tok[:, None], pos[:, None], col, k, v, kpos, length)
+        return sample(logits, u, *sampling)
+
+    def _run_step(self, w: Weights, tok, pos, col, u, k, v, kpos, length, sampling):
+        if "graphs" not in self.mode:
+            return self.step(w.flat(), tok, pos, col, u, k, v, kpos, length, w.rope_scale, sampling)
+        key = (tok.shape[0], length, sampling)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(w, [tok, pos, col, u], k, v, kpos, length, sampling)
+        graph, inputs, out = self.graphs[key]
+        for dst, src in zip(inputs, (tok, pos, col, u)):
+            dst.copy_(src)
+        graph.replay()
+        return out
+
+    def _capture(self, w: Weights, inputs: list[torch.Tensor], k, v, kpos, length, sampling):
+        """A CUDA graph of one step at these shapes. The warm-up run (which compiles, under compile+graphs)
+        performs this very step, so its KV writes are the ones the replay makes."""
+        inputs = [x.clone() for x in inputs]
+        flat = w.flat()
+
+        def run():
+            return self.step(flat, *inputs, k, v, kpos, length, w.rope_scale, sampling)
+
+        if self.pool is None and self.device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()  # one memory pool shared by every graph
+        graph, out = capture_graph(run, self.pool)
+        return graph, inputs, out
+
+    # -- buffers
+    def _buffers(self, rows: int, length: int, dtype: torch.dtype):
+        """KV buffers with room for ``rows`` x ``length`` (grown when short; graphs then hold stale pointers)."""
+        s = self.spec
+        if self.kv is not None:
+            k = self.kv[0]
+            if k.shape[1] >= rows and k.shape[3] >= length and k.dtype == dtype:
+                return self.kv
+            rows, length = max(rows, k.shape[1]), max(length, k.shape[3])
+        self.graphs = {}
+        shape = (s.layers, rows, s.kv_heads, length, s.head_dim)
+        # zeros, not empty: masked keys still multiply their values by 0, and 0 * NaN is NaN
+        self.kv = (torch.zeros(shape, dtype=dtype, device=self.device),
+                   torch.zeros(shape, dtype=dtype, device=self.device),
+                   torch.full((rows, length), -1, dtype=torch.long, device=self.device))
+        return self.kv
+
+    # -- generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+        P, G, T = len(prompts), n, params.max_tokens
+        w = self.weights()  # under ZeRO-3 a collective: every rank calls generate alike, with or without prompts
+        if not P:
+            return Completions.empty()
+        dev, s, pad = self.device, self.spec, self.setup.pad_id
+        if w.pointers() != self.pointers:  # a weight's storage moved: captured graphs read the old one
+            self.graphs, self.pointers = {}, w.pointers()
+        R, Lp = P * G, max(len(p) for p in prompts)
+        Rb = rows_bucket(R)
+        k_all, v_all, kpos_all = self._buffers(Rb, round_up(Lp + T, LENGTH_BUCKET), w.embed.dtype)
+        sampling = (params.temperature, params.top_p, params.top_k)
+
+        # prefill: each prompt once, its KV then copied to its G rows
+        ids = torch.full((P, Lp), pad, dtype=torch.long)
+        pos = torch.full((P, Lp), -1, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, Lp - len(p):] = torch.tensor(p, dtype=torch.long)
+            pos[i, Lp - len(p):] = torch.arange(len(p))
+        ids, pos = ids.to(dev), pos.to(dev)
+        pk = torch.zeros((s.layers, P, s.kv_heads, Lp, s.head_dim), dtype=w.embed.dtype, device=dev)
+        pv, pkpos = torch.zeros_like(pk), torch.full((P, Lp), -1, dtype=torch.long, device=dev)
+        logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
+        k_all[:, :R, :, :Lp] = pk.repeat_interleave(G, dim=1)
+        v_all[:, :R, :, :Lp] = pv.repeat_interleave(G, dim=1)
+        kpos_all[:Rb] = -1
+        kpos_all[:R, :Lp] = pkpos.repeat_interleave(G, dim=0)
+
+        # decode state: bucket row b holds row rows_h[b] (R: a padding row, its results land in a spare row)
+        rows_h = list(range(R)) + [R] * (Rb - R)
+        rows = torch.tensor(rows_h, device=dev)
+        nxt = torch.cat([pos[:, -1].repeat_interleave(G) + 1, pos.new_zeros(Rb - R)])
+        logits = torch.cat([logits.repeat_interleave(G, dim=0), logits.new_zeros(Rb - R, logits.shape[-1])])
+        out_tok = torch.full((R + 1, T), pad, dtype=torch.long, device=dev)
+        out_lp = torch.zeros((R + 1, T), dtype=torch.float32, device=dev)
+        lengths = torch.full((R + 1,), T, dtype=torch.long, device=dev)
+        finished = torch.zeros(R + 1, dtype=torch.bool, device=dev)
+        finished[R] = True
+        eos = None if params.ignore_eos else torch.tensor(sorted(self.setup.eos_ids), dtype=torch.long, device=dev)
+        u_all = torch.rand((T, R + 1), generator=self.gen, device=dev)  # row r draws u_all[t, r] at step t
+        flags = torch.empty(R + 1, dtype=torch.bool, pin_memory=dev.type == "cuda")
+        event = torch.cuda.Event() if dev.type == "cuda" else None
+        pending = False
+
+        cols = torch.arange(Lp, Lp + T, device=dev)
+        tok, lp = sample(logits, u_all[0, rows], *sampling)
+        for t in range(T):
+            if t:
+                col = Lp + t - 1  # the column of token t - 1, fed now
+                length = min(k_all.shape[3], round_up(col + 1, self.length_bucket or k_all.shape[3]))
+                tok, lp = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows],
+                                         k_all[:, :Rb], v_all[:, :Rb], kpos_all[:Rb], length, sampling)
+                nxt = nxt + 1
+            out_tok[rows, t] = tok
+            out_lp[rows, t] = lp
+            if eos is None:
+                continue
+            now = torch.isin(tok, eos) & ~finished[rows]
+            lengths[rows] = torch.where(now, t + 1, lengths[rows])
+            finished[rows] = finished[rows] | now
+            if pending:  # the flags copied one step ago: waited for only now that this step is queued
+                if event is not None:
+                    event.synchronize()
+                pending = False
+                live = [r for r, done in enumerate(flags[:R].tolist()) if not done]
+                if not live:
+                    break
+                if rows_bucket(len(live)) < Rb:  # compaction: the live rows move into a smaller bucket
+                    self.metrics["rollout/compactions"] = self.metrics.get("rollout/compactions", 0.0) + 1
+                    keep = set(live)
+                    sel = [b for b, r in enumerate(rows_h) if r in keep]
+                    Rb, rows_h = rows_bucket(len(live)), [rows_h[b] for b in sel]
+                    rows_h += [R] * (Rb - len(sel))
+                    rows = torch.tensor(rows_h, device=dev)
+                    idx, L = torch.tensor(sel, device=dev), Lp + t  # the columns written so far
+                    k_all[:, : len(sel), :, :L] = k_all[:, idx, :, :L]
+                    v_all[:, : len(sel), :, :L] = v_all[:, idx, :, :L]
+                    kpos_all[: len(sel), :L] = kpos_all[idx, :L]
+                    kpos_all[len(sel): Rb] = -1
+                    spare = Rb - len(sel)
+                    tok = torch.cat([tok[idx], tok.new_full((spare,), pad)])
+                    nxt = torch.cat([nxt[idx], nxt.new_zeros(spare)])
+            if (t + 1) % self.check_every == 0:
+                flags.copy_(finished, non_blocking=True)
+                if event is not None:
+                    event.record()
+                pending = True
+
+        lengths_l, toks, lps = lengths[:R].tolist(), out_tok[:R].tolist(), out_lp[:R].tolist()
+        tokens = [row[:m] for row, m in zip(toks, lengths_l)]
+        eos_set = set(self.setup.eos_ids)
+        truncated = torch.tensor([not (tk and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
+        return Completions(tokens=tokens, truncated=truncated, logprobs=[row[:m] for row, m in zip(lps, lengths_l)])

@@ -1,0 +1,70 @@
+"""Step-time outliers: a step slower than ``factor`` x the running median of the steps before it is named,
+with the phase (generation, reward, reference, train, weight sync, Python's garbage collector...) that grew
+the most against its own median.
+
+The garbage collector's pauses are timed through ``gc.callbacks`` (``time/gc``): a full collection over a
+large heap of tensors' Python objects is one candidate cause of a slow step that a CPU can show.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from collections import deque
+from typing import Optional
+
+
+class GcTimer:
+    """Seconds spent in Python's garbage collector since the last ``pop`` (all generations)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._t0: Optional[float] = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def pop(self) -> float:
+        out, self.seconds = self.seconds, 0.0
+        return out
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
+class OutlierWatch:
+    """Keeps the last ``window`` steps' ``time/*`` metrics; ``check`` flags a step whose ``time/step`` passes
+    ``factor`` x the median of those before it (after ``warmup`` steps: the first ones compile and warm up)."""
+
+    def __init__(self, factor: float = 1.5, window: int = 50, warmup: int = 3, verbose: bool = True):
+        self.factor, self.warmup, self.verbose = factor, warmup, verbose
+        self.history: deque[dict[str, float]] = deque(maxlen=window)
+        self.outliers: list[tuple[int, str, float]] = []  # (step, phase, step time / median)
+
+    def check(self, step: int, metrics: dict[str, float]) -> Optional[str]:
+        """Returns the phase that made this step an outlier (and sets ``metrics['time/outlier']``), else None."""
+        times = {k: v for k, v in metrics.items() if k.startswith("time/") and k != "time/outlier"}
+        phase = None
+        if len(self.history) >= self.warmup and "time/step" in times:
+            median = statistics.median(h["time/step"] for h in self.history)
+            if times["time/step"] > self.factor * median:
+                excess = {k: v - statistics.median(h.get(k, 0.0) for h in self.history)
+                          for k, v in times.items() if k != "time/step"}
+                phase = max(excess, key=excess.get) if excess else "time/step"
+                ratio = times["time/step"] / max(median, 1e-12)
+                self.outliers.append((step, phase, ratio))
+                if self.verbose:
+                    print(f"step {step}: {times['time/step']:.2f} s is {ratio:.1f}x the running median "
+                          f"({median:.2f} s); {phase} grew the most (+{excess.get(phase, 0.0):.2f} s)",
+                          file=sys.stderr, flush=True)
+        metrics["time/outlier"] = 1.0 if phase else 0.0
+        self.history.append(times)
+        return phase

@@ -1,0 +1,312 @@
+#!/usr/bin/env python
+"""Every GPU measurement of issue 21 in one command, stage by stage.
+
+    python scripts/gpu_check.py --out runs/gpu-check                      # 135M and 1.7B shapes on cuda
+    python scripts/gpu_check.py --out runs/gpu-check --shapes 135m         # one shape
+    python scripts/gpu_check.py --out /tmp/gc --device cpu --tiny          # the same stages, tiny and fast (tests)
+
+Models have random weights of SmolLM2-135M's or SmolLM2-1.7B's shape, built on the device from the shape
+(``--model FOLDER`` measures a real one instead), with a word-level tokenizer of the same vocabulary. Stages,
+per shape:
+
+    generation   each engine's completion tokens/s at 64 rows x 256 new tokens (EOS ignored); ``--engines``
+                 (default hf,static): hf, static (its mode from rollout.static.mode auto: compile+graphs on
+                 CUDA), static:MODE or static:MODE:LENGTH_BUCKET; the static rows add the warm-up seconds
+                 (compiles and graph captures at these shapes), their log-prob gap to the trainer, and
+                 (eager engines) how many leading greedy tokens of each row equal the first engine's
+    step_256     training steps at 8 prompts x 8, 256 new tokens (EOS ignored): median time/* of the steps
+    step_1024    the same at 1024 new tokens        after the warm-up, peak memory, and the parts of it
+                 (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
+                 rest = peak - those), step-time outliers (> 1.5x the running median)
+    ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/bench_ref_http.py)
+
+Each stage's JSON is appended to OUT/gpu_check.jsonl as soon as it finishes (a run cut short keeps what it
+measured); OUT/gpu_table.md is the table of the whole run. ``--tiny``: a 2-layer model and small batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from scripts.bench_ref import SMOLLM_SHAPE, random_smollm2  # noqa: E402
+
+SHAPES = {
+    "135m": SMOLLM_SHAPE,
+    "1.7b": dict(SMOLLM_SHAPE, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+                 intermediate_size=8192, rope_theta=130000.0),
+    "tiny": dict(SMOLLM_SHAPE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512),
+}
+# (prompts, G, new tokens at the short and the long step, generation rows and tokens, ref rows/prompt/completion)
+FULL = dict(prompts=8, G=8, short=256, long=1024, gen_rows=64, gen_tokens=256, ref=(64, 40, 256), steps=4, warmup=1)
+TINY = dict(prompts=2, G=2, short=8, long=16, gen_rows=4, gen_tokens=8, ref=(4, 6, 8), steps=2, warmup=1)
+PROMPT_WORDS = 40
+
+
+def record(out: Path, stage: str, shape: str, result: dict) -> dict:
+    row = {"stage": stage, "shape": shape, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _peak_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak RSS (CPU)
+
+
+def _reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def write_prompts(path: Path, n: int, vocab: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(4, vocab, (PROMPT_WORDS,), generator=g)),
+             "answer": "x"} for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def greedy_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean over rows of how many leading tokens two engines' greedy completions share."""
+    same = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        same.append(n)
+    return sum(same) / max(len(same), 1)
+
+
+def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
+    """One result per engine (``hf``, ``static``, ``static:MODE`` or ``static:MODE:LENGTH_BUCKET``) at the same
+    prompts and settings, each yielded as soon as it is measured. Engines that return log-probs: their gap to the
+    trainer's (``completion_logprobs``) on the sampled rows. Greedy tokens against the first engine's: eager engines
+    only (a compiled engine would compile again for greedy sampling; ``pytest -m gpu`` checks it against eager)."""
+    from grpo.foundation.config import ModelConfig
+    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.modeling import load_model
+    from grpo.rollout.engine import EngineSetup, SamplingParams
+    from grpo.rollout.service import engine_class
+    from grpo.training.configure import load_config
+
+    model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, vocab, (PROMPT_WORDS,), generator=g).tolist() for _ in range(spec["gen_rows"] // 8 or 1)]
+    n = spec["gen_rows"] // len(prompts)
+    params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=min(32, spec["gen_tokens"]), ignore_eos=True).greedy()
+    reference = None
+    for name in engines:
+        kind, mode, bucket = (name.split(":") + ["", ""])[:3]
+        cfg = load_config(None, "grpo", [f"rollout.engine={kind}", f"rollout.static.mode={mode or 'auto'}",
+                                         f"rollout.static.length_bucket={bucket or 64}"])
+        engine = engine_class(kind)(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+        _sync(device)
+        t0 = time.perf_counter()  # the warm-up: the measured call's shapes (static: compiles, graph captures)
+        engine.generate(prompts, params if kind == "static" else SamplingParams(max_tokens=4, ignore_eos=True), n)
+        _sync(device)
+        warm = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params, n)
+        _sync(device)
+        secs = time.perf_counter() - t0
+        tokens = sum(len(t) for t in out.tokens)
+        mode = getattr(engine, "mode", None)
+        same = None
+        if mode in (None, "eager"):
+            first = engine.generate(prompts, greedy, 1).tokens
+            reference = first if reference is None else reference
+            same = greedy_prefix(first, reference)
+        gap = {}
+        if out.logprobs is not None:
+            with torch.no_grad():
+                trainer, _ = completion_logprobs(model, pack([p for p in prompts for _ in range(n)], out.tokens, 0))
+            d = torch.cat([(torch.tensor(lp) - trainer[i, : len(lp)].float().cpu()).abs()
+                           for i, lp in enumerate(out.logprobs)])
+            gap = {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max())}
+        if hasattr(engine, "offload"):
+            engine.offload()
+        del engine
+        yield {"engine": name, "mode": mode, "rows": len(out.tokens),
+               "new_tokens": spec["gen_tokens"], "seconds": secs, "tokens_per_s": tokens / secs,
+               "warmup_seconds": warm, "greedy_same_tokens": same, "greedy_tokens": greedy.max_tokens, **gap}
+
+
+def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int, tokens: int) -> dict:
+    """Bytes of each part that arithmetic gives: weights, fp32 master copy, Adam moments, gradients, KV cache."""
+    w = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    mixed = dtype != "fp32" and states == "fp32"  # DeepSpeed's bf16 mode: fp32 master, moments and gradients
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * rows * tokens * w
+    return {"weights": n_params * w, "master": n_params * 4 if mixed else 0,
+            "optimizer": n_params * (8 if (mixed or dtype == "fp32") else 2 * w),
+            "gradients": n_params * (4 if mixed else w), "kv_cache": kv}
+
+
+def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
+               engine: str = "auto") -> dict:
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    data = out / "prompts.jsonl"
+    write_prompts(data, spec["prompts"] * (spec["steps"] + spec["warmup"] + 1), 64)
+    cfg = load_config(None, "grpo", [
+        f"model.name_or_path={folder}", f"model.dtype={dtype}", "model.gradient_checkpointing=false",
+        "data.source=jsonl", f"data.path={data}", "data.shuffle=false",
+        f"rollout.num_generations={spec['G']}", f"rollout.prompts_per_step={spec['prompts']}",
+        f"rollout.max_completion_length={new_tokens}", "rollout.ignore_eos=true", "rollout.max_prompt_length=512",
+        f"train.max_steps={spec['steps'] + spec['warmup']}", "train.lr=1e-6", f"train.optimizer_states={states}",
+        f"train.micro_batch_size={spec['prompts'] * spec['G']}", f"train.output_dir={out / 'run'}",
+        "logging.progress_bar=false", "logging.plot=false", "rewards=[{fn: 'scripts.bench:bench_reward'}]",
+        "algo.beta=0.04", "reward_pool.num_workers=0",  # the reward is a word count: no worker processes
+        f"rollout.engine={engine}",
+    ])
+    _reset_peak(device)
+    trainer = Trainer(cfg)
+    steps = []
+    try:
+        for i in range(spec["steps"] + spec["warmup"]):
+            m = trainer.train_step()
+            trainer.step += 1
+            trainer.step_watch.check(trainer.step, m)
+            steps.append({k: v for k, v in m.items() if k.startswith("time/")})
+        peak = _peak_bytes(device)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        shape = trainer.model.config.to_dict()
+    finally:
+        trainer.close()
+    kept = steps[spec["warmup"]:]
+    med = {k: statistics.median(s.get(k, 0.0) for s in kept) for k in kept[0]}
+    rows = spec["prompts"] * spec["G"]
+    parts = memory_parts(n_params, shape, dtype, states, rows, PROMPT_WORDS + new_tokens)
+    parts["reference"] = n_params * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]  # the in-process reference (beta > 0)
+    parts["activations_and_rest"] = peak - sum(parts.values())
+    return {"new_tokens": new_tokens, "rows": rows, "engine": type(trainer.rollout.engine).__name__,
+            "optimizer_states": states, "params": n_params,
+            "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(
+                "cuda") else "process RSS", "memory_parts": parts,
+            "outliers": [list(o) for o in trainer.step_watch.outliers if o[0] > spec["warmup"]],
+            "max_over_median": max(s["time/step"] for s in kept) / max(med["time/step"], 1e-12)}
+
+
+def stage_ref_http(folder: str, device: str, dtype: str, spec: dict) -> dict:
+    from scripts.bench_ref_http import run
+
+    rows, prompt, completion = spec["ref"]
+    return run(folder, rows, prompt, completion, requests=10 if rows > 8 else 3,
+               extra_server_args=("--device", device, "--dtype", dtype))
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | stage | result |", "|---|---|---|"]
+    for r in rows:
+        if r["stage"] == "generation":
+            res = f"{r['tokens_per_s']:.0f} tokens/s ({r['engine']}, {r['rows']} rows x {r['new_tokens']})"
+            if r["engine"] != "hf":
+                res += f"; warm-up {r['warmup_seconds']:.1f} s, mode {r['mode']}"
+                if r["greedy_same_tokens"] is not None:
+                    res += (f", {r['greedy_same_tokens']:.1f} of {r['greedy_tokens']} greedy tokens equal the first "
+                            f"engine's")
+            if "logprob_gap_mean" in r:
+                res += f", log-prob gap to the trainer {r['logprob_gap_mean']:.2g} mean, {r['logprob_gap_max']:.2g} max"
+        elif r["stage"].startswith("step"):
+            md, parts = r["median"], r["memory_parts"]
+            res = (f"{md['time/step']:.2f} s/step ({r['engine']}; generation {md.get('time/generation', 0):.2f}, "
+                   f"reference "
+                   f"{md.get('time/reference', 0):.2f}, train {md.get('time/train', 0):.2f}, sync "
+                   f"{md.get('time/weight_sync', 0):.2f}); peak {r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_kind']}: "
+                   + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items())
+                   + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
+        elif r["stage"] == "ref_http":
+            res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}) against a "
+                   f"{r['server_forward_ms']:.1f} ms forward, {r['rows']} x ({r['prompt']} + {r['completion']})")
+        else:
+            res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
+        lines.append(f"| {r['shape']} | {r['stage']} | {res} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder: gpu_check.jsonl (appended stage by stage), gpu_table.md")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model and small batches (a quick check of the stages)")
+    p.add_argument("--shapes", default="135m,1.7b", help="comma-separated: 135m, 1.7b")
+    p.add_argument("--model", help="an HF folder to measure instead of random shapes")
+    p.add_argument("--optimizer-states", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--stages", default="generation,step_256,step_1024,ref_http")
+    p.add_argument("--engines", default="hf,static",
+                   help="the generation stage's engines, comma-separated: hf, static, static:MODE or "
+                        "static:MODE:LENGTH_BUCKET (MODE: auto, eager, compile, graphs, compile+graphs; "
+                        "LENGTH_BUCKET: rollout.static.length_bucket, 0 = whole buffer); greedy tokens compare "
+                        "with the first")
+    p.add_argument("--step-engine", default="auto", help="rollout.engine of the step stages (default auto)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = TINY if args.tiny else FULL
+    dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    states = args.optimizer_states if dtype == "bf16" else "fp32"
+    stages = args.stages.split(",")
+    if args.device == "cpu":
+        import os
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the trainer and the server pick their device themselves
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    record(out, "machine", "-", {"device": args.device, "name": gpu, "commit": commit, "torch": torch.__version__,
+                                 "dtype": dtype, "optimizer_states": states, "tiny": args.tiny})
+    rows = []
+    shapes = [("model", args.model)] if args.model else [(s, None) for s in (["tiny"] if args.tiny else args.shapes.split(","))]
+    for name, folder in shapes:
+        if folder is None:
+            folder = str(out / f"random-{name}")
+            if not (Path(folder) / "config.json").exists():
+                random_smollm2(Path(folder), SHAPES[name], args.device,
+                               torch.bfloat16 if dtype == "bf16" else torch.float32)
+        for stage in stages:
+            t0 = time.perf_counter()
+            if stage == "generation":
+                for res in stage_generation(folder, args.device, dtype, spec, args.engines.split(",")):
+                    rows.append(record(out, stage, name, res))
+                    (out / "gpu_table.md").write_text(table(rows))
+                continue
+            elif stage in ("step_256", "step_1024"):
+                res = stage_step(folder, args.device, dtype, spec, spec["short" if stage == "step_256" else "long"],
+                                 out, states, args.step_engine)
+            elif stage == "ref_http":
+                res = stage_ref_http(folder, args.device, dtype, spec)
+            else:
+                raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http")
+            res["stage_seconds"] = time.perf_counter() - t0
+            rows.append(record(out, stage, name, res))
+            (out / "gpu_table.md").write_text(table(rows))
+    print(f"\n{out / 'gpu_table.md'}:\n\n{table(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The ``code_tests`` reward on correct, partly correct, non-compiling and timing-out programs, in each test
+format, against values written here; and its counts in CombinedReward's metrics."""
+
+import pytest
+
+from grpo.foundation.config import RewardPoolConfig, RewardSpec, SandboxConfig
+from rewards import CombinedReward
+from rewards.code_tests import code_tests, extract_program, run_tests
+
+# a generous wall clock (a loaded 2-core CI machine starts two interpreters per test), one CPU second: a busy
+# loop ends at 1 s of CPU; the hanging programs get a 1 s row limit of their own (score_hang)
+FAST = {"timeout": 10.0, "cpu_seconds": 1}
+
+
+def fence(code):
+    return f"Here is my solution:\n```python\n{code}\n```\nDone."
+
+
+ADD_OK = fence("def add(a, b):\n    return a + b")
+ADD_HALF = fence("def add(a, b):\n    return a + b if a else 0")  # wrong when a == 0
+ADD_BAD = fence("def add(a, b)\n    return a + b")
+ADD_HANG = fence("def add(a, b):\n    while True:\n        pass")
+
+ASSERTS = ["assert add(1, 2) == 3", "assert add(0, 5) == 5", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]
+CALLS = [{"args": [1, 2], "result": 3}, {"args": [0, 5], "result": 5}, {"args": [2, 2], "result": 4},
+         {"args": [0, 0], "result": 0}]
+APPS_CALL = {"fn_name": "add", "inputs": [[1, 2], [0, 5], [2, 2], [0, 0]], "outputs": [3, 5, 4, 0]}
+
+ECHO_OK = fence("a, b = map(int, input().split())\nprint(a + b)")
+ECHO_HALF = fence("a, b = map(int, input().split())\nprint(a + b if a else 0)")
+ECHO_BAD = fence("a, b = map(int, input().split()\nprint(a + b)")
+ECHO_HANG = fence("import time\ntime.sleep(30)")
+STDIO = {"inputs": ["1 2\n", "0 5\n", "2 2\n", "0 0\n"], "outputs": ["3\n", "5\n", "4\n", "0"]}
+STDIO_LIST = [{"input": i, "output": o} for i, o in zip(STDIO["inputs"], STDIO["outputs"])]
+
+
+def score(completions, tests, **kw):
+    return code_tests([""] * len(completions), completions, [tests] * len(completions), sandbox=FAST, **kw)
+
+
+def score_hang(completion, tests, **kw):
+    """A hanging program under a 1 s row limit: its first test times out there, the others are not started."""
+    s = code_tests([""], [completion], [tests], sandbox=FAST, row_timeout=1.0, **kw)
+    assert list(s) == [0.0] and s.metrics["timeout"] == 4 and s.metrics["passed"] == 0
+    return s
+
+
+@pytest.mark.parametrize("tests,kw", [(ASSERTS, {}), ("\n".join(ASSERTS), {}), (CALLS, {"fn_name": "add"}),
+                                      (APPS_CALL, {})], ids=["assert-list", "assert-text", "call", "apps-call"])
+def test_function_formats(tests, kw):
+    s = score([ADD_OK, ADD_HALF, ADD_BAD], tests, **kw)
+    # add(0, 5) and add(0, 0): the half-right program returns 0 -> 5 wrong, 0 right: 3 of 4
+    assert list(s) == [1.0, 0.75, 0.0]
+    assert s.metrics == {"passed": 7.0, "wrong": 1.0, "runtime_error": 0.0, "compile_error": 4.0, "timeout": 0.0,
+                         "memory": 0.0, "killed": 0.0}
+    score_hang(ADD_HANG, tests, **kw)
+
+
+@pytest.mark.parametrize("tests", [STDIO, STDIO_LIST], ids=["apps", "list"])
+def test_stdio_formats(tests):
+    s = score([ECHO_OK, ECHO_HALF, ECHO_BAD], tests)
+    assert list(s) == [1.0, 0.75, 0.0]
+    assert s.metrics["passed"] == 7 and s.metrics["wrong"] == 1 and s.metrics["compile_error"] == 4
+    assert s.metrics["timeout"] == 0
+    score_hang(ECHO_HANG, tests)
+
+
+def test_all_or_nothing_and_humaneval_check():
+    assert list(score([ADD_OK, ADD_HALF], ASSERTS, mode="all")) == [1.0, 0.0]
+    check = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 5) == 5\n"
+    s = code_tests(["", ""], [ADD_OK, ADD_HALF], [check, check], entry_point=["add", "add"], sandbox=FAST)
+    assert list(s) == [1.0, 0.0]
+
+
+def test_exits_and_fake_passes_do_not_pass():
+    cheats = [fence("import sys\nsys.exit(0)"), fence("import os\nos._exit(0)"),
+              fence("import sys\nprint('passed'); sys.stderr.write('x:passed\\n')")]
+    s = score(cheats, ASSERTS[:2])
+    assert list(s) == [0.0, 0.0, 0.0]
+    s = score([fence("def add(a, b):\n    raise ValueError"), fence("def add(a, b):\n    return bytearray(8 << 30)")],
+              ASSERTS[:1])
+    assert list(s) == [0.0, 0.0] and s.metrics["runtime_error"] == 1 and s.metrics["memory"] == 1
+
+
+def test_row_time_limit_stops_the_rest():
+    out = run_tests(extract_program(ADD_HANG), ASSERTS, test_timeout=1.0, row_timeout=1.5, limits=FAST)
+    assert out == ["timeout"] * 4  # two run and time out, the other two are not started
+
+
+def test_extraction():
+    text = "```python\nx = 1\n```\nand\n```python\ndef f():\n    return 2\n```\n```text\nnot code\n```"
+    assert extract_program(text) == "def f():\n    return 2\n"
+    assert extract_program(text, "f") == "def f():\n    return 2\n"
+    assert extract_program("Sure.\ndef g(x):\n    return x\n") == "def g(x):\n    return x\n"
+
+
+def test_counts_reach_the_reward_metrics():
+    """Through CombinedReward's worker pool, whose 1 s call timeout is shorter than a row can take: code_tests
+    gets its row_timeout (+5 s) per row instead, so a hanging program scores its own timeouts, not the pool's."""
+    spec = RewardSpec(fn="code_tests", kwargs={"row_timeout": 2.0})
+    r = CombinedReward([spec], RewardPoolConfig(1, 1.0), sandbox=SandboxConfig(timeout=10.0, cpu_seconds=1))
+    try:
+        total, _ = r(["p"] * 3, [ADD_OK, ADD_BAD, ADD_HANG], {"tests": [ASSERTS[:2]] * 3})
+        assert total == [1.0, 0.0, 0.0]
+        m = r.pop_metrics()
+        assert m["reward/code_tests/passed"] == 2 and m["reward/code_tests/compile_error"] == 2
+        assert m["reward/code_tests/timeout"] == 2 and m["reward/code_tests/timeouts"] == 0
+        assert m["reward_pool/killed_memory"] == 0
+    finally:
+        r.close()
+
+
+def test_presets_map_mbpp_and_humaneval_rows_and_the_built_in_task(tmp_path):
+    import json
+
+    from grpo.data.sources import load_source
+    from grpo.training.configure import load_config
+
+    mbpp = {"text": "Write a function to add two numbers.", "code": "def add(a, b):\n    return a + b",
+            "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]}
+    he = {"prompt": "def add(a, b):\n    \"\"\"Add.\"\"\"\n", "canonical_solution": "    return a + b\n",
+          "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n", "entry_point": "add"}
+    for name, row in (("mbpp", mbpp), ("humaneval", he)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        cfg = load_config(overrides=["data.source=jsonl", f"data.path={path}", f"data.task={name}",
+                                     "rewards=[{fn: code_tests}]"])
+        item = load_source(cfg.data, 0)[0]
+        solution = row["code"] if name == "mbpp" else row["prompt"] + row["canonical_solution"]
+        ep = [item["entry_point"]] * 2 if "entry_point" in item else None
+        assert "```python" in item["prompt"]
+        got = code_tests(["", ""], [fence(solution), fence("def add(a, b):\n    return 0")], [item["tests"]] * 2,
+                         entry_point=ep, sandbox=FAST)
+        assert list(got) == ([1.0, 0.5] if name == "mbpp" else [1.0, 0.0])
+    cfg = load_config(overrides=["data.source=code", "data.code.num_examples=4", "data.code.families=[reverse]",
+                                 "rewards=[{fn: code_tests}]"])
+    items = [load_source(cfg.data, 0)[i] for i in range(4)]
+    right = fence("def reverse(s):\n    return s[::-1]")
+    assert list(code_tests([""] * 4, [right] * 4, [i["tests"] for i in items], sandbox=FAST)) == [1.0] * 4
+
+
+def test_built_in_code_task_tests_follow_the_stated_behaviour():
+    """Each family's function, written here from its prompt's wording and name, passes its generated tests (run
+    in this process: the tests are ours, not the model's)."""
+    from grpo.data.code_task import FAMILIES, code_task
+
+    def solution(item):
+        name, fam = item["entry_point"], item["family"]
+        n = name.split("_")
+        return {"add_k": lambda x: x + int(n[1]), "mul_k": lambda x: x * int(n[1]),
+                "clamp": lambda x: min(max(x, int(n[1])), int(n[2])), "count_c": lambda s: s.count(n[1]),
+                "sum_list": sum, "max_list": max, "reverse": lambda s: s[::-1],
+                "is_mult_k": lambda x: x % int(n[2]) == 0}[fam]
+
+    items = code_task(200, seed=5, num_tests=4)
+    assert {i["family"] for i in items} == set(FAMILIES)
+    for item in items:
+        assert f"`{item['entry_point']}(" in item["prompt"] and len(item["tests"]) == 4
+        for t in item["tests"]:
+            exec(t, {item["entry_point"]: solution(item)})  # raises AssertionError on a mismatch
+        wrong = lambda *a: None  # noqa: E731
+        assert sum(_fails(t, item["entry_point"], wrong) for t in item["tests"]) == 4
+
+
+def _fails(test, name, fn):
+    try:
+        exec(test, {name: fn})
+    except AssertionError:
+        return True
+    return False

@@ -1,0 +1,295 @@
+"""Mistakes that used to train silently (or fail late) stop at start, before any model loads, with a message
+naming the fix (docs/troubleshooting.md). Each one goes through train.py's own entry: ``--print-config`` and the
+run share one validation, and the run's Trainer is replaced by one that fails the test if it is ever built."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+import train
+from grpo.foundation.config import ConfigError
+from grpo.training.configure import load_config
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """train.main's Trainer (which loads the model) must never be built: the error comes first."""
+    fake = types.ModuleType("grpo.training.trainer")
+
+    class Trainer:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the Trainer was built: the mistake was not caught before the model loads")
+
+    fake.Trainer = Trainer
+    monkeypatch.setitem(sys.modules, "grpo.training.trainer", fake)
+
+
+def fails(capsys, argv: list[str], *needles: str) -> str:
+    """train.py with and without --print-config: exit 2, and every needle in the message."""
+    for extra in (["--print-config"], []):
+        rc = train.main(argv + extra)
+        err = capsys.readouterr().err
+        assert rc == 2, f"rc={rc}, stderr: {err}"
+        assert err.startswith("config error: ")
+        for needle in needles:
+            assert needle in err, f"{needle!r} not in: {err}"
+    return err
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+
+
+# ---------------------------------------------------------------------- rewards
+
+
+def test_own_data_without_rewards_is_an_error(tmp_path, capsys, no_model):
+    path = write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    err = fails(capsys, [f"data.source=jsonl", f"data.path={path}"], "no rewards: section", "digits_match",
+                "rewards: [{fn: my_package.my_module:my_reward}]")
+    assert "data.source='jsonl'" in err
+
+
+@pytest.mark.parametrize("overrides, hint", [
+    (["data.source=countdown"], "rewards: [{fn: countdown}]"),
+    (["data.source=arithmetic"], "{fn: math_correct, kwargs: {extract: last_number, gold: plain}}"),
+    (["data.source=hub", "data.path=openai/gsm8k", "data.task=gsm8k"], "rewards: [{fn: math_correct}]"),
+])
+def test_missing_rewards_names_the_task_reward(overrides, hint):
+    with pytest.raises(ConfigError, match="no rewards: section") as e:
+        load_config(overrides=overrides)
+    assert hint in str(e.value)
+
+
+def test_rewards_default_only_where_it_fits(tmp_path):
+    assert [r.fn for r in load_config().rewards] == ["digits_match"]  # the built-in digits task
+    path = write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    cfg = load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct}]"])
+    assert [r.fn for r in cfg.rewards] == ["math_correct"]
+    # an environment scores its own trajectories: no rewards section needed
+    cfg = load_config(overrides=["env.name=calculator", "data.source=env"])
+    assert cfg.env.name == "calculator"
+
+
+# ---------------------------------------------------------------------- data.path without data.source
+
+
+@pytest.mark.parametrize("name, source", [
+    ("a.jsonl", "jsonl"), ("a.json", "jsonl"), ("a.JSONL", "jsonl"), ("a.jsonl.gz", "jsonl"),
+    ("a.parquet", "parquet"), ("a.csv", "csv"),
+])
+def test_data_source_from_the_extension(name, source):
+    cfg = load_config(overrides=[f"data.path=/data/{name}", "rewards=[{fn: math_correct}]"])
+    assert cfg.data.source == source
+
+
+def test_data_source_explicit_wins():
+    cfg = load_config(overrides=["data.source=hub", "data.path=openai/gsm8k", "rewards=[{fn: math_correct}]"])
+    assert cfg.data.source == "hub"
+
+
+def test_data_path_of_unknown_format(capsys, no_model):
+    fails(capsys, ["data.path=openai/gsm8k", "rewards=[{fn: math_correct}]"],
+          "data.path='openai/gsm8k' is set without data.source", "data.source=hub")
+
+
+def test_data_path_with_a_generated_task(capsys, no_model):
+    fails(capsys, ["data.source=builtin", "data.path=mine.jsonl"], "is not read with data.source='builtin'")
+
+
+def test_csv_file_is_read(tmp_path):
+    from grpo.data.sources import load_source
+
+    path = tmp_path / "mine.csv"
+    path.write_text("prompt,answer\n1+1=,2\n2+2=,4\n")
+    cfg = load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct}]"])
+    src = load_source(cfg.data, 0)
+    assert [src[i]["prompt"] for i in range(len(src))] == ["1+1=", "2+2="]
+
+
+# ---------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("name", ["models/smollm2-135m-instruct", "./no/such/model", "/no/such/model",
+                                  "~/no-such-model-here", "a/b/c"])
+def test_missing_local_model_fails_at_once(tmp_path, monkeypatch, capsys, no_model, name):
+    monkeypatch.chdir(tmp_path)  # a clean checkout: no models/ folder
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    t0 = time.monotonic()
+    err = fails(capsys, [f"model.name_or_path={name}"], f"model.name_or_path={name!r} looks like a local folder",
+                "does not exist")
+    assert time.monotonic() - t0 < 10, "no hub retries"
+    assert ("scripts/fetch_smollm2.py" in err) == ("smollm2" in name)
+
+
+def test_hub_ids_and_existing_folders_pass(tmp_path, monkeypatch):
+    from grpo.foundation.modeling import check_model_path, looks_local
+
+    monkeypatch.chdir(tmp_path)
+    assert not looks_local("Qwen/Qwen2.5-0.5B-Instruct") and not looks_local("gpt2")
+    check_model_path("model.name_or_path", "Qwen/Qwen2.5-0.5B-Instruct")  # the hub's to answer
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    check_model_path("model.name_or_path", "models/mine")
+    from grpo.training.configure import check_run
+
+    with pytest.raises(ConfigError, match=r"ref.model='models/other' looks like a local folder"):
+        check_run(load_config(overrides=["algo.beta=0.04", "ref.model=models/other"]))
+
+
+# ---------------------------------------------------------------------- the reference server
+
+
+def test_reference_nobody_listens_on_fails_within_seconds(capsys, no_model):
+    from grpo.foundation.dist import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    rc = train.main([f"ref.url={url}", "algo.beta=0.04", "ref.startup_wait=1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and time.monotonic() - t0 < 10, err
+    assert f"nothing is listening at ref.url={url!r}" in err and "python ref_client.py" in err
+    assert "ref.startup_wait" in err
+    # --print-config needs no server; beta = 0 queries none
+    assert train.main([f"ref.url={url}", "algo.beta=0.04", "--print-config"]) == 0
+    from grpo.training.configure import probe_services
+
+    probe_services(load_config(overrides=[f"ref.url={url}", "algo.beta=0"]))
+
+
+def test_reference_that_starts_late_is_waited_for():
+    """A server that comes up within ref.startup_wait passes the probe (started beside the trainer)."""
+    from grpo.foundation.dist import free_port
+    from grpo.reference.http import probe
+
+    port = free_port()
+    httpd = []
+
+    def serve_later():
+        time.sleep(1.0)
+        server = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+        httpd.append(server)
+        server.handle_request()
+
+    thread = threading.Thread(target=serve_later, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    probe(load_config(overrides=[f"ref.url=http://127.0.0.1:{port}", "ref.startup_wait=20"]))
+    assert 0.9 < time.monotonic() - t0 < 15
+    thread.join(10)
+    httpd[0].server_close()
+
+
+# ---------------------------------------------------------------------- one validation for --print-config and the run
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["rewards=[{fn: no_such_reward}]"], ["rewards[0].fn='no_such_reward' is unknown", "math_correct"]),
+    (["rewards=[{fn: 'no_such_module:f'}]"], ["rewards[0].fn='no_such_module:f' cannot be imported"]),
+    (["eval.format={fn: no_such_reward}"], ["eval.format.fn='no_such_reward' is unknown"]),
+    (["rollout.engine=nope"], ["rollout.engine='nope' is unknown", "'hf'"]),
+    (["rollout.engine='no_such_module:Engine'"], ["rollout.engine='no_such_module:Engine' cannot be imported"]),
+    (["--algo", "grpo-ps", "algo.step_reward_fn=nope"], ["algo.step_reward_fn='nope' is unknown"]),
+    (["--algo", "mt-grpo"], ["mt-grpo needs multi-turn rollouts, and env.name is not set", "env.name=calculator"]),
+    (["--algo", "gigpo"], ["gigpo needs multi-turn rollouts"]),
+    (["env.name=no_such_env", "data.source=env"], ["env.name='no_such_env' is unknown"]),
+    (["env.name=calculator", "data.source=env", "env.tools=[{fn: nope}]"], ["env.tools fn='nope' is unknown"]),
+    (["data.source=jsonl", "data.path=/no/such/file.jsonl", "rewards=[{fn: math_correct}]"],
+     ["data.path='/no/such/file.jsonl': no such file"]),
+])
+def test_what_the_run_refused_late_fails_at_start(capsys, no_model, overrides, needles):
+    fails(capsys, overrides, *needles)
+
+
+@pytest.mark.parametrize("target", ["wandb", "tensorboard"])
+def test_missing_logger_fails_at_start(capsys, monkeypatch, no_model, target):
+    monkeypatch.setitem(sys.modules, "wandb" if target == "wandb" else "torch.utils.tensorboard", None)
+    fails(capsys, [f"logging.report_to=[{target}]"], f"includes {target!r} but it is not installed: pip install")
+
+
+def test_vllm_not_installed_or_badly_split_fails_at_start(capsys, monkeypatch, no_model):
+    from grpo.rollout import service
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    fails(capsys, ["rollout.engine=vllm"], "rollout.engine=vllm needs the vllm extra")
+    monkeypatch.setitem(service.REQUIREMENTS, "vllm", lambda: None)  # as if installed
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    fails(capsys, ["rollout.engine=vllm", "rollout.prompts_per_step=6", "rollout.vllm.tensor_parallel_size=2"],
+          "rollout.vllm.tensor_parallel_size=2 must divide the number of ranks (3)")
+
+
+def test_flash_attention_not_installed_fails_at_start(capsys, monkeypatch, no_model):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
+    fails(capsys, ["model.attn_implementation=flash_attention_2"], "needs the flash-attn package")
+
+
+def test_resume_without_checkpoint_fails_at_start(tmp_path, capsys, no_model):
+    fails(capsys, [f"train.output_dir={tmp_path}", "--resume"], "--resume: no checkpoint in")
+
+
+def test_prompts_must_split_over_the_ranks(capsys, monkeypatch, no_model):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    fails(capsys, ["rollout.prompts_per_step=8"], "rollout.prompts_per_step=8 must be divisible by the number of "
+                                                   "ranks (3)")
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_flags_between_overrides(capsys):
+    assert train.main(["train.lr=0.5", "--print-config", "--algo", "dapo", "algo.beta=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "name: dapo" in out and "lr: 0.5" in out and "beta: 0.25" in out
+
+
+@pytest.mark.parametrize("given, hint", [("DAPO", "'dapo'"), ("GSPO_token", "'gspo-token'"), ("drgpro", "'drgrpo'")])
+def test_algorithm_name_suggestion(capsys, no_model, given, hint):
+    fails(capsys, [f"algo.name={given}"], f"unknown algorithm {given!r}. Did you mean {hint}?")
+
+
+@pytest.mark.parametrize("given, dtype", [("bfloat16", "bf16"), ("torch.bfloat16", "bf16"), ("float16", "fp16"),
+                                          ("float32", "fp32"), ("BF16", "bf16"), ("fp16", "fp16")])
+def test_dtype_aliases(given, dtype):
+    assert load_config(overrides=[f"model.dtype={given}"]).model.dtype == dtype
+    spec = load_config(overrides=[f"rewards=[{{model: m, dtype: {given}}}]"]).rewards[0]
+    assert spec.dtype == dtype
+
+
+def test_dtype_still_refuses_nonsense():
+    with pytest.raises(ConfigError, match=r"model.dtype='int8' is invalid: choose from \['auto', 'fp32', 'bf16', 'fp16'\]"):
+        load_config(overrides=["model.dtype=int8"])
+
+
+def test_option_of_another_algorithm_names_its_owner(capsys, no_model):
+    fails(capsys, ["algo.overlong_buffer=4"], "algo.overlong_buffer is an option of dapo and prorl, not of grpo",
+          "--algo dapo")
+    with pytest.raises(ConfigError, match=r"unknown config key 'algo.no_such_option'"):
+        load_config(overrides=["algo.no_such_option=1"])
+
+
+def test_chat_template_a_string_or_a_file_replaces_the_tokenizers(tmp_path):
+    from grpo.data.sources import prompt_text
+    from grpo.foundation.config import custom_chat_template
+    from grpo.foundation.modeling import load_tokenizer
+
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+    (tmp_path / "t.jinja").write_text(template)
+    for value in (template, str(tmp_path / "t.jinja")):
+        cfg = load_config(overrides=[f"data.chat_template={value}"])
+        tok = load_tokenizer("builtin:tiny-char")
+        tok.chat_template = custom_chat_template(cfg.data)
+        assert prompt_text(tok, {"prompt": "12+3"}, cfg.data) == "<<12+3>>=>"
+    assert custom_chat_template(load_config(overrides=["data.chat_template=true"]).data) is None
+    with pytest.raises(ConfigError, match=r"data.chat_template='missing.jinja' is neither a Jinja template .* nor an "
+                                          r"existing file"):
+        load_config(overrides=["data.chat_template=missing.jinja"])

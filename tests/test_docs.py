@@ -1,0 +1,179 @@
+"""The documentation stays true to the code: the generated configuration reference is current and
+every key is documented, every relative link in README.md and docs/ resolves, and the README stays
+short (the details live in docs/)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gen_config_docs  # noqa: E402
+
+README_MAX_LINES = 150
+LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file (lower case, punctuation dropped, spaces -> '-')."""
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    in_fence = False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        m = re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line)
+        if in_fence or not m:
+            continue
+        text = re.sub(r"[`*]", "", m.group(2))
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    found = []
+    in_fence = False
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        line = re.sub(r"`[^`]*`", "", line)  # code spans are not links
+        for m in LINK.finditer(line):
+            found.append((i, m.group(1) or m.group(2)))
+    return found
+
+
+def test_config_reference_is_current_and_complete():
+    missing = gen_config_docs.undocumented()
+    assert not missing, (
+        "config keys without documentation (add a comment above or beside the field, then run "
+        "PYTHONPATH=. python scripts/gen_config_docs.py): " + ", ".join(missing))
+    text = gen_config_docs.render()
+    written = gen_config_docs.OUT.read_text() if gen_config_docs.OUT.exists() else ""
+    assert written == text, ("docs/config-reference.md is stale: run PYTHONPATH=. python scripts/gen_config_docs.py")
+
+
+def test_reference_lists_every_key():
+    """Every leaf key of the config and every algorithm option appears in the reference (and nothing is doubled)."""
+    import dataclasses
+    import typing
+
+    from algos import ALGORITHMS
+    from grpo.foundation.config import Config
+
+    text = gen_config_docs.OUT.read_text()
+
+    def leaves(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "options":
+                continue
+            nested = gen_config_docs._nested_dataclass(hints[f.name])
+            if nested:
+                yield from leaves(nested[0], f"{prefix}{f.name}{'[]' if nested[1] == '[]' else ''}.")
+            else:
+                yield f"{prefix}{f.name}"
+
+    keys = list(leaves(Config, ""))
+    assert "train.lr" in keys and "rewards[].fn" in keys and "model.lora.r" in keys
+    for key in keys:
+        assert text.count(f"| `{key}` |") == 1, key
+    for name, algo in ALGORITHMS.items():
+        assert f"### {name}\n" in text, name
+        for f in dataclasses.fields(algo.Options) if dataclasses.is_dataclass(algo.Options) else ():
+            assert f"| `algo.{f.name}` |" in text, (name, f.name)
+
+
+def test_undocumented_field_is_reported(tmp_path):
+    """The generator reads comments above and beside a field and metadata help; a bare field is reported."""
+    src = tmp_path / "cfgmod.py"
+    src.write_text(
+        "from dataclasses import dataclass, field\n\n\n"
+        "@dataclass\nclass C:\n"
+        "    # the first\n    # over two lines\n    a: int = 1\n"
+        "    b: int = 2  # the second\n"
+        "    c: list = field(default_factory=list, metadata={'help': 'the third'})\n"
+        "    d: int = 4\n"
+        "    e: int = 5  # the fifth, whose comment\n"
+        "    # goes on below it\n"
+        "    f: int = 6  # the sixth\n"
+        "    # --- a divider\n"
+        "    g: int = 7  # the seventh\n"
+        "    # The eighth, a sentence of its own\n"
+        "    h: int = 8  # (its trailing part)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import cfgmod
+
+        docs = gen_config_docs.field_docs(cfgmod.C)
+        keys: list = []
+        gen_config_docs.collect(cfgmod.C, "x.", keys)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("cfgmod", None)
+    assert docs == {"a": "the first over two lines", "b": "the second", "c": "the third",
+                    "e": "the fifth, whose comment goes on below it", "f": "the sixth", "g": "the seventh",
+                    "h": "The eighth, a sentence of its own (its trailing part)"}
+    assert [k.path for k in keys if not k.doc] == ["x.d"]
+
+
+def test_relative_links_resolve():
+    broken = []
+    for path in doc_files():
+        for line, target in links(path):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = path if not file_part else (path.parent / unquote(file_part)).resolve()
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}:{line}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{path.relative_to(ROOT)}:{line}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_link_checker_catches_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# A `code` Title: here\n\n## Second\n[ok](#a-code-title-here) [bad](#nope) "
+                    "`[not a link](x.md)`\n```\n[in a fence](y.md)\n```\n")
+    assert anchors(page) == {"a-code-title-here", "second"}
+    assert [t for _, t in links(page)] == ["#a-code-title-here", "#nope"]
+
+
+def test_readme_is_short():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; keep it at most {README_MAX_LINES} (details go to docs/)"
+
+
+def test_readme_lists_every_algorithm():
+    """The README's one algorithm table names every registered algorithm, and says how many there are."""
+    from algos import ALGORITHMS
+
+    section = (ROOT / "README.md").read_text().split("## Algorithms", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"\| `([a-z0-9][a-z0-9-]*)` \|", section))
+    missing = sorted(set(ALGORITHMS) - listed)
+    assert not missing, f"README's algorithm table lacks {missing} (add a row: name, paper, what it changes)"
+    assert not listed - set(ALGORITHMS), f"README lists unregistered algorithms {sorted(listed - set(ALGORITHMS))}"
+    assert f"All {len(ALGORITHMS)}," in section, f"README's algorithm section should say 'All {len(ALGORITHMS)},'"
+
+
+def test_readme_names_the_test_command():
+    """CI (.ci/run) runs `make test`; the README's Tests section says so."""
+    readme = (ROOT / "README.md").read_text()
+    assert "## Tests" in readme and "make test" in readme.split("## Tests", 1)[1]
+    assert "make test" in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,39 @@
+"""scripts/gpu_check.py runs every stage on CPU with --tiny: each stage's JSON appended as it finishes, and the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_tiny_on_cpu(tmp_path):
+    out = tmp_path / "gc"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
+                           "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == ["machine", "generation", "generation", "step_256", "step_1024", "ref_http"]
+    gen, gen_static, short, long, ref = rows[1:]
+    assert gen["tokens_per_s"] > 0 and gen["rows"] == 4
+    # the static engine (eager on CPU) at the same prompts: its greedy tokens are the hf engine's (fp32)
+    assert (gen_static["engine"], gen_static["mode"], gen_static["rows"]) == ("static", "eager", 4)
+    assert gen_static["tokens_per_s"] > 0 and gen_static["greedy_same_tokens"] == gen_static["greedy_tokens"] == 8
+    assert 0 <= gen_static["logprob_gap_mean"] <= gen_static["logprob_gap_max"] < 1e-4 and "logprob_gap_mean" not in gen
+    assert short["new_tokens"] < long["new_tokens"]
+    for step in (short, long):
+        med = step["median"]
+        assert med["time/step"] >= med["time/generation"] > 0 and med["time/train"] > 0
+        parts = step["memory_parts"]
+        # the arithmetic parts of the tiny model (fp32 on CPU: no master copy; Adam's two fp32 moments)
+        assert parts["weights"] == 4 * step["params"] and parts["master"] == 0 and parts["optimizer"] == 8 * step["params"]
+        assert step["peak_bytes"] > sum(v for k, v in parts.items() if k != "activations_and_rest")
+        assert step["max_over_median"] >= 1.0 and isinstance(step["outliers"], list)
+    assert ref["round_trip_ms"] > ref["server_forward_ms"] > 0
+    table = (out / "gpu_table.md").read_text()
+    assert table.count("\n| tiny |") == 5 and "tokens/s" in table and "HTTP path" in table

@@ -1,0 +1,122 @@
+"""A remote reward endpoint (``rewards: [{url: ...}]``, OpenRLHF's remote_rm_url shape) against a real local HTTP
+server thread: the wire format, batching, the token; slow, down, or wrong answers are retried and then stop the run
+with a clear error, never a silent 0."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from grpo.foundation.config import RewardPoolConfig, RewardSpec
+from grpo.foundation.dist import free_port
+from rewards import CombinedReward, RewardServiceError
+
+
+class Judge:
+    """A scoring service whose behaviour each test sets: ``mode`` ok | slow | wrong_count | error | flaky."""
+
+    def __init__(self):
+        self.mode, self.requests, self.token = "ok", [], "judge-secret"
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge.requests.append({"body": body, "auth": self.headers.get("Authorization"),
+                                       "key": self.headers.get("Idempotency-Key")})
+                if self.headers.get("Authorization") != f"Bearer {judge.token}":
+                    return self.answer(401, {"error": "token"})
+                if judge.mode == "slow":
+                    time.sleep(1.5)
+                if judge.mode == "error" or (judge.mode == "flaky" and len(judge.requests) == 1):
+                    return self.answer(503, {"error": "busy"})
+                scores = [float(len(c)) if "skip" not in c else None for c in body["completions"]]
+                if judge.mode == "wrong_count":
+                    scores = scores[:-1]
+                self.answer(200, {"rewards": scores} if judge.mode != "bare" else scores)
+
+            def answer(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture()
+def judge(monkeypatch):
+    j = Judge()
+    monkeypatch.setenv("GRPO_REWARD_TOKEN", j.token)
+    yield j
+    j.close()
+
+
+def remote(url, **spec):
+    spec = {"url": url, "retry_window": 2.0, "timeout": 1.0, **spec}
+    return CombinedReward([RewardSpec(**spec)], RewardPoolConfig(num_workers=0))
+
+
+def test_wire_format_batches_token_and_none(judge):
+    r = remote(judge.url, batch_size=2, weight=0.5, kwargs={"task": "digits"})
+    total, per_fn = r(["t"] * 3, ["ab", "skip", "abcd"], {"answer": ["1", "2", "3"]}, raw_prompts=["p1", "p2", "p3"])
+    assert total == [1.0, 0.0, 2.0]  # 0.5 * len; the "skip" row is null: left out of the sum
+    assert [len(q["body"]["completions"]) for q in judge.requests] == [2, 1]
+    first = judge.requests[0]
+    assert first["auth"] == "Bearer judge-secret" and first["key"]
+    assert first["body"] == {"query": ["p1ab", "p2skip"], "prompts": ["p1", "p2"], "completions": ["ab", "skip"],
+                             "columns": {"answer": ["1", "2"]}, "labels": ["1", "2"], "task": "digits"}
+    m = r.pop_metrics()
+    assert m["reward/remote_127.0.0.1/skipped"] == 1.0 and m["reward/remote_127.0.0.1/retries"] == 0.0
+    judge.mode = "bare"  # a bare JSON list is accepted too
+    assert r(["t"], ["abc"], {}, raw_prompts=["p"])[0] == [1.5]
+
+
+def test_a_transient_failure_is_retried_with_the_same_key(judge):
+    judge.mode = "flaky"
+    r = remote(judge.url)
+    assert r(["t"], ["abc"], {}, raw_prompts=["p"])[0] == [3.0]
+    assert len(judge.requests) == 2 and judge.requests[0]["key"] == judge.requests[1]["key"]
+    assert r.pop_metrics()["reward/remote_127.0.0.1/retries"] == 1.0
+
+
+@pytest.mark.parametrize("mode,words", [("slow", "no answer within 1.0s (timeout)"),
+                                        ("wrong_count", "a wrong answer: 1 scores for 2 rows"),
+                                        ("error", "HTTP 503")])
+def test_slow_or_wrong_endpoints_are_retried_then_stop_the_run(judge, mode, words):
+    judge.mode = mode
+    r = remote(judge.url)
+    t0 = time.monotonic()
+    with pytest.raises(RewardServiceError, match="failed .* time\\(s\\) over 2s of retries; last: .*") as e:
+        r(["t"] * 2, ["ab", "cd"], {}, raw_prompts=["p", "p"])
+    assert words in str(e.value) and "rather than score these rows 0" in str(e.value)
+    assert len(judge.requests) >= 2 and time.monotonic() - t0 < 10
+
+
+def test_a_down_endpoint_and_a_refused_token_stop_the_run(judge, monkeypatch):
+    port = free_port()  # nobody listens there
+    with pytest.raises(RewardServiceError, match="cannot connect"):
+        remote(f"http://127.0.0.1:{port}/score")(["t"], ["a"], {}, raw_prompts=["p"])
+    monkeypatch.setenv("GRPO_REWARD_TOKEN", "wrong")
+    with pytest.raises(RewardServiceError, match="refused the request \\(HTTP 401"):
+        remote(judge.url)(["t"], ["a"], {}, raw_prompts=["p"])
+    assert len(judge.requests) == 1  # a 4xx is not retried

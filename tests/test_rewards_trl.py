@@ -1,0 +1,154 @@
+"""Reward functions in TRL's shape: keyword arguments, columns, completion_ids, trainer_state, None, async.
+
+The expected values are written by hand the way TRL's GRPOTrainer._calculate_rewards computes them: each
+function's None becomes nan, and a row's reward is the nansum over functions of weight * value (0 when every
+function skipped the row). A reward that fails on most rows stops a real training run within a few steps.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
+from grpo.training.configure import load_config
+from grpo.training.health import LearningHealth, RewardFailureGuard, RewardsFailing
+from rewards import CombinedReward
+
+ROOT = Path(__file__).resolve().parent.parent
+F = "tests.reward_fixtures:"
+RAW = ["12=", "12=", "skip 3=", "skip 3="]
+COMPLETIONS = ["12", "1", "", "3"]
+IDS = [[5, 6, 0], [5], [0], [7, 0]]
+COLUMNS = {"answer": ["12", "12", "3", "3"]}
+
+
+def combined(specs, workers=1, timeout=10.0, chunk=0):
+    return CombinedReward([RewardSpec(**s) for s in specs], RewardPoolConfig(workers, timeout, chunk))
+
+
+def nan_equal(a, b):
+    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("isolation,workers", [("process", 2), ("inline", 2), ("process", 0)])
+def test_trl_shaped_functions_give_trls_weighted_nansum(isolation, workers):
+    r = combined([{"fn": F + "trl_id_count", "isolation": isolation},
+                  {"fn": F + "trl_exact", "weight": 2.0, "isolation": isolation},
+                  {"fn": F + "trl_async_half", "weight": 4.0, "isolation": isolation},
+                  {"fn": F + "plain_positional", "weight": 0.5, "isolation": isolation}], workers=workers)
+    try:
+        styles = {t.name: t.style for t in r.terms}
+        assert styles == {"trl_id_count": "trl", "trl_exact": "trl", "trl_async_half": "trl",
+                          "plain_positional": "plain"}
+        total, per_fn = r(["<templated>"] * 4, COMPLETIONS, COLUMNS, raw_prompts=RAW, completion_ids=IDS)
+        nan = math.nan
+        assert nan_equal(per_fn["trl_id_count"], [3.0, 1.0, nan, nan])
+        assert per_fn["trl_exact"] == [1.0, 0.0, 0.0, 1.0]
+        assert nan_equal(per_fn["trl_async_half"], [0.5, 0.5, nan, 0.5])
+        assert per_fn["plain_positional"] == [2.0, 2.0, 0.0, 0.0]
+        # row 0: 3 + 2*1 + 4*0.5 + 0.5*2 = 8; row 1: 1 + 0 + 2 + 1 = 4; row 2: 0 + 0 (both others None) = 0;
+        # row 3: (None) + 2*1 + 4*0.5 + 0 = 4
+        assert total == [8.0, 4.0, 0.0, 4.0]
+        m = r.pop_metrics()
+        assert m["reward/trl_id_count/skipped"] == 2.0 and m["reward/trl_async_half/skipped"] == 1.0
+        assert m["reward/trl_exact/skipped"] == 0.0 and m["reward/trl_exact/errors"] == 0.0
+        assert all(m[f"reward/{n}/latency"] > 0 for n in styles)
+    finally:
+        r.close()
+
+
+def test_a_row_every_function_skips_scores_zero_and_conversations_arrive_as_messages():
+    r = combined([{"fn": F + "trl_id_count"}, {"fn": F + "trl_async_half", "weight": 3.0}], workers=0)
+    total, per_fn = r(["t"] * 4, COMPLETIONS, COLUMNS, raw_prompts=RAW, completion_ids=IDS)
+    assert total == [3.0 + 1.5, 1.0 + 1.5, 0.0, 1.5]  # row 2: both None -> 0, like TRL's nansum
+    chat = [[{"role": "user", "content": "12="}]] * 2
+    r2 = combined([{"fn": F + "trl_exact"}, {"fn": F + "trl_no_kwargs", "weight": 10.0}], workers=1)
+    try:
+        total, _ = r2(["t", "t"], ["12", "x"], {"answer": ["12", "12"]}, raw_prompts=chat, completion_ids=[[1], [2]])
+        # trl_exact reads c[0]["content"]; trl_no_kwargs gets len(message list) = 1 per row
+        assert total == [1.0 + 10.0, 0.0 + 10.0]
+    finally:
+        r2.close()
+
+
+def test_trainer_state_is_the_step_and_spec_kwargs_are_passed():
+    r = combined([{"fn": F + "trl_step"}, {"fn": F + "trl_async_half", "kwargs": {"delay": 0.01}}], workers=0)
+    r.set_state(7, 10)
+    total, per_fn = r(["t"], ["a"], {}, raw_prompts=["p"], completion_ids=[[1]])
+    assert per_fn["trl_step"] == [7.0] and total == [7.5]
+
+
+def test_async_functions_inline_run_concurrently():
+    specs = [{"fn": F + "trl_async_half", "isolation": "inline", "kwargs": {"delay": 0.8}}] * 3
+    r = combined(specs, workers=0)
+    t0 = time.perf_counter()
+    total, _ = r(["t"] * 2, ["a", "b"], {}, raw_prompts=["p", "p"], completion_ids=[[1], [2]])
+    assert time.perf_counter() - t0 < 1.6  # one after another would take 2.4 s
+    assert total == [1.5, 1.5] and [t.name for t in r.terms] == ["trl_async_half", "trl_async_half_2",
+                                                                 "trl_async_half_3"]
+
+
+def test_an_inline_async_call_past_its_timeout_is_a_timeout():
+    r = combined([{"fn": F + "trl_async_half", "isolation": "inline", "timeout": 0.2, "kwargs": {"delay": 5}}],
+                 workers=0)
+    t0 = time.perf_counter()
+    total, _ = r(["t"], ["a"], {}, raw_prompts=["p"], completion_ids=[[1]])
+    assert time.perf_counter() - t0 < 3 and total == [0.0]
+    assert r.pop_metrics()["reward/trl_async_half/timeouts"] == 1.0
+
+
+def test_style_and_kind_keys_are_validated():
+    with pytest.raises(ConfigError, match=r"rewards\[0\] must name exactly one of fn, model or url"):
+        load_config(overrides=["rewards=[{weight: 2}]"])
+    with pytest.raises(ConfigError, match=r"rewards\[0\].style=.* choose from \['auto', 'trl', 'plain'\]"):
+        load_config(overrides=["rewards=[{fn: digits_match, style: keywords}]"])
+    with pytest.raises(ConfigError, match=r"rewards\[0\].label is a key of model rewards; this entry is a fn"):
+        load_config(overrides=["rewards=[{fn: digits_match, label: good}]"])
+
+
+def test_a_function_failing_on_most_rows_stops_with_its_error_and_the_fix():
+    r = combined([{"fn": F + "trl_needs_solution"}, {"fn": "digits_match"}], workers=0)
+    guard = RewardFailureGuard(limit=2)
+    for step in (1, 2):
+        r(["t"] * 2, ["12", "3"], COLUMNS | {"answer": ["12", "4"]}, raw_prompts=["12=", "3="], completion_ids=[[1], [2]])
+        m = r.pop_metrics()
+        assert m["reward/trl_needs_solution/failed_frac"] == 1.0 and m["reward/digits_match/failed_frac"] == 0.0
+        if step == 1:
+            guard.check(step, m, r)
+    with pytest.raises(RewardsFailing) as e:
+        guard.check(2, m, r)
+    text = str(e.value)
+    assert "reward 'trl_needs_solution' failed on 100% of its rows, 2 steps in a row" in text
+    assert "missing 1 required positional argument: 'solution'" in text  # the function's own error
+    assert "fix: the function needs an argument the call does not give" in text and "['answer']" in text
+
+
+def test_the_health_warning_tells_reward_errors_from_a_hard_task(capsys):
+    cfg = load_config()
+    health = LearningHealth(cfg, patience=2, main=True)
+    broken = {"advantage/zero_group_frac": 1.0, "reward/f/failed_frac": 1.0, "grad_norm": 0.1}
+    given = [w for s in (1, 2) for w in health.check(s, broken)]
+    assert len(given) == 1 and "the rewards are broken, not the task" in given[0]
+    hard = LearningHealth(cfg, patience=2, main=True)
+    given = [w for s in (1, 2) for w in hard.check(s, {**broken, "reward/f/failed_frac": 0.0})]
+    assert len(given) == 1 and "task is too hard" in given[0]
+
+
+def test_a_real_run_with_a_reward_that_always_fails_exits_nonzero_within_two_steps(tmp_path):
+    cmd = [sys.executable, "train.py", "--config", "configs/demo.yaml", f"train.output_dir={tmp_path}",
+           "train.max_steps=50", "rollout.prompts_per_step=2", "rollout.num_generations=2", "algo.beta=0",
+           "logging.progress_bar=false", "logging.plot=false", "reward_pool.num_workers=1",
+           f"rewards=[{{fn: {F}trl_needs_solution}}]"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+    assert "training stopped: step 2: reward 'trl_needs_solution' failed on 100% of its rows" in proc.stderr
+    assert "TypeError: trl_needs_solution() missing 1 required positional argument: 'solution'" in proc.stderr
+    assert "the dataset's ['answer']" in proc.stderr

@@ -1,0 +1,49 @@
+"""Step-time outliers: the running-median watch names the phase that grew, and the collector's pauses are timed."""
+
+from __future__ import annotations
+
+import gc
+
+from grpo.training.steptime import GcTimer, OutlierWatch
+
+
+def _step(gen: float, train: float, ref: float = 0.1) -> dict[str, float]:
+    return {"time/generation": gen, "time/train": train, "time/reference": ref, "time/step": gen + train + ref,
+            "loss": 0.0}
+
+
+def test_outlier_names_the_phase_that_grew(capsys):
+    w = OutlierWatch(factor=1.5, warmup=3)
+    steps = [_step(1.0, 0.5), _step(1.1, 0.5), _step(0.9, 0.6), _step(1.0, 0.5)]
+    assert [w.check(i, m) for i, m in enumerate(steps)] == [None] * 4
+    assert all(m["time/outlier"] == 0.0 for m in steps)
+    # 1.4x the median (1.6 s): not an outlier; then the train phase triples: 2.8 s > 1.5 x 1.6 s
+    assert w.check(4, _step(1.0, 1.14)) is None
+    slow = _step(1.0, 1.7)
+    assert w.check(5, slow) == "time/train" and slow["time/outlier"] == 1.0
+    assert w.outliers == [(5, "time/train", slow["time/step"] / 1.6)]
+    assert "time/train grew the most" in capsys.readouterr().err
+    # generation is the one that grew here
+    assert w.check(6, _step(2.9, 0.5)) == "time/generation"
+
+
+def test_first_steps_are_warm_up():
+    w = OutlierWatch(factor=1.5, warmup=3)
+    assert w.check(0, _step(1.0, 0.5)) is None
+    assert w.check(1, _step(10.0, 0.5)) is None  # only 1 step before it: no median yet
+
+
+def test_gc_timer_sees_a_collection():
+    t = GcTimer()
+    try:
+        junk = [[i] for i in range(200_000)]
+        for a in junk:
+            a.append(a)  # cycles: the collector has to walk them
+        del junk
+        t.pop()
+        gc.collect()
+        assert t.pop() > 0
+        assert t.pop() == 0.0
+    finally:
+        t.close()
+    assert t._callback not in gc.callbacks
