@@ -6,6 +6,10 @@
     POST /v1/reload     admin: {"checkpoint": "/path"} -> new weights, then /v1/info's answer; one at a
                         time (409 meanwhile), once per Idempotency-Key; safetensors only, never a folder
                         with pickles, and inside GRPO_REF_RELOAD_ROOT when that is set
+    POST /v1/reward     with --reward-model: JSON {"prompts": [text or messages], "completions": [text]}
+                        -> {"scores": [...], "version", "rows", "compute_ms"} (rewards/models.py), through
+                        the same queue, limits and Idempotency-Key joining as /v1/logprobs
+    POST /v1/reward/reload  admin: as /v1/reload, for the reward model (atomic: each answer names its version)
 
 A request may carry ``Idempotency-Key: <unique id>``; a retry with the same key and body joins
 the first one's computation (or takes its answer) instead of computing it again, and work whose
@@ -18,6 +22,11 @@ SIGTERM/SIGINT stop accepting connections, let in-flight requests finish, then e
 A connection that has not sent its whole request line and headers is not in flight: it is
 dropped after HEADER_TIMEOUT_S anyway, and at once on shutdown; a body that is still arriving
 gets 408 past its deadline, and at most DRAIN_GRACE_S more on shutdown.
+
+Connections are HTTP/1.1 keep-alive: the trainer's pooled session sends every request of a run over
+one connection, without a TCP handshake and a server thread per request. A connection is kept only
+after an answer with a Content-Length to a request whose whole body was read (anything else answers
+``Connection: close``); between requests it may idle KEEPALIVE_IDLE_S, and is closed at once on shutdown.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Optional, TextIO
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
@@ -50,6 +60,7 @@ from grpo.reference.server.worker import DeviceWorker, Job, QueueFull, ReloadBus
 
 RELOAD_ROOT_ENV = "GRPO_REF_RELOAD_ROOT"  # when set, /v1/reload only reads folders inside it
 HEADER_TIMEOUT_S = 10.0  # a connection must send its request line and headers within this
+KEEPALIVE_IDLE_S = 120.0  # a kept connection may wait this long for its next request (then it is closed)
 BODY_GRACE_S = 30.0  # and its body within this, plus one second per MiB (MIN_BODY_RATE)
 MIN_BODY_RATE = 2**20  # bytes per second
 DRAIN_GRACE_S = 5.0  # on shutdown, a body still arriving gets at most this long
@@ -263,6 +274,32 @@ def _parse(limits: ServerLimits, slots: Slots, vocab_size: int):
         slots.release()
 
 
+MAX_REWARD_ROWS = 65536
+
+
+def parse_reward_request(body: bytes) -> tuple[list, list[str]]:
+    """(prompts, completions) of a /v1/reward body; WireError (400) naming the bad field otherwise."""
+    try:
+        payload = json.loads(body or b"null")
+    except ValueError as e:
+        raise WireError("body", f"body is not JSON ({e}); send {{\"prompts\": [...], \"completions\": [...]}}")
+    if not isinstance(payload, dict):
+        raise WireError("body", "body must be a JSON object with prompts and completions")
+    prompts, completions = payload.get("prompts"), payload.get("completions")
+    if not isinstance(completions, list) or not all(isinstance(c, str) for c in completions):
+        raise WireError("completions", "must be a list of strings")
+    if not isinstance(prompts, list) or len(prompts) != len(completions):
+        raise WireError("prompts", f"must be a list as long as completions ({len(completions)})")
+    if not 0 < len(completions) <= MAX_REWARD_ROWS:
+        raise WireError("completions", f"{len(completions)} rows: send 1 to {MAX_REWARD_ROWS}")
+    for i, p in enumerate(prompts):
+        chat = isinstance(p, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                           and isinstance(m.get("content"), str) for m in p)
+        if not (isinstance(p, str) or chat):
+            raise WireError("prompts", f"prompts[{i}] must be a string or a list of {{role, content}} strings")
+    return prompts, completions
+
+
 def _idempotency_key() -> Optional[str]:
     """The request's Idempotency-Key (None without one; 400 unless 1-128 printable ASCII characters)."""
     key = bottle.request.get_header(KEY_HEADER)
@@ -287,18 +324,15 @@ def client_gone(sock: Optional[socket.socket]) -> bool:
 def _await(worker: DeviceWorker, job: Job) -> Optional[Any]:
     """The job's result, or None once this request's client has gone (the worker then drops work nobody awaits)."""
     sock = bottle.request.environ.get("grpo.connection")
-    answered = False
     try:
         while True:
             try:
-                result = job.future.result(timeout=WAIT_POLL_S)
-                answered = True
-                return result
+                return job.future.result(timeout=WAIT_POLL_S)
             except FutureTimeout:
                 if client_gone(sock):
                     return None
     finally:
-        worker.leave(job, answered)
+        worker.leave(job)
 
 
 def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
@@ -364,8 +398,45 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
                                              "compute_ms": seconds * 1000})
         return bottle.HTTPResponse(out, status=200, headers={"Content-Type": CONTENT_TYPE})
 
+    @app.post("/v1/reward")
+    def reward():
+        if worker.reward is None:
+            return error(404, "this server hosts no reward model: start it with --reward-model", "path")
+        if not slots.acquire(timeout=limits.parse_wait_s):
+            n = _content_length()
+            _drain(bottle.request.environ["wsgi.input"], n if n <= limits.max_request_bytes else 0)
+            return error(503, "the server is busy parsing other requests; retry later", None, **{"Retry-After": "1"})
+        try:
+            body = _read_body(limits.max_request_bytes)
+            prompts, completions = parse_reward_request(body)
+        except WireError as e:
+            return error(e.status, e.message, e.field)
+        finally:
+            slots.release()
+        key = _idempotency_key()
+        digest = hashlib.blake2b(b"reward" + body, digest_size=16).digest()
+        try:
+            job = worker.submit_reward(prompts, completions, None if key is None else (key, digest))
+        except QueueFull as e:
+            return error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
+                         None, **{"Retry-After": str(e.retry_after)})
+        try:
+            result = _await(worker, job)
+        except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
+            return error(500, f"scoring failed: {type(e).__name__}: {e}")
+        if result is None:
+            return error(499, "the client closed the connection before the answer was ready")
+        scores, seconds, version = result
+        bottle.request.environ["grpo.log"] = {"rows": len(scores), "compute_ms": round(seconds * 1000, 2),
+                                              "reward_version": version}
+        return _json({"scores": scores, "version": version, "rows": len(scores), "compute_ms": seconds * 1000})
+
+    @app.post("/v1/reward/reload")
+    def reward_reload():
+        return reload("reward")
+
     @app.post("/v1/reload")
-    def reload():
+    def reload(target: str = "reference"):
         if not token:
             return error(403, f"reload is an admin endpoint and this server has no token; restart it with "
                               f"{TOKEN_ENV} (or --token) set", "Authorization")
@@ -377,7 +448,7 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
         if not isinstance(path, str) or not path:
             return error(400, f"must be a folder path string, got {path!r}", "checkpoint")
         try:
-            future = worker.reload(path, _idempotency_key())
+            future = worker.reload(path, _idempotency_key(), target)
         except ReloadBusy as e:
             return error(409, str(e), "checkpoint")
         try:
@@ -406,8 +477,10 @@ class ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
 class ConnectionReader(io.RawIOBase):
     """A connection's reads against a deadline, re-checked every POLL_S; past it they raise TimeoutError.
 
-    While the server drains, a connection still sending its request line and headers (``phase``
-    "request") has nothing in flight and is dropped at once; a body still arriving gets DRAIN_GRACE_S.
+    While the server drains, a connection waiting for its next request (``phase`` "idle") or still
+    sending its request line and headers ("request") has nothing in flight and is dropped at once; a
+    body still arriving gets DRAIN_GRACE_S. The first bytes of an idle connection start its "request"
+    phase, so the header deadline counts from there, not from the previous answer.
     """
 
     def __init__(self, sock: socket.socket, draining: threading.Event):
@@ -423,7 +496,7 @@ class ConnectionReader(io.RawIOBase):
         now = time.monotonic()
         deadline = self.deadline
         if self.draining.is_set():
-            if self.phase == "request":
+            if self.phase in ("idle", "request"):
                 return 0.0
             if self._drain_deadline is None:
                 self._drain_deadline = now + DRAIN_GRACE_S
@@ -437,11 +510,58 @@ class ConnectionReader(io.RawIOBase):
                 raise TimeoutError(f"the client's {self.phase} did not arrive in time")
             self.sock.settimeout(min(left, POLL_S))
             try:
-                return self.sock.recv_into(buf)
+                n = self.sock.recv_into(buf)
             except TimeoutError:
                 continue
             finally:
                 self.sock.settimeout(SEND_TIMEOUT_S)
+            if self.phase == "idle" and n:
+                self.phase, self.deadline = "request", time.monotonic() + HEADER_TIMEOUT_S
+            return n
+
+    def wait_for_request(self) -> None:
+        """Between two requests of a kept connection."""
+        self.phase, self.deadline = "idle", time.monotonic() + KEEPALIVE_IDLE_S
+
+
+class BodyInput:
+    """``wsgi.input``: the request's body and no more (a read never waits for the next request of a kept
+    connection); counts what the app took, so the connection is kept only once the whole body was read."""
+
+    def __init__(self, stream: Any, length: int):
+        self.stream, self.left = stream, length
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.stream.read(n) if n else b""
+        self.left -= len(data)
+        return data
+
+    def readline(self, limit: int = -1) -> bytes:
+        limit = self.left if limit is None or limit < 0 else min(limit, self.left)
+        data = self.stream.readline(limit) if limit else b""
+        self.left -= len(data)
+        return data
+
+
+class KeepAliveServerHandler(ServerHandler):
+    """wsgiref's response writer, answering HTTP/1.1; says ``Connection: close`` unless the connection can
+    carry another request (a Content-Length on the answer, the whole body read, the server not draining)."""
+
+    http_version = "1.1"
+    keep = False
+
+    def cleanup_headers(self) -> None:
+        super().cleanup_headers()
+        h = self.request_handler
+        self.keep = (not h.close_connection and "Content-Length" in self.headers and h.body.left == 0
+                     and not h.server.draining.is_set())
+        if not self.keep:
+            self.headers["Connection"] = "close"
+
+    def handle_error(self) -> None:  # an answer that failed half-way leaves the connection unusable
+        self.keep = False
+        super().handle_error()
 
 
 def body_seconds(n: int) -> float:
@@ -450,23 +570,32 @@ def body_seconds(n: int) -> float:
 
 
 class QuietHandler(WSGIRequestHandler):
-    """wsgiref's handler with deadlines on reading the request (:class:`ConnectionReader`)."""
+    """wsgiref's handler with deadlines on reading the request (:class:`ConnectionReader`) and keep-alive
+    connections (BaseHTTPRequestHandler.handle serves requests until ``close_connection``)."""
 
     timeout = SEND_TIMEOUT_S
+    protocol_version = "HTTP/1.1"  # parse_request keeps HTTP/1.1 connections unless asked to close
 
     def setup(self) -> None:
         super().setup()
+        # the answer goes out as headers then body: without TCP_NODELAY, Nagle's algorithm holds the body's
+        # last partial segment until the client acknowledges the headers (a delayed ACK: up to 40 ms)
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rfile.close()
         self.reader = ConnectionReader(self.connection, self.server.draining)
         self.rfile = io.BufferedReader(self.reader)
 
     def handle(self) -> None:
-        """One request (as wsgiref's), its request line and headers due within HEADER_TIMEOUT_S."""
-        self.reader.deadline = time.monotonic() + HEADER_TIMEOUT_S
+        self.reader.deadline = time.monotonic() + HEADER_TIMEOUT_S  # the first request's line and headers
+        BaseHTTPRequestHandler.handle(self)  # WSGIRequestHandler.handle would serve one request only
+
+    def handle_one_request(self) -> None:
+        """One request (as wsgiref's), its request line and headers due within HEADER_TIMEOUT_S of its first byte."""
+        self.close_connection = True
         try:
             self.raw_requestline = self.rfile.readline(65537)
             if not self.raw_requestline:
-                return  # connected and closed without a request
+                return  # connected (or kept) and closed without a request
             if len(self.raw_requestline) > 65536:
                 self.requestline, self.request_version, self.command = "", "", ""
                 self.send_error(414)
@@ -474,15 +603,20 @@ class QuietHandler(WSGIRequestHandler):
             if not self.parse_request():  # it has answered the error
                 return
         except OSError:  # silent or trickling client, or the server is draining: nothing is in flight
+            self.close_connection = True
             return
         try:
             n = content_length(self.headers.get("Content-Length")) or 0
         except ValueError:
-            n = 0  # the access-log middleware answers 400
+            n, self.close_connection = 0, True  # the access-log middleware answers 400; the body's end is unknown
         self.reader.phase, self.reader.deadline = "body", time.monotonic() + body_seconds(n)
-        handler = ServerHandler(self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
+        self.body = BodyInput(self.rfile, n)  # wsgi.input
+        handler = KeepAliveServerHandler(self.body, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
         handler.request_handler = self
         handler.run(self.server.get_app())
+        self.close_connection = not handler.keep
+        if not self.close_connection:
+            self.reader.wait_for_request()
 
     def get_environ(self) -> dict:
         env = super().get_environ()
@@ -522,8 +656,9 @@ class RefServer:
         self.log("stopped")
 
 
-def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> RefServer:
-    """Load the reference model and bind ``ref.host:ref.port`` (refusing an open address without a token)."""
+def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None) -> RefServer:
+    """Load the reference model (and ``reward``'s model: {model, label, dtype, batch_tokens}) and bind
+    ``ref.host:ref.port`` (refusing an open address without a token)."""
     log = log or AccessLog()
     r = cfg.ref
     token = resolve_token(r.token)
@@ -533,7 +668,7 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     t0 = time.perf_counter()
     reload_root = os.environ.get(RELOAD_ROOT_ENV) or None
     worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size,
-                          reload_root)
+                          reload_root, reward)
     limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens,
                           parse_slots=PARSE_SLOTS, parse_wait_s=PARSE_WAIT_S)
     draining = threading.Event()
@@ -547,9 +682,9 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None) -> R
     return server
 
 
-def serve(cfg: Config, device: str, log: Optional[AccessLog] = None) -> int:
+def serve(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None) -> int:
     """Serve until SIGTERM/SIGINT (a second signal exits at once); returns the exit code."""
-    server = build_server(cfg, device, log)
+    server = build_server(cfg, device, log, reward)
 
     def on_signal(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name

@@ -14,8 +14,8 @@ Work nobody waits for is not done: each HTTP thread waiting on a job leaves it w
 disconnects, and a job whose clients have all left is dropped (before its turn, or between two
 forward passes). A request sent with a key (the client's Idempotency-Key and the body's hash)
 joins the queued or running job of the same key instead of queueing a copy, so a client's
-retries after a read timeout cost one computation, and the answer of a job whose client left
-is kept RESULT_TTL_S for its retry. A keyed job is kept RETRY_GRACE_S after its clients left,
+retries after a read timeout cost one computation, and a keyed answer is kept RESULT_TTL_S for
+a retry, even once an HTTP thread has sent it: the client may have timed out while it was sent. A keyed job is kept RETRY_GRACE_S after its clients left,
 since a retry usually follows.
 """
 
@@ -158,7 +158,8 @@ class DeviceWorker:
     """Owns the model on ``device``; runs queued jobs one at a time on its own thread."""
 
     def __init__(self, model_cfg: ModelConfig, source: str, device: str | torch.device,
-                 max_batch_tokens: int, max_queue: int, chunk_size: int, reload_root: Optional[str] = None):
+                 max_batch_tokens: int, max_queue: int, chunk_size: int, reload_root: Optional[str] = None,
+                 reward: Optional[dict] = None):
         self.model_cfg = model_cfg
         self.reload_root = Path(reload_root).resolve() if reload_root else None
         if self.reload_root is not None and not self.reload_root.is_dir():
@@ -170,6 +171,10 @@ class DeviceWorker:
         self.current = load_reference(model_cfg, source)
         self.current.model.to(self.device)
         self.version = 0
+        # a reward model beside the reference (rewards/models.py): same device, same queue, own version
+        self.reward_args = dict(reward or {})
+        self.reward = self._load_reward(self.reward_args["model"]) if reward else None
+        self.reward_version = 0
         self.loaded_at = time.time()
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -239,14 +244,17 @@ class DeviceWorker:
             raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
         return job
 
-    def leave(self, job: Job, answered: bool) -> None:
-        """An HTTP thread stops waiting for ``job``: it has the answer, or its client has gone."""
+    def leave(self, job: Job) -> None:
+        """An HTTP thread stops waiting for ``job``: it has the answer, or its client has gone.
+
+        A keyed answer stays joinable (until :meth:`_forget_stale`) even after it was sent: a
+        client whose read timed out while the answer was being written retries with the same key,
+        and must get that answer instead of a second computation. Keys are one per logical request.
+        """
         with self._lock:
             job.waiters -= 1
             if job.waiters == 0:
                 job.left_at = time.monotonic()
-            if answered:  # the client has it; a later request with the same key is a new one
-                self._forget(job)
 
     def _logprobs(self, model: torch.nn.Module, req: LogprobRequest, job: Job) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Flat [T] log-probs (and entropy) of ``req``, padding one forward pass's rows at a time.
@@ -266,6 +274,27 @@ class DeviceWorker:
                 ents.append(flatten_rows(ent, part.length))
         return torch.cat(lps), (torch.cat(ents) if req.with_entropy else None)
 
+    def _load_reward(self, source: str):
+        from rewards.models import RewardModel
+
+        a = self.reward_args
+        return RewardModel(source, str(self.device), a.get("dtype"), a.get("label"),
+                           a.get("batch_tokens") or self.max_batch_tokens, a.get("chat_template"),
+                           self.model_cfg.trust_remote_code)
+
+    def submit_reward(self, prompts: list, completions: list[str], key: Optional[Hashable] = None) -> Job:
+        """A job whose future gives (scores, compute seconds, reward model version); joined like :meth:`submit`."""
+
+        def run(job: Job):
+            model, version = self.reward, self.reward_version  # as of the job's turn: a reload may precede it
+            t0 = time.perf_counter()
+            scores = model.score_texts(model.texts(prompts, completions))
+            with self._lock:
+                self.stats["computed"] += 1
+            return scores, time.perf_counter() - t0, version
+
+        return self._submit_keyed(run, key)
+
     def submit(self, req: LogprobRequest, key: Optional[Hashable] = None) -> Job:
         """A job whose future gives (flat log-probs [T], flat entropy or None, compute seconds, weights version).
 
@@ -281,6 +310,9 @@ class DeviceWorker:
                 self.stats["computed"] += 1
             return lp, ent, time.perf_counter() - t0, version
 
+        return self._submit_keyed(run, key)
+
+    def _submit_keyed(self, run: Callable[[Job], Any], key: Optional[Hashable]) -> Job:
         with self._lock:
             self._forget_stale(time.monotonic())
             job = self._keyed.get(key) if key is not None else None
@@ -293,7 +325,7 @@ class DeviceWorker:
                 self._keyed[key] = job
             return job
 
-    def reload(self, checkpoint: str, key: Optional[str] = None) -> Future:
+    def reload(self, checkpoint: str, key: Optional[str] = None, target: str = "reference") -> Future:
         """Future of /v1/info's answer after loading ``checkpoint`` and swapping it in, in queue order.
 
         One reload at a time: another while one is loading or queued raises :class:`ReloadBusy`,
@@ -316,7 +348,10 @@ class DeviceWorker:
                 self._reload_keys[key] = (done, now)
         done.add_done_callback(self._reload_finished)
         try:
-            self._load_and_queue_swap(checkpoint, done)
+            if target == "reward":
+                self._load_and_queue_reward_swap(checkpoint, done)
+            else:
+                self._load_and_queue_swap(checkpoint, done)
         except BaseException as e:  # answered through the future, to this caller and to retries alike
             done.set_exception(e)
         return done
@@ -353,6 +388,22 @@ class DeviceWorker:
 
         self._queue.put(Job(swap, future=done))  # waits for room: the loaded model is not thrown away
 
+    def _load_and_queue_reward_swap(self, checkpoint: str, done: Future) -> None:
+        """Load a new reward model (this thread, safetensors only) and queue its swap: requests queued before
+        it are scored by the old model, later ones by the new; each answer names its version."""
+        if self.reward is None:
+            raise ConfigError("this server hosts no reward model (start it with --reward-model)")
+        new = self._load_reward(str(reload_folder(checkpoint, self.reload_root)))
+
+        def swap(job: Job) -> dict:
+            self.reward = new  # the old model is freed with its last reference
+            self.reward_version += 1
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return self.info()
+
+        self._queue.put(Job(swap, future=done))
+
     # ------------------------------------------------------------------ state
     def load(self) -> tuple[int, int]:
         """(queued jobs, running jobs)."""
@@ -378,6 +429,10 @@ class DeviceWorker:
             "limits": {"max_batch_tokens": self.max_batch_tokens, "max_queue": self.max_queue},
             "queue": {"queued": queued, "running": running},
             "jobs": dict(self.stats),
+            "reward": None if self.reward is None else {
+                "model": self.reward.source, "version": self.reward_version, "label": self.reward_args.get("label"),
+                "dtype": str(next(self.reward.model.parameters()).dtype).replace("torch.", ""),
+                "batch_tokens": self.reward.batch_tokens},
         }
 
     def stop(self, timeout: Optional[float] = None) -> None:
