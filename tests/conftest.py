@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo.foundation.dist import free_port
+from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,12 +31,12 @@ def deepspeed_cmd(num_ranks: int, script: str = "train.py") -> list[str]:
     return launcher + ["--num_gpus", str(num_ranks), "--master_port", str(free_port()), script]
 
 
-def run_deepspeed(args: list[str], num_ranks: int = 2, script: str = "train.py", timeout: int = 300,
+def run_deepspeed(args: list[str], num_ranks: int = 2, script: str = "train.py",
                   check: bool = True) -> subprocess.CompletedProcess:
-    """Launch ``script`` with the deepspeed launcher from the repo root; fail with its output."""
+    """Launch ``script`` with the deepspeed launcher from the repo root; fail with its output (hung: after LAUNCH_S)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = deepspeed_cmd(num_ranks, script) + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
     if check and proc.returncode != 0:
         raise AssertionError(f"deepspeed exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     port = cmd[cmd.index("--master_port") + 1]  # DeepSpeed's CPU shm all-reduce op is not built (init_distributed)

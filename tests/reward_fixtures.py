@@ -16,7 +16,7 @@ def boom(prompts, completions, **_):
 
 def slow(prompts, completions, **_):
     if any("slow" in c for c in completions):
-        time.sleep(60)
+        time.sleep(600)  # far beyond any test's bound: only the pool's timeout ends it
     return [1.0 for _ in completions]
 
 
@@ -70,6 +70,22 @@ async def trl_async_half(prompts, completions, delay=0.0, **kwargs):
 
     await asyncio.sleep(delay)
     return [None if c == "" else 0.5 for c in completions]
+
+
+_MET: dict[str, int] = {}
+
+
+async def trl_async_meet(prompts, completions, group="g", expect=3, **kwargs):
+    """Async: 0.5 per row once ``expect`` calls of ``group`` are in flight at the same time, which happens
+    only when they run concurrently; 0.0 if the others never come (one after another) within 120 s."""
+    import asyncio
+
+    _MET[group] = _MET.get(group, 0) + 1
+    for _ in range(12000):
+        if _MET[group] >= expect:
+            return [0.5 for _ in completions]
+        await asyncio.sleep(0.01)
+    return [0.0 for _ in completions]
 
 
 def plain_positional(p, c, **cols):

@@ -22,7 +22,7 @@ LEARN = ["--config", "configs/demo.yaml", "data.builtin.digits=1", "rollout.max_
 ])
 def test_learns_the_demo_task(algo, key, extra, tmp_path):
     """1-digit copy: the reward goes from about 0.03 to 0.8-0.95 (dapo without dynamic sampling ~0.5 at step 60; asserted: >= 0.3 and >= 5x)."""
-    run_deepspeed(["--algo", algo, *LEARN, f"train.output_dir={tmp_path}", *extra], num_ranks=1, timeout=900)
+    run_deepspeed(["--algo", algo, *LEARN, f"train.output_dir={tmp_path}", *extra], num_ranks=1)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     first = sum(r[key] for r in rows[:10]) / 10
     last = sum(r[key] for r in rows[-10:]) / 10

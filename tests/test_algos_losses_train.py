@@ -39,8 +39,7 @@ def learning_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("learn")
     plan = out / "plan.json"
     plan.write_text(json.dumps({name: TASK + extra for name, extra in LEARN.items()}))
-    run_deepspeed(["--plan", str(plan), "--out", str(out), "--steps", "30"], 1, "tests/algo_smoke_worker.py",
-                  timeout=1800)
+    run_deepspeed(["--plan", str(plan), "--out", str(out), "--steps", "30"], 1, "tests/algo_smoke_worker.py")
     return out
 
 

@@ -17,6 +17,7 @@ from grpo.foundation.config import ConfigError
 from grpo.training.configure import load_config
 from tests.test_algos_losses import (LENGTHS, REWARDS, WIDTH, assert_split_invariant, make_batch, policy_logp,
                                      ref_group_adv, run_algo)
+from tests.patience import LAUNCH_S
 
 N = len(LENGTHS)
 TOL = 1e-6
@@ -967,7 +968,7 @@ def test_list_algos_names_every_algorithm_with_its_paper_and_one_line():
 
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "train.py", "--list-algos"], cwd=root, capture_output=True, text=True,
-                         check=True, timeout=120).stdout.splitlines()
+                         check=True, timeout=LAUNCH_S).stdout.splitlines()
     heads = {line.split()[0]: k for k, line in enumerate(out) if line and not line[0].isspace()}
     assert sorted(heads) == sorted(ALGORITHMS)
     for name, cls in ALGORITHMS.items():

@@ -108,7 +108,7 @@ def smoke_runs(tmp_path_factory):
     plan = out / "plan.json"
     plan.write_text(json.dumps({name: {"config": preset(name), "overrides": SMALL + ALGOS.get(name, ([], []))[0]}
                                 for name in NAMES}))
-    run_deepspeed(["--plan", str(plan), "--out", str(out)], 2, "tests/algo_smoke_worker.py", timeout=1200)
+    run_deepspeed(["--plan", str(plan), "--out", str(out)], 2, "tests/algo_smoke_worker.py")
     return out
 
 

@@ -96,8 +96,10 @@ def test_extraction():
 
 def test_counts_reach_the_reward_metrics():
     """Through CombinedReward's worker pool, whose 1 s call timeout is shorter than a row can take: code_tests
-    gets its row_timeout (+5 s) per row instead, so a hanging program scores its own timeouts, not the pool's."""
-    spec = RewardSpec(fn="code_tests", kwargs={"row_timeout": 2.0})
+    gets its row_timeout (+5 s) per row instead, so a hanging program scores its own timeouts, not the pool's.
+    The hanging program's tests end at their 1 CPU second; the 60 s row limit only keeps a busy machine's slow
+    interpreter starts from cutting the right program short."""
+    spec = RewardSpec(fn="code_tests", kwargs={"row_timeout": 60.0})
     r = CombinedReward([spec], RewardPoolConfig(1, 1.0), sandbox=SandboxConfig(timeout=10.0, cpu_seconds=1))
     try:
         total, _ = r(["p"] * 3, [ADD_OK, ADD_BAD, ADD_HANG], {"tests": [ASSERTS[:2]] * 3})

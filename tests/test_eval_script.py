@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +79,7 @@ def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, 
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(29000 + os.getpid() % 2000), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=LAUNCH_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_check_tiny_on_cpu(tmp_path):
     out = tmp_path / "gc"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
-                           "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("grpo", "algos", "rewards", "envs")
@@ -167,7 +168,7 @@ print(json.dumps(result))
 def test_each_module_imported_alone_loads_only_allowed_layers():
     mods = sorted(project_modules())
     out = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT), json.dumps(mods)], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+                         text=True, timeout=LAUNCH_S, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     bad = []

@@ -12,6 +12,7 @@ import pytest
 from grpo.foundation.config import ConfigError
 from grpo.training.configure import load_config
 from grpo.training.metrics import MetricsLogger, plot_metrics, read_metrics
+from tests.patience import LAUNCH_S
 
 
 @pytest.mark.parametrize("target", ["tensorboard", "wandb"])
@@ -74,7 +75,7 @@ def test_the_resume_rewrite_is_atomic_a_full_disk_leaves_the_file_whole(tmp_path
             "from grpo.training.metrics import _truncate_after\n"
             f"_truncate_after(Path({str(path)!r}), 2)\n")
     proc = subprocess.run([sys.executable, "-B", "-c", code], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+                          cwd=Path(__file__).resolve().parents[1], timeout=LAUNCH_S)
     assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr[-2000:]
     assert path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary file left behind

@@ -15,6 +15,7 @@ import pytest
 from grpo.foundation.dist import free_port
 from grpo.training.metrics import read_metrics
 from tests.conftest import ROOT, run_deepspeed
+from tests.patience import LAUNCH_S
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def is_timing(key: str) -> bool:
     return key.startswith(TIMING) or key.endswith("/latency")
 
 
-def run_two_nodes(args: list[str], script: str, tmp: Path, timeout: int = 300) -> None:
+def run_two_nodes(args: list[str], script: str, tmp: Path) -> None:
     hostfile = tmp / "hostfile"
     hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")  # two names for this machine: two "nodes"
     exe = Path(sys.executable).with_name("deepspeed")
@@ -39,7 +40,7 @@ def run_two_nodes(args: list[str], script: str, tmp: Path, timeout: int = 300) -
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in (0, 1)]
     try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        outs = [p.communicate(timeout=LAUNCH_S)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()

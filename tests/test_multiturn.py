@@ -127,7 +127,7 @@ def test_a_bad_tool_costs_its_trajectory_not_the_run(tool):
                               max_trajectory_tokens=24, tool_counts=es.toolbox.pop_counts)
         t0 = time.perf_counter()
         b = mt.rollout([[1]], [{"prompt": "3+4", "answer": "7"}], [0])
-        assert time.perf_counter() - t0 < 30
+        assert time.perf_counter() - t0 < 120, "the hanging tool (600 s) was not stopped by its 1 s timeout"
         # the call failed: the tool message says "error", the answer copies it, no turn reward
         assert TOK.decode(b.completion_ids[0]).startswith("=3+4</s>\nt:error\na:error")
         assert b.reward_terms["turn"].tolist() == [0.0, 0.0]

@@ -60,7 +60,7 @@ def test_a_hostile_call_inside_a_multi_turn_rollout_costs_only_that_call():
         row = {"prompt": "add 2", "tests": ["assert add_2(1) == 3", "assert add_2(5) == 7"], "entry_point": "add_2"}
         t0 = time.perf_counter()
         b = mt.rollout([TOK("add 2", add_special_tokens=False).input_ids], [row], [0])
-        assert time.perf_counter() - t0 < 30
+        assert time.perf_counter() - t0 < 120, "a hostile call was not contained by its 3-4 s limits"
         text0, text1 = TOK.decode(b.completion_ids[0]), TOK.decode(b.completion_ids[1])
         assert "[the program used up its CPU time]" in text0 and "[the program was killed (signal 9)]" in text1
         assert b.reward_terms["passed"].tolist() == [1.0, 0.5]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from grpo.training.configure import load_config
+from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
 GSM8K_ROWS = ROOT / "tests" / "data" / "gsm8k" / "train_head40.jsonl"
@@ -162,7 +163,7 @@ def test_model_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu():
                                                                                           "fp32": "float32"}[expected])}
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "train.py", "--print-config"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+                         text=True, timeout=LAUNCH_S, check=True).stdout
     assert f"  dtype: {expected}\n" in out
 
 

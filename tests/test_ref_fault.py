@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo.training.checkpoint import latest_checkpoint
 from grpo.training.metrics import read_metrics
 from grpo.reference.launch import ROOT, ServerProcess, free_port
+from tests.patience import LAUNCH_S, SERVER_S, STEP_S
 
 pytestmark = pytest.mark.slow
 
@@ -51,28 +52,31 @@ def finish(proc: subprocess.Popen, out: Path, timeout: float) -> str:
     return (out.parent / "train.log").read_text(errors="replace")
 
 
-def wait_for_steps(out: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> int:
+def wait_for_steps(out: Path, proc: subprocess.Popen, n: int) -> int:
+    """Lines in metrics.jsonl once it has ``n``; fails at once if training exits, and after STEP_S per step."""
     path = out / "metrics.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    seen, deadline = -1, 0.0
+    while True:
         assert proc.poll() is None, f"training exited early ({proc.returncode}):\n{finish(proc, out, 1)[-3000:]}"
         lines = len(path.read_text().splitlines()) if path.exists() else 0
         if lines >= n:
             return lines
+        if lines != seen:  # progress: a new step restarts the clock
+            seen, deadline = lines, time.monotonic() + STEP_S
+        assert time.monotonic() < deadline, f"training hung: no step for {STEP_S:g} s after step {lines} (waiting for {n})"
         time.sleep(0.02)
-    raise AssertionError(f"training did not reach step {n} within {timeout} s")
 
 
 def test_server_restarted_within_the_retry_window(server, tmp_path):
     out, steps = tmp_path / "run", 16
     # the trainer starts first and waits for the server (ref.startup_wait), then survives its restart
-    train = start_training(out, server.url, f"train.max_steps={steps}", "ref.retry_window=120",
-                           "ref.startup_wait=120")
-    server.start(timeout=120)
+    train = start_training(out, server.url, f"train.max_steps={steps}", f"ref.retry_window={SERVER_S:g}",
+                           f"ref.startup_wait={SERVER_S:g}")
+    server.start(timeout=SERVER_S)
     done_at_kill = wait_for_steps(out, train, 2)
     server.kill()
-    server.start(timeout=120)  # seconds of imports and loading: the trainer meets a dead server meanwhile
-    log = finish(train, out, 180)
+    server.start(timeout=SERVER_S)  # seconds of imports and loading: the trainer meets a dead server meanwhile
+    log = finish(train, out, LAUNCH_S)
     assert train.returncode == 0, log[-3000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "every step exactly once"
@@ -83,13 +87,13 @@ def test_server_restarted_within_the_retry_window(server, tmp_path):
 
 def test_server_gone_for_good_stops_training_with_a_clear_error(server, tmp_path):
     if server.proc is None or server.proc.poll() is not None:
-        server.start(timeout=120)
+        server.start(timeout=SERVER_S)
     out = tmp_path / "run"
     train = start_training(out, server.url, "train.max_steps=500", "train.save_every=2", "ref.retry_window=3")
     wait_for_steps(out, train, 3)
     assert latest_checkpoint(out) is not None
     server.kill()
-    log = finish(train, out, 120)
+    log = finish(train, out, LAUNCH_S)
     assert train.returncode == 1, log[-3000:]
     assert f"reference error: reference server at {server.url}/v1/logprobs is unavailable" in log
     assert "python ref_client.py" in log and "ref.retry_window=3" in log

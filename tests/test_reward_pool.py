@@ -27,7 +27,7 @@ def test_hanging_math_input_hits_the_timeout_and_the_run_goes_on(caplog):
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="rewards"):
             total, per_fn = r(["p"] * 3, ["\\boxed{5}", HANG, "so \\boxed{5.0}"], answers)
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < 120, "the hanging input was not stopped by its 3 s timeout"
         assert total == [1.0, 0.0, 1.0]
         assert failures(r.pop_metrics()) == {"reward/math_correct/errors": 0.0, "reward/math_correct/timeouts": 1.0}
         assert "longer than its timeout (3.0s" in caplog.text
@@ -64,7 +64,7 @@ def test_slow_custom_function_times_out_only_its_rows():
     try:
         t0 = time.monotonic()
         total, _ = r(["p"] * 4, ["a", "slow", "b", "c"], {})
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 120, "the 600 s call was not stopped by its 1 s timeout"
         assert total == [1.0, 0.0, 1.0, 1.0]
         assert r.pop_metrics()["reward/slow/timeouts"] == 1.0
     finally:

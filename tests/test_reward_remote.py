@@ -109,7 +109,7 @@ def test_slow_or_wrong_endpoints_are_retried_then_stop_the_run(judge, mode, word
     with pytest.raises(RewardServiceError, match="failed .* time\\(s\\) over 2s of retries; last: .*") as e:
         r(["t"] * 2, ["ab", "cd"], {}, raw_prompts=["p", "p"])
     assert words in str(e.value) and "rather than score these rows 0" in str(e.value)
-    assert len(judge.requests) >= 2 and time.monotonic() - t0 < 10
+    assert len(judge.requests) >= 2 and time.monotonic() - t0 < 60, "gave up after its 2 s retry window"
 
 
 def test_a_down_endpoint_and_a_refused_token_stop_the_run(judge, monkeypatch):

@@ -23,6 +23,7 @@ from grpo.training.configure import load_config
 from rewards import CombinedReward
 from rewards.models import RewardModel
 from tests.ref_support import ragged_batch
+from tests.patience import SERVER_S
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def server(dirs):
     srv = ServerProcess(["--model", str(dirs["model"]), "--reward-model", str(dirs["rm"]), "--max-request-mb", "0.1",
                          "--max-queue", "16"], port=free_port(), token=TOKEN, log_path=dirs["log"],
                         env={"OMP_NUM_THREADS": "1"})
-    srv.start(timeout=180)
+    srv.start(timeout=SERVER_S)
     yield srv
     srv.stop()
 

@@ -17,7 +17,7 @@ from rewards import CombinedReward
 from rewards import sandbox
 
 # a wall clock far above the CPU seconds: on a loaded machine a busy loop still ends by its CPU limit
-LIMITS = {"timeout": 10.0, "cpu_seconds": 1, "memory_mb": 256, "processes": 32, "max_output_bytes": 10_000}
+LIMITS = {"timeout": 30.0, "cpu_seconds": 1, "memory_mb": 256, "processes": 32, "max_output_bytes": 10_000}
 CAPS = sandbox.capabilities(LIMITS)
 
 
@@ -25,7 +25,7 @@ def run(code, **kw):
     limits = dict(LIMITS, **kw.pop("limits", {}))
     t0 = time.monotonic()
     r = sandbox.run_python(code, limits, **kw)
-    assert time.monotonic() - t0 < limits["timeout"] + 5  # contained: never much past the timeout
+    assert time.monotonic() - t0 < limits["timeout"] + 30  # contained: never far past the timeout
     return r
 
 
@@ -162,7 +162,7 @@ def test_network_required_fails_where_no_namespace():
 
 
 def combined(fn, limits):
-    return CombinedReward([RewardSpec(fn=fn)], RewardPoolConfig(1, 20.0, 0, limits=WorkerLimits(**limits)))
+    return CombinedReward([RewardSpec(fn=fn)], RewardPoolConfig(1, 300.0, 0, limits=WorkerLimits(**limits)))
 
 
 def test_a_reward_worker_past_its_memory_limit_is_counted_replaced_and_the_next_step_runs():
@@ -183,7 +183,7 @@ def test_a_reward_call_past_its_cpu_seconds_is_killed_counted_and_replaced():
     try:
         t0 = time.monotonic()
         total, _ = r(["p"], ["spin"], {})
-        assert time.monotonic() - t0 < 15  # the kernel's SIGXCPU, well before the 20 s timeout
+        assert time.monotonic() - t0 < 120  # the kernel's SIGXCPU after 1 CPU second, long before the 300 s timeout
         m = r.pop_metrics()
         assert total == [0.0] and m["reward/spin/errors"] == 1.0 and m["reward_pool/killed_cpu"] == 1.0
         total, _ = r(["p"], ["fine"], {})

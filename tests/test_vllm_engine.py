@@ -17,6 +17,7 @@ from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
 from grpo.rollout.hf import HFEngine  # noqa: E402
 from grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from grpo.training.configure import load_config  # noqa: E402
+from tests.patience import LAUNCH_S  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TINY = "builtin:tiny-char-h64"
@@ -209,14 +210,14 @@ def test_a_killed_run_resumes_with_synced_weights(tmp_path):
     run = subprocess.Popen([sys.executable, "train.py", "--config", "configs/demo.yaml", "train.max_steps=1000", *args],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marker = tmp_path / "checkpoints" / "latest"  # a symlink to the step folder, made once the save is complete
-    deadline = time.time() + 240
+    deadline = time.time() + LAUNCH_S
     while not marker.is_dir() and run.poll() is None and time.time() < deadline:
         time.sleep(0.5)
     run.send_signal(signal.SIGKILL)
     _, err = run.communicate()
     assert marker.is_dir(), f"no checkpoint before the kill\n{err[-3000:]}"
     proc = subprocess.run([sys.executable, "tests/vllm_resume_worker.py", "train.max_steps=1000", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=LAUNCH_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["step"] >= 2 and r["syncs"] == 2  # the engine's first load, then the resume's
