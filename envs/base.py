@@ -84,6 +84,41 @@ class EnvSetup:
             resolve_tool(s.fn)
         return cls, list(specs)
 
+    @classmethod
+    def check(cls, env_cfg: Any, sandbox: Any = None, data_source: str = "") -> None:
+        """What a run would otherwise find only inside its rollouts, checked at start (raises EnvConfigError):
+        an ``env.kwargs`` key that neither the environment's constructor nor its ``tasks`` names (when they
+        swallow the rest as ``**_``, a misspelling was silently ignored), and a bad value, by building one
+        environment (no tools) and, with ``data.source: env``, drawing a few of its tasks."""
+        env_cls, _ = cls.resolve(env_cfg)
+        kwargs = dict(env_cfg.kwargs)
+        named: set[str] = set()
+        open_ended = False
+        for fn in (env_cls.__init__, getattr(env_cls, "tasks", None)):
+            if fn is None or getattr(fn, "__func__", fn) in (Environment.__init__, Environment.tasks.__func__):
+                continue  # the base class's: takes no options
+            for p in inspect.signature(fn).parameters.values():
+                if p.kind is p.VAR_KEYWORD:
+                    open_ended |= not p.name.startswith("_")  # **kwargs may be used; **_ is thrown away
+                elif p.name not in ("self", "cls", "tools", "num_examples", "seed"):
+                    named.add(p.name)
+        unknown = sorted(set(kwargs) - named - {"sandbox"})
+        if unknown and not open_ended:
+            raise EnvConfigError(f"env.kwargs {unknown} are not options of env.name={env_cfg.name!r}: it takes "
+                                 f"{sorted(named - {'sandbox'})}")
+        params = inspect.signature(env_cls).parameters
+        if "sandbox" in params and "sandbox" not in kwargs:
+            kwargs["sandbox"] = dict(vars(sandbox)) if sandbox is not None else None
+        try:
+            env_cls(**({"tools": None} if "tools" in params else {}), **kwargs)  # the tools come at run time
+            if data_source == "env":
+                env_cls.tasks(min(int(getattr(env_cfg, "num_examples", 4)), 4), 0, **kwargs)
+        except EnvConfigError:
+            raise
+        except Exception as e:  # a bad option value, found here instead of in every trajectory
+            raise EnvConfigError(f"env.name={env_cfg.name!r} with env.kwargs={dict(env_cfg.kwargs)!r}: "
+                                 f"{type(e).__name__}: {e}") from e
+
     def make(self, row: dict[str, Any]) -> Any:
         """A fresh environment for one trajectory (``row`` is for environments that need it at construction)."""
         if self._takes_tools:

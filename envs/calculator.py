@@ -73,6 +73,8 @@ class CalculatorEnv(Environment):
     @classmethod
     def tasks(cls, num_examples: int, seed: int, max_value: int = 9, ops: str = "+-*", style: str = "symbols",
               bare_frac: float = 0.0, **_: Any) -> list[dict[str, Any]]:
+        if not isinstance(max_value, int) or max_value < 0:
+            raise ValueError(f"env.kwargs.max_value={max_value!r} is invalid: an integer >= 0")
         if style not in ("symbols", "words"):
             raise ValueError(f"env.kwargs.style={style!r} is invalid: choose from ['symbols', 'words']")
         if not 0.0 <= bare_frac <= 1.0 or (bare_frac and style != "symbols"):

@@ -68,10 +68,20 @@ class MazeEnv(Environment):
         moves apart when > 0)."""
         if size < 2:
             raise ValueError(f"env.kwargs.size={size} is invalid: it must be >= 2")
+        if not 0 <= walls <= size * size - 2:
+            raise ValueError(f"env.kwargs.walls={walls} is invalid: from 0 to size * size - 2 = {size * size - 2}")
+        if max_distance < 0:
+            raise ValueError(f"env.kwargs.max_distance={max_distance} is invalid: >= 1, or 0 for any distance")
         rng = random.Random(seed)
         cells = [(r, c) for r in range(size) for c in range(size)]
         rows = []
+        draws = 0
         while len(rows) < num_examples:
+            draws += 1
+            if draws > 1000 * (num_examples + 1):  # under 0.1% of the draws accepted: bounded, not a hang
+                raise ValueError(f"env.kwargs: {len(rows)} mazes in {draws} draws with size={size}, walls={walls}, "
+                                 f"max_distance={max_distance}: start and goal are almost never connected; "
+                                 "use fewer walls or a larger max_distance")
             picks = rng.sample(cells, walls + 2)
             w, start, goal = set(picks[:walls]), picks[walls], picks[walls + 1]
             d = distance(size, w, start, goal)

@@ -210,6 +210,14 @@ def test_reference_that_starts_late_is_waited_for():
     (["--algo", "gigpo"], ["gigpo needs multi-turn rollouts"]),
     (["env.name=no_such_env", "data.source=env"], ["env.name='no_such_env' is unknown"]),
     (["env.name=calculator", "data.source=env", "env.tools=[{fn: nope}]"], ["env.tools fn='nope' is unknown"]),
+    # issue 30, items 10 and 22: an environment's options are checked at start, not inside every trajectory
+    (["env.name=maze", "data.source=env", "env.kwargs={walls: -1}"], ["env.kwargs.walls=-1 is invalid"]),
+    (["env.name=maze", "data.source=env", "env.kwargs={max_distance: -3}"], ["env.kwargs.max_distance=-3 is invalid"]),
+    (["env.name=maze", "data.source=env", "env.kwargs={wals: 2}"],
+     ["env.kwargs ['wals'] are not options of env.name='maze'", "'walls'"]),
+    (["env.name=calculator", "data.source=env", "env.kwargs={partial_credit: maybe}"],
+     ["env.kwargs.partial_credit='maybe' is invalid", "'numeric'"]),
+    (["env.name=calculator", "data.source=env", "env.kwargs={max_value: -5}"], ["env.kwargs.max_value=-5 is invalid"]),
     (["data.source=jsonl", "data.path=/no/such/file.jsonl", "rewards=[{fn: math_correct}]"],
      ["data.path='/no/such/file.jsonl': no such file"]),
 ])
@@ -299,3 +307,45 @@ def test_chat_template_a_string_or_a_file_replaces_the_tokenizers(tmp_path):
     with pytest.raises(ConfigError, match=r"data.chat_template='missing.jinja' is neither a Jinja template .* nor an "
                                           r"existing file"):
         load_config(overrides=["data.chat_template=missing.jinja"])
+
+
+def test_env_options_a_class_takes_as_kwargs_are_not_second_guessed():
+    """An environment whose constructor keeps **kwargs (not **_) may use any key: no unknown-key error."""
+    from envs.base import EnvSetup, Environment
+
+    class Open(Environment):
+        def __init__(self, tools=None, **kwargs):
+            super().__init__(tools)
+            self.options = kwargs
+
+        def reset(self, row):
+            return "x"
+
+        def step(self, action):
+            raise NotImplementedError
+
+    class Closed(Open):
+        def __init__(self, tools=None, level: int = 1, **_):
+            super().__init__(tools)
+
+    cfg = load_config(overrides=["env.name=calculator", "data.source=env"]).env
+    for cls, kwargs, ok in ((Open, {"anything": 1}, True), (Closed, {"level": 2}, True), (Closed, {"levle": 2}, False)):
+        cfg.kwargs = kwargs
+        sys.modules["tests._envs_probe"] = types.SimpleNamespace(Env=cls)
+        cfg.name = "tests._envs_probe:Env"
+        try:
+            EnvSetup.check(cfg)
+            assert ok, kwargs
+        except ValueError as e:
+            assert not ok and "env.kwargs ['levle'] are not options" in str(e) and "['level']" in str(e), e
+        finally:
+            sys.modules.pop("tests._envs_probe", None)
+
+
+def test_maze_draws_are_bounded(monkeypatch):
+    """Constraints no draw meets end in a clear error, not a loop at 100% CPU (issue 30, item 22)."""
+    from envs import maze
+
+    monkeypatch.setattr(maze, "distance", lambda *a: 0)  # start and goal never connected
+    with pytest.raises(ValueError, match=r"0 mazes in 6001 draws with size=3, walls=0, max_distance=0"):
+        maze.MazeEnv.tasks(5, 0)

@@ -73,7 +73,7 @@ def check_run(cfg: Config, resume: bool = False) -> None:
         from envs.base import EnvSetup
 
         try:
-            EnvSetup.resolve(cfg.env)
+            EnvSetup.check(cfg.env, cfg.sandbox, cfg.data.source)
         except (EnvConfigError, ValueError) as e:
             raise ConfigError(str(e)) from e
     else:  # with an environment the rewards are its own
