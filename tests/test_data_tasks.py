@@ -169,6 +169,37 @@ def test_over_long_prompts_are_dropped_and_counted():
         PromptDataset.build(items[1::2], tok, data(), max_prompt_length=10)
 
 
+def test_null_empty_and_non_text_prompts_are_left_out_and_counted():
+    """Issue 30, item 14: an empty prompt was kept (a generation of only it crashed the run, batched with
+    others it was sampled from padding), a null one became the text "None"."""
+    tok = make_char_tokenizer()
+    items = [{"prompt": "ok"}, {"prompt": ""}, {"prompt": None}, {"prompt": "  \n"}, {"prompt": 7}, {"prompt": []},
+             {"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": "fine"}]
+    ds = PromptDataset.build(items, tok, data(), max_prompt_length=50)
+    assert [it["prompt"] for it in ds.items] == ["ok", [{"role": "user", "content": "hi"}], "fine"]
+    assert ds.unusable == {"empty": 3, "null": 1, "not text": 1} and ds.dropped == 0
+    with pytest.raises(ConfigError, match=r"no usable prompt: 3 prompts left out \(empty 2, null 1\)"):
+        PromptDataset.build(items[1:4], tok, data(), max_prompt_length=50)
+
+
+def test_chat_messages_without_a_role_name_the_file_and_the_row():
+    """Issue 30, item 28: a raw library error before."""
+    tok = make_char_tokenizer()
+    items = [{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"content": "no role"}]}]
+    with pytest.raises(ConfigError, match=r"data.path='d.jsonl', row 1: prompt message 0 is .*no role.* 'role'"):
+        PromptDataset.build(items, tok, data(path="d.jsonl"), max_prompt_length=50)
+
+
+def test_a_row_that_is_not_utf8_names_the_file_and_the_row(tmp_path):
+    """Issue 30, item 28: pyarrow's raw UnicodeDecodeError, naming neither, before."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    src = load_source(data(source="jsonl", path=str(path)), 0)
+    assert src[0]["prompt"] == "a"
+    with pytest.raises(ConfigError, match=r"latin1.jsonl', row 1: its text is not UTF-8 .*iconv -f latin1 -t utf-8"):
+        src[1]
+
+
 # --------------------------------------------------------------------------- held-out data
 
 

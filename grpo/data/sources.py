@@ -126,7 +126,7 @@ class TableSource:
                     f"data.columns.{ours}={theirs!r}: the dataset {where} has no column {theirs!r}; "
                     f"its columns are {ds.column_names} (map ours onto theirs with data.columns)"
                 )
-        self.ds, self.mapping = ds, mapping
+        self.ds, self.mapping, self.where = ds, mapping, where
         keep = set(mapping.values())
         self.passthrough = [c for c in ds.column_names if c not in keep]
 
@@ -134,7 +134,12 @@ class TableSource:
         return len(self.ds)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        row = self.ds[int(i)]
+        try:
+            row = self.ds[int(i)]
+        except UnicodeDecodeError as e:  # a byte that is not UTF-8 (pyarrow decodes a row's text when it is read)
+            raise ConfigError(f"data: {self.where}, row {int(i)}: its text is not UTF-8 ({e.reason} at byte "
+                              f"{e.start}: {e.object[e.start:e.start + 1]!r}); write the file as UTF-8, e.g. "
+                              f"iconv -f latin1 -t utf-8") from e
         item = {c: row[c] for c in self.passthrough}
         item.update({ours: row[theirs] for ours, theirs in self.mapping.items()})
         return item
@@ -258,31 +263,70 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: Da
     return tokenizer(text, add_special_tokens=not chat).input_ids
 
 
+def unusable_prompt(prompt: Any) -> Optional[str]:
+    """Why a row's prompt cannot be trained on and is left out (None: it can): a null, an empty text or
+    message list, or something that is neither text nor chat messages (it would become the text "None",
+    or a generation sampled from padding alone)."""
+    if prompt is None:
+        return "null"
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "empty"
+    if isinstance(prompt, list):
+        return None if prompt else "empty"
+    return "not text"
+
+
+def describe_unusable(unusable: dict[str, int]) -> str:
+    """``{"null": 2, "empty": 1}`` -> "3 prompts left out (empty 1, null 2)"."""
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(unusable.items()))
+    return f"{sum(unusable.values())} prompts left out ({parts})"
+
+def check_messages(prompt: list, row: int, cfg: DataConfig) -> None:
+    """Chat messages must be {role, content} dicts: a ConfigError naming the file, the row and the message."""
+    for k, m in enumerate(prompt):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+            where = f"data.path={cfg.path!r}, " if cfg.path else ""
+            raise ConfigError(f"{where}row {row}: prompt message {k} is {str(m)[:120]!r}: chat messages need a "
+                              f"'role' (system, user, assistant, tool) and a 'content'")
+
+
 @dataclass
 class PromptDataset:
-    """Items with their prompt token ids; prompts over the length limit are dropped and counted."""
+    """Items with their prompt token ids; prompts over the length limit are dropped and counted (``dropped``),
+    and so are unusable ones (``unusable``: null, empty or not text, by reason)."""
 
     items: list[dict[str, Any]]
     ids: list[list[int]]
     dropped: int = 0
+    unusable: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, source: PromptSource, tokenizer, cfg: DataConfig, max_prompt_length: int) -> "PromptDataset":
-        items, ids, dropped = [], [], 0
+        items, ids, dropped, unusable = [], [], 0, {}
         for i in range(len(source)):
             item = source[i]
+            why = unusable_prompt(item.get("prompt"))
+            if why is not None:
+                unusable[why] = unusable.get(why, 0) + 1
+                continue
+            if isinstance(item["prompt"], list):
+                check_messages(item["prompt"], i, cfg)
             p = prompt_ids(tokenizer, item, cfg)
             if len(p) > max_prompt_length:
                 dropped += 1
                 continue
             items.append(item)
             ids.append(p)
+        if not items and unusable:
+            raise ConfigError(f"no usable prompt: {describe_unusable(unusable)} (and {dropped} longer than "
+                              f"rollout.max_prompt_length={max_prompt_length}); check data.columns.prompt")
         if not items:
             raise ConfigError(
                 f"every prompt is longer than rollout.max_prompt_length={max_prompt_length} "
                 f"({dropped} dropped): raise the limit"
             )
-        return cls(items, ids, dropped)
+        return cls(items, ids, dropped, unusable)
+
 
     def __len__(self) -> int:
         return len(self.items)

@@ -22,7 +22,7 @@ import torch
 
 from algos import get_algorithm
 from algos.base import Algorithm, StepContext
-from grpo.data.sources import PromptDataset, PromptSampler, load_source
+from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, load_source
 from grpo.data.tasks import system_prompt
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
@@ -148,6 +148,8 @@ class Trainer:
                   f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}", flush=True)
         if dist.is_main() and self.dataset.dropped:
             print(f"dropped {self.dataset.dropped} prompts longer than rollout.max_prompt_length", flush=True)
+        if dist.is_main() and self.dataset.unusable:
+            print(f"data: {describe_unusable(self.dataset.unusable)}: null, empty or not text", flush=True)
 
     # ------------------------------------------------------------------ what algorithms see
     def context(self) -> StepContext:
