@@ -314,6 +314,21 @@ def _reload(url: str, path, token: str = ADMIN) -> requests.Response:
                          headers={"Authorization": f"Bearer {token}"})
 
 
+def test_reload_answers_client_mistakes_with_400_naming_the_field():
+    """Issue 30, item 27: deeply nested JSON and a 5000-character path were 500s."""
+    with serving(f"ref.token={ADMIN}") as srv:
+        auth = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
+        nested = requests.post(srv.url + "/v1/reload", data="[" * 100_000 + "]" * 100_000, headers=auth, timeout=60)
+        assert nested.status_code == 400 and nested.json()["field"] == "body", nested.text
+        long = _reload(srv.url, "/tmp/" + "x" * 5000)
+        assert long.status_code == 400 and long.json()["field"] == "checkpoint", long.text
+        assert "5005 characters" in long.json()["error"]
+        named = _reload(srv.url, "/tmp/" + "y" * 300)  # one name longer than the file system allows
+        assert named.status_code == 400 and named.json()["field"] == "checkpoint", named.text
+        again = _reload(srv.url, "/tmp/" + "y" * 300)  # not 409: the failed reload left no reload in progress
+        assert again.status_code == 400 and again.json()["field"] == "checkpoint", again.text
+
+
 def _pickled_weights_beside_a_decoy(folder):
     """A tiny checkpoint whose real weights are a pickle (pytorch_model.bin) beside a decoy .safetensors."""
     write_tiny(folder, seed=1)

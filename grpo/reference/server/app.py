@@ -277,10 +277,21 @@ def _parse(limits: ServerLimits, slots: Slots, vocab_size: int):
 MAX_REWARD_ROWS = 65536
 
 
+def load_json(body: bytes) -> Any:
+    """A client's JSON body; ValueError (the caller's 400) for bad JSON, too deeply nested JSON included."""
+    try:
+        return json.loads(body or b"null")
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux: a longer checkpoint path names no folder
+
+
 def parse_reward_request(body: bytes) -> tuple[list, list[str]]:
     """(prompts, completions) of a /v1/reward body; WireError (400) naming the bad field otherwise."""
     try:
-        payload = json.loads(body or b"null")
+        payload = load_json(body)
     except ValueError as e:
         raise WireError("body", f"body is not JSON ({e}); send {{\"prompts\": [...], \"completions\": [...]}}")
     if not isinstance(payload, dict):
@@ -441,12 +452,15 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
             return error(403, f"reload is an admin endpoint and this server has no token; restart it with "
                               f"{TOKEN_ENV} (or --token) set", "Authorization")
         try:
-            payload = json.loads(_read_body(limits.max_request_bytes) or b"null")
+            payload = load_json(_read_body(limits.max_request_bytes))
         except ValueError as e:
             return error(400, f"body is not JSON ({e}); send {{\"checkpoint\": \"/path/to/folder\"}}", "body")
         path = payload.get("checkpoint") if isinstance(payload, dict) else None
         if not isinstance(path, str) or not path:
-            return error(400, f"must be a folder path string, got {path!r}", "checkpoint")
+            return error(400, f"must be a folder path string, got {str(path)[:200]!r}", "checkpoint")
+        if len(path) > MAX_PATH_CHARS:
+            return error(400, f"a path of {len(path)} characters names no folder (at most {MAX_PATH_CHARS})",
+                         "checkpoint")
         try:
             future = worker.reload(path, _idempotency_key(), target)
         except ReloadBusy as e:
@@ -455,6 +469,8 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
             return _json(future.result())
         except ConfigError as e:
             return error(400, str(e), "checkpoint")
+        except OSError as e:  # the client's path: too long a name, not readable...
+            return error(400, f"{path[:200]!r} cannot be read: {e.strerror or e}", "checkpoint")
 
     return app
 
