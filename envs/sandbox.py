@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rewards.pool import Outcome, WorkerPool
+from rewards.pool import Outcome, WorkerPool, clip_text
 
 log = logging.getLogger("tools")
 
@@ -40,7 +40,8 @@ class ToolCall:
                 raise ValueError(f"tool {self.fn!r} returned {len(out)} characters (limit {self.max_output_chars})")
             return Outcome("ok", value=out)
         except Exception:  # noqa: BLE001 - any failure of the tool is this call's, reported back
-            return Outcome("error", error=traceback.format_exc())
+            # bounded like an answer: a huge exception text neither crosses the pipe nor floods the log
+            return Outcome("error", error=clip_text(traceback.format_exc(), max(self.max_output_chars, 500)))
 
 
 @dataclass

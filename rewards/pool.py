@@ -45,14 +45,37 @@ class Call:
     columns: dict[str, list]
 
 
+MAX_ERROR_CHARS = 8000  # an error's text crosses the pipe and reaches the log: a huge exception message is cut
+
+
+def clip_text(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters: a line longer than a third of it keeps its ends (the start of a
+    traceback's last line names the error), then the text keeps its head and its tail."""
+    if len(text) <= limit:
+        return text
+    part = max(8, limit // 6)
+    text = "\n".join(line if len(line) <= 2 * part else f"{line[:part]} [... {len(line) - 2 * part} cut ...] "
+                     f"{line[-part:]}" for line in text.split("\n"))
+    if len(text) <= limit:
+        return text
+    note = f"\n[... {len(text) - limit} characters cut ...]\n"
+    head = max(0, (limit - len(note)) // 2)
+    return text[:head] + note + text[len(text) - max(0, limit - len(note) - head):]
+
+
 @dataclass
 class Outcome:
-    """``status`` is ok | error | timeout; ``values`` only when ok, ``error`` (a traceback) when error."""
+    """``status`` is ok | error | timeout; ``values`` only when ok, ``error`` (a traceback, at most
+    MAX_ERROR_CHARS, cut where it is made: in the worker) when error."""
 
     status: str
     values: Optional[list[float]] = None
     error: Optional[str] = None
     value: Any = None  # the answer of a call that runs itself (a tool call: envs/sandbox.py)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.error, str) and len(self.error) > MAX_ERROR_CHARS:
+            self.error = clip_text(self.error, MAX_ERROR_CHARS)
 
 
 def dispatch(call: Any) -> Outcome:

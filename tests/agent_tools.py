@@ -25,3 +25,8 @@ def huge(args: str, **_) -> str:
 def hog(args: str, **_) -> str:
     """Allocates 2 GiB when asked to (past a tool worker's env.tool_limits.memory_mb in tests/test_sandbox.py)."""
     return str(len(bytearray(2 << 30))) if args == "hog" else "fine"
+
+
+def shout(args: str, **_) -> str:
+    """Raises with a 1 MB message (its end names the error)."""
+    raise ValueError("x" * 1_000_000 + " THE END")

@@ -152,6 +152,19 @@ def test_the_calculator_tool_runs_in_a_worker_and_never_evals():
         box.close()
 
 
+def test_a_tool_error_is_bounded_like_its_answers(caplog):
+    """Issue 30, item 8: a 1 MB exception text crossed the pipe whole and landed whole in the log."""
+    box = ToolBox({"shout": ("tests.agent_tools:shout", {})}, num_workers=1, timeout=30.0, max_output_chars=600)
+    try:
+        with caplog.at_level("WARNING"):
+            r = box.call("shout", "now")
+        assert not r.ok and r.status == "error" and len(r.error) <= 600
+        assert "ValueError" in r.error and r.error.rstrip().endswith("THE END") and " cut ...] " in r.error
+        assert len(caplog.text) < 5000
+    finally:
+        box.close()
+
+
 def test_multi_turn_logprobs_equal_a_naive_float64_recomputation():
     torch.manual_seed(0)
     model, _ = build_tiny(seed=1)
