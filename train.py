@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import yaml
 
-    from grpo.foundation.config import ConfigError, to_dict
+    from grpo.foundation.config import ConfigError, config_warnings, to_dict
     from grpo.training.configure import check_run, load_config, probe_services
 
     try:  # one validation, before any model loads, for --print-config and the run alike
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") == "0":
+        for warning in config_warnings(cfg):
+            print(f"config warning: {warning}", file=sys.stderr)
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0

@@ -210,6 +210,12 @@ def test_reference_that_starts_late_is_waited_for():
     (["--algo", "gigpo"], ["gigpo needs multi-turn rollouts"]),
     (["env.name=no_such_env", "data.source=env"], ["env.name='no_such_env' is unknown"]),
     (["env.name=calculator", "data.source=env", "env.tools=[{fn: nope}]"], ["env.tools fn='nope' is unknown"]),
+    # issue 30, item 30: settings that would be accepted and do nothing
+    (["env.kwargs={size: 4}"], ["env.kwargs set without env.name, so nothing would use it"]),
+    (["env.tool_workers=4", "env.stop=[x]"], ["env.stop, env.tool_workers set without env.name"]),
+    (["env.name=calculator", "data.source=env", "env.tool_workers=100000"], ["at most 256 worker processes"]),
+    (["env.name=calculator", "data.source=env", "env.tools=[{fn: calculator}, {fn: calculator}]"],
+     ["env.tools names ['calculator'] twice"]),
     # issue 30, items 10 and 22: an environment's options are checked at start, not inside every trajectory
     (["env.name=maze", "data.source=env", "env.kwargs={walls: -1}"], ["env.kwargs.walls=-1 is invalid"]),
     (["env.name=maze", "data.source=env", "env.kwargs={max_distance: -3}"], ["env.kwargs.max_distance=-3 is invalid"]),
@@ -349,3 +355,16 @@ def test_maze_draws_are_bounded(monkeypatch):
     monkeypatch.setattr(maze, "distance", lambda *a: 0)  # start and goal never connected
     with pytest.raises(ValueError, match=r"0 mazes in 6001 draws with size=3, walls=0, max_distance=0"):
         maze.MazeEnv.tasks(5, 0)
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["rollout.engine=hf", "rollout.vllm.gpu_memory_utilization=0.5"],
+     "config warning: rollout.vllm.gpu_memory_utilization ignored: rollout.engine='hf', not 'vllm'"),
+    (["ref.sync_every=500", "train.max_steps=100"],
+     "config warning: ref.sync_every=500 > train.max_steps=100: the reference is never synced in this run"),
+])
+def test_settings_that_do_nothing_here_are_named_once(capsys, overrides, warning):
+    """Issue 30, item 30: valid settings that this run ignores are printed before any model loads."""
+    assert train.main([*overrides, "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(warning) == 1, err

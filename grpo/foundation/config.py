@@ -715,6 +715,9 @@ def _validate_ref_sync(cfg: Config) -> None:
                           "(no KL term): set algo.beta > 0 or ref.sync_every=0")
 
 
+MAX_TOOL_WORKERS = 256  # processes: more is a typo, not a setting
+
+
 def _validate_env(cfg: Config) -> None:
     e, r = cfg.env, cfg.rollout
     _positive("rollout.max_turns", r.max_turns)
@@ -722,7 +725,19 @@ def _validate_env(cfg: Config) -> None:
     if e.name is None:
         if cfg.data.source == "env":
             raise ConfigError("data.source='env' needs an environment: set env.name (e.g. calculator or maze)")
+        changed = [f.name for f in dataclasses.fields(e) if getattr(e, f.name) != getattr(EnvConfig(), f.name)]
+        if changed:  # they would do nothing: only a forgotten env.name makes sense of them
+            raise ConfigError(f"env.{', env.'.join(changed)} set without env.name, so nothing would use "
+                              f"{'them' if len(changed) > 1 else 'it'}: set env.name (calculator, maze, or "
+                              f"package.module:Class), or remove the env settings")
         return
+    if e.tool_workers > MAX_TOOL_WORKERS:
+        raise ConfigError(f"env.tool_workers={e.tool_workers} is invalid: at most {MAX_TOOL_WORKERS} worker processes")
+    names = [s.name or s.fn.split(":")[-1] for s in (e.tools or [])]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"env.tools names {twice} twice; the environment calls a tool by its name, so one "
+                          f"would be dropped: give each its own name (env.tools: [{{fn: ..., name: ...}}])")
     if not e.name.strip():
         raise ConfigError("env.name is empty: name an environment (calculator, maze) or give 'package.module:Class'")
     _positive("env.tool_timeout", e.tool_timeout)
@@ -739,6 +754,21 @@ def _validate_env(cfg: Config) -> None:
     if cfg.eval.every:
         raise ConfigError(f"eval.every={cfg.eval.every}: held-out evaluation of multi-turn environments is not "
                           "implemented; set eval.every=0 (the training reward is the environment's)")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but do nothing in this run (a preset switched to another engine, a reference
+    sync that never comes): train.py prints them once, before any model loads."""
+    out = []
+    if cfg.rollout.engine != "vllm" and cfg.rollout.vllm != VllmConfig():
+        changed = [f.name for f in dataclasses.fields(VllmConfig)
+                   if getattr(cfg.rollout.vllm, f.name) != getattr(VllmConfig(), f.name)]
+        out.append(f"rollout.vllm.{', rollout.vllm.'.join(changed)} ignored: rollout.engine={cfg.rollout.engine!r}, "
+                   f"not 'vllm'")
+    if cfg.ref.sync_every > cfg.train.max_steps:
+        out.append(f"ref.sync_every={cfg.ref.sync_every} > train.max_steps={cfg.train.max_steps}: the reference is "
+                   f"never synced in this run")
+    return out
 
 
 def _validate_limits(cfg: Config) -> None:
