@@ -314,6 +314,30 @@ def _reload(url: str, path, token: str = ADMIN) -> requests.Response:
                          headers={"Authorization": f"Bearer {token}"})
 
 
+def test_a_sync_the_server_cannot_reload_fails_at_start(tmp_path, monkeypatch):
+    """Issue 30, item 13: ref.sync_every with a server that has no token, or whose reload root excludes the
+    run, failed at the first sync (after that step's work, before its checkpoint), and again after --resume."""
+    from grpo.training.configure import probe_services
+
+    def check(url, *overrides):
+        probe_services(load_config(None, None, [f"ref.url={url}", "algo.beta=0.04", "ref.sync_every=2", *overrides]))
+
+    monkeypatch.delenv("GRPO_REF_TOKEN", raising=False)
+    with serving() as srv:  # no token: /v1/reload is off
+        with pytest.raises(ConfigError, match=r"set ref.token \(or GRPO_REF_TOKEN\) to the server's token"):
+            check(srv.url)
+        with pytest.raises(ConfigError, match=r"cannot reload \(it has no token\); restart it with GRPO_REF_TOKEN"):
+            check(srv.url, f"ref.token={ADMIN}")
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setenv("GRPO_REF_RELOAD_ROOT", str(root))
+    with serving(f"ref.token={ADMIN}") as srv:
+        with pytest.raises(ConfigError, match=r"reloads only folders inside GRPO_REF_RELOAD_ROOT=.*root'.*elsewhere"):
+            check(srv.url, f"ref.token={ADMIN}", f"train.output_dir={tmp_path / 'elsewhere'}")
+        check(srv.url, f"ref.token={ADMIN}", f"train.output_dir={root / 'run'}")  # inside the root: fine
+        check(srv.url, "ref.sync_every=0", "ref.token=")  # no sync: nothing to check
+
+
 def test_reload_answers_client_mistakes_with_400_naming_the_field():
     """Issue 30, item 27: deeply nested JSON and a 5000-character path were 500s."""
     with serving(f"ref.token={ADMIN}") as srv:

@@ -23,6 +23,7 @@ import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -178,6 +179,36 @@ def probe(cfg: Config) -> None:
             time.sleep(0.25)
         except requests.RequestException:  # it answered, or is slow: HTTPReference takes it from here
             return
+
+
+def check_reload(cfg: Config) -> None:
+    """With ``ref.sync_every``, the server must be able to reload the run's folders: at start, not at the first
+    sync after that step's work (and again after every --resume). ConfigError naming the fix otherwise."""
+    r = cfg.ref
+    if not (r.url and r.sync_every):
+        return
+    token = r.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ConfigError(f"ref.sync_every={r.sync_every} reloads the reference server's weights, an admin request: "
+                          f"set ref.token (or {TOKEN_ENV}) to the server's token")
+    try:
+        resp = requests.get(r.url.rstrip("/") + "/v1/info", headers={"Authorization": f"Bearer {token}"},
+                            timeout=(r.connect_timeout, r.read_timeout))
+        info = resp.json() if resp.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return  # the client's own checks and retries report an unreachable server
+    reload = info.get("reload")
+    if not isinstance(reload, dict):
+        return  # a server from before this field: the first sync will tell
+    if not reload.get("enabled"):
+        raise ConfigError(f"ref.sync_every={r.sync_every}: the reference server at {r.url} cannot reload (it has "
+                          f"no token); restart it with {TOKEN_ENV} set, or set ref.sync_every=0")
+    root = reload.get("root")
+    run = Path(cfg.train.output_dir).resolve()
+    if root and not (run == Path(root) or Path(root) in run.parents):
+        raise ConfigError(f"ref.sync_every={r.sync_every}: the reference server reloads only folders inside "
+                          f"GRPO_REF_RELOAD_ROOT={root!r}, and this run writes its reference folders in {str(run)!r}: "
+                          f"set train.output_dir inside it, or restart the server with a root that holds the run")
 
 
 class HTTPReference:

@@ -116,9 +116,10 @@ def probe_services(cfg: Config) -> None:
     otherwise): the reference server, when the run uses a reference or a reward model hosted there."""
     uses_server = any(s.kind == "model" and s.where == "server" for s in cfg.rewards)
     if cfg.ref.url and (uses_server or get_algorithm(cfg.algo.name)(cfg).needs_reference):
-        from grpo.reference.http import probe
+        from grpo.reference.http import check_reload, probe
 
         probe(cfg)
+        check_reload(cfg)
 
 
 def needs_reference(config: Optional[str | Path], overrides: list[str]) -> bool:

@@ -383,6 +383,8 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
     @app.get("/v1/info")
     def info():
         out = worker.info()
+        # whether /v1/reload can serve a trainer's ref.sync_every (checked at its start: grpo/reference/http.py)
+        out["reload"] = {"enabled": bool(token), "root": None if worker.reload_root is None else str(worker.reload_root)}
         out["limits"].update(max_request_bytes=limits.max_request_bytes, max_padded_tokens=limits.max_padded_tokens,
                              parse_slots=limits.parse_slots)
         return _json(out)
