@@ -61,6 +61,12 @@ class EdgeGRPO(GRPO):
     def validate(cls, cfg: Config) -> None:
         if cfg.algo.options.guided_correction and not cfg.algo.options.reflection_cue:
             raise ConfigError("algo.reflection_cue is empty: guided correction appends it to incorrect completions")
+        if cfg.algo.options.guided_correction and cfg.algo.tis_cap is not None:
+            # the rewritten rows' tokens were not sampled by the engine: their sampler log-probs would be the old
+            # row's, a TIS weight of about p_old (~0.01) on each correction token (issue 30, item 12)
+            raise ConfigError(f"algo.tis_cap={cfg.algo.tis_cap!r} with algo.guided_correction: the corrected "
+                              "completions were not sampled by the engine, so they have no sampler log-probs to "
+                              "weight by; set algo.tis_cap=null or algo.guided_correction=false")
 
     @property
     def needs_entropy(self) -> bool:

@@ -129,6 +129,13 @@ def test_sequence_level_algorithms_refuse_tis(algo):
     config("gspo-token", **{"algo.tis_cap": 2.0, ENGINE: SCRIPTED})  # per-token surrogate: accepted
 
 
+def test_edge_grpo_guided_correction_refuses_tis():
+    """Issue 30, item 12: its rewritten rows kept the old rows' sampler log-probs (a TIS weight ~ p_old)."""
+    with pytest.raises(ConfigError, match=r"algo.tis_cap=2.0 with algo.guided_correction"):
+        config("edge-grpo", **{"algo.tis_cap": 2.0, "algo.guided_correction": True, ENGINE: SCRIPTED})
+    config("edge-grpo", **{"algo.tis_cap": 2.0, ENGINE: SCRIPTED})  # no rewriting: accepted
+
+
 def test_sampler_gap_by_hand():
     gap = SamplerGap()
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
