@@ -180,3 +180,24 @@ def test_keep_checkpoints_never_deletes_the_folder_latest_names(tmp_path):
     assert latest_checkpoint(tmp_path) == root / "step-1"
     save_checkpoint(_Engine(), _Tokenizer(), tmp_path, 2, {"step": 2, "sampler": {"consumed": 16}}, keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2"]
+
+
+def test_reference_folders_no_checkpoint_names_are_deleted(tmp_path):
+    """ref.sync_every wrote a whole model folder per sync and never deleted one (issue 30, item 9): only the
+    reference in use and the folders the remaining checkpoints would resume from are kept."""
+    from grpo.training.checkpoint import prune_reference_folders
+
+    ref = tmp_path / "reference"
+    for n in (2, 4, 6, 8):
+        (ref / f"step-{n}").mkdir(parents=True)
+    for step, folder in ((5, ref / "step-4"), (7, ref / "step-6")):
+        (tmp_path / "checkpoints" / f"step-{step}" / "trainer").mkdir(parents=True)
+        torch.save({"step": step, "reference": {"folder": str(folder), "version": 1}},
+                   tmp_path / "checkpoints" / f"step-{step}" / "trainer" / "rank0.pt")
+    removed = prune_reference_folders(tmp_path, str(ref / "step-8"))
+    assert sorted(p.name for p in removed) == ["step-2"]
+    assert sorted(p.name for p in ref.iterdir()) == ["step-4", "step-6", "step-8"]
+    # a checkpoint whose state cannot be read: nothing is deleted
+    (tmp_path / "checkpoints" / "step-9" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-9" / "trainer" / "rank0.pt").write_bytes(b"not a torch file")
+    assert prune_reference_folders(tmp_path, None) == [] and len(list(ref.iterdir())) == 3

@@ -389,6 +389,8 @@ def test_sync_every_mixes_the_in_process_reference_as_the_formula_says(single_ra
     assert seen[-1][2] == str(tmp_path / "reference" / "step-4") and tr.reference.folder == seen[-1][2]
     assert [h.get("ref/version") for h in history] == [None, 1, None, 2]
     last_sync = seen[-1][2]
+    # step-2's folder is neither the reference nor named by a checkpoint: deleted (issue 30, item 9)
+    assert sorted(p.name for p in (tmp_path / "reference").iterdir()) == ["step-4"]
 
     # alpha = 1 (ProRL's resets): an exact copy of the policy, weights moved by hand so they surely differ
     theta = moved_policy(tr)

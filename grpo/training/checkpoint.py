@@ -147,6 +147,31 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
     return final
 
 
+def prune_reference_folders(output_dir: str | Path, current: Optional[str]) -> list[Path]:
+    """Delete the OUT/reference/step-* folders (written by ref.sync_every) that neither the reference in use
+    (``current``) nor any checkpoint names (its trainer state's reference folder, which --resume reloads);
+    returns them. Each sync wrote a whole model folder and none was ever deleted (a 7B run syncing every 50
+    of 5000 steps: about 1.5 TB). A checkpoint whose state cannot be read keeps every folder. Rank 0 only."""
+    folders = [p for p in (Path(output_dir) / "reference").glob("step-*") if p.is_dir()]
+    if not folders:
+        return []
+    named = {Path(current).resolve()} if current else set()
+    for ckpt in checkpoints_dir(output_dir).glob("step-*"):
+        state = ckpt / "trainer" / "rank0.pt"
+        if not state.is_file():
+            continue
+        try:
+            folder = (load_trainer_state(state).get("reference") or {}).get("folder")
+        except Exception:  # noqa: BLE001 - unsure what it needs: delete nothing
+            return []
+        if folder:
+            named.add(Path(folder).resolve())
+    removed = [p for p in folders if p.resolve() not in named]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
 def _prune(root: Path, latest: Path, keep: int) -> None:
     """Keep ``latest`` and the newest ``keep - 1`` other step folders; delete the rest. ``latest`` is never
     deleted, even when older-numbered than the others (a run restarted without --resume in the same folder)."""

@@ -34,8 +34,8 @@ from grpo.reference.handle import make_reference
 from grpo.rollout.multiturn import MultiTurnRollout
 from grpo.rollout.service import RolloutService, engine_class
 from grpo.training import deepspeed_engine as ds
-from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, save_checkpoint,
-                                     write_weights)
+from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, prune_reference_folders,
+                                     save_checkpoint, write_weights)
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
@@ -489,14 +489,20 @@ class Trainer:
             if self.evaluator is not None and self.evaluator.due(self.step):
                 metrics.update(self.evaluate())
             self.algo.on_step_end(self.context(), metrics)  # may add metrics (e.g. ProRL's reference version)
-            if cfg.ref.sync_every and self.step % cfg.ref.sync_every == 0:
+            synced = cfg.ref.sync_every and self.step % cfg.ref.sync_every == 0
+            if synced:
                 _, metrics["ref/version"] = self.sync_reference(cfg.ref.mixup_alpha)
             history.append({"step": self.step, **metrics})
             self.logger.log(self.step, metrics, self._samples_for_log())
-            if cfg.train.save_every and self.step % cfg.train.save_every == 0:
+            saved = cfg.train.save_every and self.step % cfg.train.save_every == 0
+            if saved:
                 last_saved = self.save()
+            if (synced or saved) and dist.is_main() and self.reference is not None:
+                prune_reference_folders(self.out, self.reference.folder)  # only what the run may still read
         if last_saved is None or not last_saved.name.endswith(f"-{self.step}"):
             last_saved = self.save()
+            if dist.is_main() and self.reference is not None:
+                prune_reference_folders(self.out, self.reference.folder)
         final = export_model(self.engine, self.tokenizer, self.out / "final") if cfg.train.export_final else None
         plot = self.logger.close()
         if dist.is_main():
