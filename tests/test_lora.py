@@ -8,6 +8,7 @@ launcher with 2 CPU ranks (gradient invariance with LoRA under ZeRO-2).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -408,6 +409,16 @@ def test_sync_every_mixes_the_in_process_reference_as_the_formula_says(single_ra
     assert all(torch.equal(want[k], got[k]) for k in want)
     tr2.close()
 
+    # the run folder moved: it still resumes, with its own synced reference (issue 30, item 24: the state held
+    # an absolute path, and the error blamed model.name_or_path)
+    moved = tmp_path.parent / (tmp_path.name + "-moved")
+    shutil.move(str(tmp_path), str(moved))
+    tr3 = make_trainer(moved, "algo.beta=0.04", "ref.sync_every=2", f"ref.mixup_alpha={alpha}", resume=True)
+    assert tr3.step == 4 and tr3.reference.folder == str(moved / "reference" / "step-4")
+    got = snapshot(tr3.reference.impl.model)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    tr3.close()
+
 
 def test_sync_through_the_server_writes_the_mixed_weights_and_reloads(single_rank_env, tmp_path):
     from grpo.foundation.modeling import load_model
@@ -542,7 +553,6 @@ def test_lora_step_gradient_independent_of_ranks_micro_batches_and_zero2(tmp_pat
 def test_lora_two_ranks_zero2_free_reference_checkpoint_and_resume(tmp_path):
     """2 ranks, ZeRO-2, beta > 0 with the free reference: the run writes adapter checkpoints (partitioned
     optimizer state without the frozen base), and --resume from step 2 reproduces steps 3-4."""
-    import shutil
 
     from grpo.training.checkpoint import LATEST
     from grpo.training.metrics import read_metrics

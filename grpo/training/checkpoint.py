@@ -147,6 +147,25 @@ def save_checkpoint(engine, tokenizer, output_dir: str | Path, step: int, traine
     return final
 
 
+def stored_folder(output_dir: str | Path, folder: str) -> str:
+    """``folder`` as a checkpoint records it: relative to the run folder when inside it (a moved run resumes)."""
+    run, f = Path(output_dir).resolve(), Path(folder).resolve()
+    return str(f.relative_to(run)) if f == run or run in f.parents else str(f)
+
+
+def reference_folder(output_dir: str | Path, recorded: str) -> str:
+    """The absolute folder of a checkpoint's recorded reference: a relative one is in this run's folder; an
+    absolute one (checkpoints written before paths were relative) that no longer exists but whose
+    ``reference/step-N`` is in this run's folder (the run was moved) is that one."""
+    run = Path(output_dir).resolve()
+    path = Path(recorded)
+    if not path.is_absolute():
+        return str(run / path)
+    if not path.exists() and path.parent.name == "reference" and (run / "reference" / path.name).is_dir():
+        return str(run / "reference" / path.name)
+    return str(path)
+
+
 def prune_reference_folders(output_dir: str | Path, current: Optional[str]) -> list[Path]:
     """Delete the OUT/reference/step-* folders (written by ref.sync_every) that neither the reference in use
     (``current``) nor any checkpoint names (its trainer state's reference folder, which --resume reloads);
@@ -165,7 +184,7 @@ def prune_reference_folders(output_dir: str | Path, current: Optional[str]) -> l
         except Exception:  # noqa: BLE001 - unsure what it needs: delete nothing
             return []
         if folder:
-            named.add(Path(folder).resolve())
+            named.add(Path(reference_folder(output_dir, folder)).resolve())
     removed = [p for p in folders if p.resolve() not in named]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)

@@ -35,7 +35,7 @@ from grpo.rollout.multiturn import MultiTurnRollout
 from grpo.rollout.service import RolloutService, engine_class
 from grpo.training import deepspeed_engine as ds
 from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, prune_reference_folders,
-                                     save_checkpoint, write_weights)
+                                     reference_folder, save_checkpoint, stored_folder, write_weights)
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
@@ -130,9 +130,10 @@ class Trainer:
             self.algo.load_options_state_dict(state.get("algo_options", {}))
             ref_state = state.get("reference") or {}
             if self.reference is not None and ref_state.get("folder"):  # it had been synced: bring it back
-                self.reference.restore(ref_state["folder"], ref_state.get("version"))
+                folder = reference_folder(self.out, ref_state["folder"])
+                self.reference.restore(folder, ref_state.get("version"))
                 if self.reference.kind == "adapters-off":
-                    lora.set_base_name(self.model, ref_state["folder"])
+                    lora.set_base_name(self.model, folder)
             self.rollout.sync_weights()  # the engine generates with the restored weights
             if dist.is_main():
                 print(f"resumed from {ckpt} at step {self.step}", flush=True)
@@ -447,7 +448,9 @@ class Trainer:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "algo": self.algo.state_dict(),
                  "algo_options": self.algo.options_state_dict()}
         if self.reference is not None and self.reference.folder:
-            state["reference"] = {"folder": self.reference.folder, "version": self.reference.version}
+            # relative to the run folder when inside it: a run folder moved (or copied) still resumes
+            state["reference"] = {"folder": stored_folder(self.out, self.reference.folder),
+                                  "version": self.reference.version}
         return save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state, keep=self.cfg.train.keep_checkpoints)
 
     def train(self) -> list[dict]:
