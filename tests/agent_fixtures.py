@@ -44,3 +44,24 @@ class RaisingEnv:
         if self.row.get("explode"):
             raise RuntimeError("environment failure")
         return StepResult(None, 1.0, True)
+
+
+class BadValueEnv:
+    """Returns the bad value its row names (``row["bad"]``) from reset, step or reward_terms; 1.0 otherwise."""
+
+    STEP = {"reward_none": StepResult(None, None, True), "reward_text": StepResult(None, "1.0x", True),
+            "reward_nan": StepResult(None, float("nan"), True), "reward_inf": StepResult(None, float("inf"), True),
+            "info_none": StepResult(None, 1.0, True, None), "not_a_result": (None, 1.0, True)}
+
+    def __init__(self, **_):
+        pass
+
+    def reset(self, row):
+        self.bad = row.get("bad")
+        return None if self.bad == "reset_none" else row["prompt"]
+
+    def step(self, action):
+        return self.STEP.get(self.bad, StepResult(None, 1.0, True))
+
+    def reward_terms(self):
+        return {"env": None} if self.bad == "terms_none" else {"env": 1.0}

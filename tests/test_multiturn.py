@@ -116,6 +116,29 @@ def test_a_raising_environment_costs_its_trajectory_only():
     assert mt.pop_metrics()["env/errors"] == 2
 
 
+def test_bad_values_from_an_environment_cost_their_trajectory_only(caplog):
+    """Issue 30, items 4 and 5: a reward of None or "1.0x", info=None, reset() returning None or a None reward
+    term ended the run; a non-finite reward made the group's advantages nan (the step skipped, then the run
+    stopped blaming the learning rate). Each now ends its trajectory, counted, the environment named once."""
+    from tests.agent_fixtures import BadValueEnv
+
+    bad = ["reward_none", "reward_text", "reward_nan", "reward_inf", "info_none", "not_a_result", "reset_none",
+           "terms_none"]
+    rows = [{"prompt": "ok"}] + [{"prompt": "p", "bad": k} for k in bad]
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: BadValueEnv(), max_turns=2, max_trajectory_tokens=20)
+    with caplog.at_level("WARNING"):
+        b = mt.rollout([[1]] * len(rows), rows, list(range(len(rows))))
+        b2 = mt.rollout([[1]] * len(rows), rows, list(range(len(rows))))
+    want = [1.0, 1.0] + [0.0] * (2 * len(bad))
+    assert b.rewards.tolist() == want and b2.rewards.tolist() == want
+    assert b.reward_terms["env"].tolist() == want and torch.isfinite(b.rewards).all()
+    assert mt.pop_metrics()["env/errors"] == 2 * 2 * len(bad)
+    for where in ("BadValueEnv.step returned reward=None, not a finite number", "BadValueEnv.reset returned None, not text",
+                  "BadValueEnv.reward_terms returned 'env': None"):
+        assert where in caplog.text, caplog.text
+    assert caplog.text.count("BadValueEnv.step returned") == 1, "named once"
+
+
 @pytest.mark.parametrize("tool", ["hang", "boom", "garbage", "huge"])
 def test_a_bad_tool_costs_its_trajectory_not_the_run(tool):
     from grpo.foundation.config import ToolSpec

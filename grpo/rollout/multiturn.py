@@ -37,6 +37,7 @@ anything with ``reset(row) -> observation`` and ``step(action_text) -> StepResul
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 import logging
@@ -64,6 +65,48 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def _number(x: Any) -> Optional[float]:
+    """``x`` as a finite float, or None (a string like "1.0", None, nan and inf are not rewards)."""
+    if isinstance(x, str) or x is None:
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def observation_problem(obs: Any) -> Optional[str]:
+    """Why ``obs`` is not an observation (text, or chat messages with a role and content), or None."""
+    if isinstance(obs, str):
+        return None
+    if isinstance(obs, list) and obs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and "content" in m for m in obs):
+        return None
+    return f"{repr(obs)[:80]}, not text or chat messages"
+
+
+def step_problem(res: Any) -> Optional[str]:
+    """Why what ``env.step`` returned cannot be used (None: it can)."""
+    if not isinstance(res, StepResult):
+        return f"a {type(res).__name__}, not a StepResult"
+    if _number(res.reward) is None:
+        return f"reward={repr(res.reward)[:80]}, not a finite number"
+    if not isinstance(res.info, dict):
+        return f"info={repr(res.info)[:80]}, not a dict"
+    return None
+
+
+def terms_problem(terms: Any) -> Optional[str]:
+    """Why what ``reward_terms()`` returned cannot be used (None: it can)."""
+    if not isinstance(terms, dict):
+        return f"a {type(terms).__name__}, not a dict of names to numbers"
+    for k, v in terms.items():
+        if not isinstance(k, str) or _number(v) is None:
+            return f"{k!r}: {repr(v)[:80]}, not a finite number"
+    return None
 
 
 class Action(str):
@@ -152,6 +195,7 @@ class _Trajectory:
     turns: list[Turn] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+    failed: bool = False  # its environment raised or returned a bad value: no score of it counts
 
 
 class MultiTurnRollout:
@@ -171,6 +215,7 @@ class MultiTurnRollout:
         self.counts = {k: 0.0 for k in self.COUNTERS}
         self.env_time = 0.0
         self._reported_error = False
+        self._reported_bad: set[str] = set()
 
     # ----------------------------------------------------------------- pieces
     def _cut_at_stop(self, toks: list[int]) -> tuple[list[int], bool]:
@@ -215,12 +260,13 @@ class MultiTurnRollout:
             action = self.prefill + action
         ended = stopped or (bool(new) and new[-1] in eos)
         res, ok = self._env_call(tr.env.step, Action.of(action, truncated=not ended))
-        if ok and not isinstance(res, StepResult):
-            res, ok = self._bad_result(res)
+        if ok and (problem := step_problem(res)) is not None:
+            res, ok = self._bad_value(tr.env, "step", problem)
         reward = float(res.reward) if ok else 0.0
         if ok and res.info.get("invalid"):
             self.counts["invalid_actions"] += 1
         turn = dict(start=start, end=len(tr.tokens), reward=reward, state=tr.state)
+        tr.failed = not ok
         if not ok or res.done:
             tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
             return self._end(tr)
@@ -230,6 +276,7 @@ class MultiTurnRollout:
             return self._end(tr, truncated=True)
         obs, ok = self._env_call(self.render.later, res.observation, bool(new) and new[-1] in eos)
         if not ok:
+            tr.failed = True
             tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
             return self._end(tr)
         if len(tr.tokens) + len(obs) + 1 > self.budget:  # room for the observation and >= 1 policy token
@@ -241,11 +288,15 @@ class MultiTurnRollout:
         tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
         tr.state = state_key(res.observation)
 
-    def _bad_result(self, res: Any) -> tuple[None, bool]:
+    def _bad_value(self, env: Any, method: str, problem: str) -> tuple[None, bool]:
+        """A value an environment returned that cannot be used: like an exception there, it ends that
+        trajectory (counted in env/errors); the environment, the method and the value are named once."""
         self.counts["env_errors"] += 1
-        if not self._reported_error:
-            self._reported_error = True
-            log.warning("env.step returned %r, not a StepResult; its trajectory ends", type(res).__name__)
+        where = f"{type(env).__name__}.{method}"
+        if where not in self._reported_bad:
+            self._reported_bad.add(where)
+            log.warning("%s returned %s; its trajectory ends (later ones are only counted in env/errors)",
+                        where, problem)
         return None, False
 
     # ----------------------------------------------------------------- the loop
@@ -260,8 +311,12 @@ class MultiTurnRollout:
         for i in rows:
             env, ok = self._env_call(self.make_env, items[i])
             obs, ok = self._env_call(env.reset, items[i]) if ok else (None, False)
+            if ok and (problem := observation_problem(obs)) is not None:
+                obs, ok = self._bad_value(env, "reset", problem)
             if not ok:  # the trajectory cannot start: an empty one (no tokens, no turns, reward 0)
-                trs.append(_Trajectory(env=None, prompt=self.render.first(items[i].get("prompt", "")), state="",
+                shown = items[i].get("prompt", "")  # the row's own prompt, when it is one
+                trs.append(_Trajectory(env=None, prompt=self.render.first(shown if observation_problem(shown) is None
+                                                                          else ""), state="",
                                        done=True))
                 continue
             trs.append(_Trajectory(env=env, prompt=self.render.first(obs), state=state_key(obs)))
@@ -303,10 +358,14 @@ class MultiTurnRollout:
             mask[r, : len(tr.policy)] = torch.tensor(tr.policy, dtype=mask.dtype)
         rewards = [sum(t.reward for t in tr.turns) for tr in trs]
         terms: list[dict[str, float]] = []
-        for tr, ret in zip(trs, rewards):
-            got = getattr(tr.env, "reward_terms", None) if tr.env is not None else None
-            value, ok = self._env_call(got) if callable(got) else ({"env": ret}, True)
-            terms.append(value if ok and isinstance(value, dict) else {})
+        for r, (tr, ret) in enumerate(zip(trs, rewards)):
+            got = getattr(tr.env, "reward_terms", None) if tr.env is not None and not tr.failed else None
+            value, ok = self._env_call(got) if callable(got) else ({"env": ret}, not tr.failed)
+            if ok and (problem := terms_problem(value)) is not None:
+                value, ok = self._bad_value(tr.env, "reward_terms", problem)
+            if not ok:  # the trajectory's scores cannot be trusted: none of them counts
+                rewards[r] = 0.0
+            terms.append({k: float(v) for k, v in value.items()} if ok else {})
         names = sorted({k for t in terms for k in t}) or ["env"]
         tok = svc.tokenizer
         return RolloutBatch(
