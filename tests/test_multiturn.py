@@ -229,6 +229,18 @@ def test_the_hf_engine_feeds_each_turn_only_its_new_tokens_and_samples_the_same_
 
     whole, none = run(False)
     kept, counts = run(True)
+    # the kept caches are freed when the rollout is over, before the training passes (issue 30, item 15: they
+    # stayed through the whole training phase, until the next weight sync)
+    model, _ = build_tiny(seed=1)
+    setup = EngineSetup(load_config(overrides=["rollout.num_generations=3", "rollout.max_completion_length=3",
+                                               "env.name=maze"]), model, TOK, [EOS], TOK.pad_token_id)
+    engine = HFEngine(setup)
+    svc = RolloutService(setup, engine=engine)
+    MultiTurnRollout(svc, env_setup("maze").factory, max_turns=4, max_trajectory_tokens=96).rollout(
+        [[1]], MazeEnv.tasks(1, seed=0), [0])
+    assert engine.store is not None and len(engine.store.rows) > 0
+    svc.offload()
+    assert engine.store is None
     assert none == {}  # nothing kept, nothing counted
     assert kept.completion_ids == whole.completion_ids and max(len(t) for t in kept.turns) > 2
     first_turn = sum(len(p) for p in kept.prompt_ids) // 3  # each group's prompt, fed whole once

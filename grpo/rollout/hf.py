@@ -349,7 +349,7 @@ class HFEngine:
     """The training model generates (``rollout.engine: hf``, the default): nothing to sync, it *is* the policy.
 
     With an environment (multi-turn rollouts) it keeps the rows of its last call (``PrefixStore``), so the
-    next turn prefills only its new tokens; ``sync_weights`` (the weights changed) drops them."""
+    next turn prefills only its new tokens; ``offload`` (the rollout is over) and ``sync_weights`` drop them."""
 
     def __init__(self, setup: EngineSetup):
         self.setup = setup
@@ -370,6 +370,11 @@ class HFEngine:
 
     def sync_weights(self) -> None:
         self.store = None  # kept caches were computed with the old weights
+
+    def offload(self) -> None:
+        """The rollout is over and the training passes come: the kept caches (every row's, about 3 GB for
+        SmolLM2-135M at 64 x 1024 tokens) are freed now, not at the next sync after those passes."""
+        self.store = None
 
     def pop_metrics(self) -> dict[str, float]:
         out, self.metrics = self.metrics, {}
