@@ -116,6 +116,28 @@ def test_a_raising_environment_costs_its_trajectory_only():
     assert mt.pop_metrics()["env/errors"] == 2
 
 
+def test_the_stop_search_decodes_log_n_prefixes_and_cuts_where_a_scan_would():
+    """Issue 30, item 21: every prefix of a turn was decoded (quadratic in the turn's length)."""
+    import random
+
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: None, max_turns=2, max_trajectory_tokens=20,
+                          stop=[";", "zz"])
+    decoded = []
+    real = TOK.decode
+    TOK.decode = lambda ids, *a, **k: decoded.append(len(ids)) or real(ids, *a, **k)
+    try:
+        rng = random.Random(0)
+        for _ in range(200):
+            toks = ids("".join(rng.choice("abz;") for _ in range(rng.randint(0, 40))))
+            want = next(((toks[:k], True) for k in range(1, len(toks) + 1)
+                         if any(s in real(toks[:k]) for s in (";", "zz"))), (toks, False))
+            decoded.clear()
+            assert mt._cut_at_stop(toks) == want, toks
+            assert len(decoded) <= 2 + max(1, len(toks)).bit_length()
+    finally:
+        TOK.decode = real
+
+
 def test_bad_values_from_an_environment_cost_their_trajectory_only(caplog):
     """Issue 30, items 4 and 5: a reward of None or "1.0x", info=None, reset() returning None or a None reward
     term ended the run; a non-finite reward made the group's advantages nan (the step skipped, then the run
