@@ -65,3 +65,16 @@ class BadValueEnv:
 
     def reward_terms(self):
         return {"env": None} if self.bad == "terms_none" else {"env": 1.0}
+
+
+class HugeObservationEnv:
+    """Answers every step with a 16 MiB observation."""
+
+    def __init__(self, **_):
+        pass
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, action):
+        return StepResult("x" * (16 << 20), 0.0, False)

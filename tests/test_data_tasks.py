@@ -182,6 +182,17 @@ def test_null_empty_and_non_text_prompts_are_left_out_and_counted():
         PromptDataset.build(items[1:4], tok, data(), max_prompt_length=50)
 
 
+def test_a_huge_prompt_is_dropped_without_being_tokenized():
+    """Issue 30, item 25: an 8 MiB row was tokenized whole (~10 s, 1.3 GB) before the length check."""
+    tok = make_char_tokenizer()
+    seen = []
+    real = type(tok).__call__
+    tok.__class__ = type("Counting", (type(tok),), {"__call__": lambda self, text, *a, **k: seen.append(len(text))
+                                                   or real(self, text, *a, **k)})
+    ds = PromptDataset.build([{"prompt": "ok"}, {"prompt": "x" * 2_000_000}], tok, data(), max_prompt_length=10)
+    assert len(ds) == 1 and ds.dropped == 1 and max(seen) < 1000
+
+
 def test_chat_messages_without_a_role_name_the_file_and_the_row():
     """Issue 30, item 28: a raw library error before."""
     tok = make_char_tokenizer()

@@ -138,6 +138,19 @@ def test_the_stop_search_decodes_log_n_prefixes_and_cuts_where_a_scan_would():
         TOK.decode = real
 
 
+def test_a_huge_observation_ends_its_trajectory_without_being_tokenized():
+    """Issue 30, item 25: a 16 MiB observation was tokenized whole (~15 s, 2.7 GB per trajectory)."""
+    from tests.agent_fixtures import HugeObservationEnv
+
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: HugeObservationEnv(), max_turns=3,
+                          max_trajectory_tokens=40)
+    seen = []
+    real = mt.render.later
+    mt.render.later = lambda obs, eos: seen.append(len(obs)) or real(obs, eos)
+    b = mt.rollout([[1]], [{"prompt": "go"}], [0])
+    assert seen == [] and b.truncated.all() and mt.pop_metrics()["env/budget_frac"] == 1
+
+
 def test_bad_values_from_an_environment_cost_their_trajectory_only(caplog):
     """Issue 30, items 4 and 5: a reward of None or "1.0x", info=None, reset() returning None or a None reward
     term ended the run; a non-finite reward made the group's advantages nan (the step skipped, then the run

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.foundation.config import ConfigError, DataConfig, DigitsTaskConfig
+from grpo.foundation.modeling import max_token_chars
 from grpo.data.tasks import TASKS, ArithmeticTask, CountdownTask, system_prompt
 
 
@@ -311,6 +312,9 @@ class PromptDataset:
                 continue
             if isinstance(item["prompt"], list):
                 check_messages(item["prompt"], i, cfg)
+            if len(prompt_text(tokenizer, item, cfg)) > max_prompt_length * max_token_chars(tokenizer):
+                dropped += 1  # surely too long: not tokenized (an 8 MiB row cost ~10 s and 1.3 GB at start)
+                continue
             p = prompt_ids(tokenizer, item, cfg)
             if len(p) > max_prompt_length:
                 dropped += 1

@@ -205,6 +205,20 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return sorted(ids)
 
 
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the characters one token covers: its longest vocabulary entry (byte-level and
+    SentencePiece entries are at least as long as the text they stand for). A text longer than ``n`` times
+    this holds more than ``n`` tokens, so it can be refused without tokenizing it (kept on the tokenizer)."""
+    cached = getattr(tokenizer, "_grpo_max_token_chars", None)
+    if cached is None:
+        cached = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+        try:
+            tokenizer._grpo_max_token_chars = cached
+        except AttributeError:  # a tokenizer that takes no new attributes: computed again next time
+            pass
+    return cached
+
+
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A stable hash of the vocabulary and special tokens (policy and reference must agree)."""
     vocab = tokenizer.get_vocab()

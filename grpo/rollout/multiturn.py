@@ -48,6 +48,7 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.batch import RolloutBatch, Turn
+from grpo.foundation.modeling import max_token_chars
 from grpo.rollout.engine import completion_mask
 
 log = logging.getLogger("multiturn")
@@ -86,6 +87,15 @@ def observation_problem(obs: Any) -> Optional[str]:
                                             and "content" in m for m in obs):
         return None
     return f"{repr(obs)[:80]}, not text or chat messages"
+
+
+def observation_chars(obs: Any) -> int:
+    """The characters of an observation's text (its messages' contents)."""
+    if isinstance(obs, str):
+        return len(obs)
+    if isinstance(obs, list):
+        return sum(len(str(m.get("content", ""))) for m in obs if isinstance(m, dict))
+    return 0
 
 
 def step_problem(res: Any) -> Optional[str]:
@@ -216,6 +226,7 @@ class MultiTurnRollout:
         self.env_time = 0.0
         self._reported_error = False
         self._reported_bad: set[str] = set()
+        self.max_token_chars = max_token_chars(service.tokenizer)
 
     # ----------------------------------------------------------------- pieces
     def _cut_at_stop(self, toks: list[int]) -> tuple[list[int], bool]:
@@ -287,6 +298,10 @@ class MultiTurnRollout:
         if len(tr.turns) + 1 >= self.max_turns:
             tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))
             self.counts["step_limit_hits"] += 1
+            return self._end(tr, truncated=True)
+        if observation_chars(res.observation) > (self.budget - len(tr.tokens)) * self.max_token_chars:
+            tr.turns.append(Turn(obs_end=len(tr.tokens), **turn))  # surely past the budget: not tokenized
+            self.counts["budget_hits"] += 1  # (a 16 MiB observation cost ~15 s and 2.7 GB per trajectory)
             return self._end(tr, truncated=True)
         obs, ok = self._env_call(self.render.later, res.observation, bool(new) and new[-1] in eos)
         if not ok:
