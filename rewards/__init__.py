@@ -31,7 +31,7 @@ from rewards.countdown import countdown
 from rewards.digits import digits_match, digits_step_match
 from rewards.format import format_soft, format_strict
 from rewards.math_answer import math_correct
-from rewards.calls import FunctionCall, Rows, StepInfo, call_style, fix_hint, run_inline
+from rewards.calls import FunctionCall, Rows, StepInfo, binding_problem, call_style, fix_hint, run_inline
 from rewards.pool import Outcome, WorkerPool
 
 log = logging.getLogger("rewards")
@@ -183,6 +183,20 @@ class CombinedReward:
         self.first_error: dict[str, str] = {}  # source -> its first traceback
         self.columns: list[str] = []
         self._reported: set[tuple[str, str]] = set()
+
+    def check_columns(self, columns: list[str]) -> None:
+        """At start, with the dataset's first row: a reward function that cannot be called with these columns
+        (a parameter no column fills, a column that clashes with a parameter) would fail on every row and score
+        0 all run. ConfigError naming the function, the problem and the columns."""
+        for i, t in enumerate(self.terms):
+            if t.kind != "fn":
+                continue
+            problem = binding_problem(resolve(t.spec.fn), t.style, columns, t.kwargs)
+            if problem is not None:
+                raise ConfigError(
+                    f"rewards[{i}].fn={t.spec.fn!r} cannot be called with this dataset's columns {sorted(columns)} "
+                    f"({t.style} style): {problem}. Map the column it needs with data.columns, rename a column "
+                    f"that clashes with one of its parameters, or give the value in rewards[{i}].kwargs")
 
     def set_state(self, global_step: int, max_steps: int, epoch: float = 0.0) -> None:
         """The ``trainer_state`` TRL-shaped functions see from now on."""

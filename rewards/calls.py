@@ -87,6 +87,25 @@ def keyword_arguments(fn: Callable, given: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in given.items() if k in params}
 
 
+def binding_problem(fn: Callable, style: str, columns: list[str], kwargs: dict[str, Any]) -> Optional[str]:
+    """Why calling ``fn`` the way :class:`FunctionCall` does, with a dataset of these ``columns``, would fail on
+    every row (a missing column, a column clashing with a parameter), or None. Binds, never calls."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check
+        return None
+    cols = {c: [] for c in columns}
+    try:
+        if style == "plain":
+            sig.bind([], [], **cols, **kwargs)
+        else:
+            given = {"prompts": [], "completions": [], "completion_ids": [], "trainer_state": None, **cols, **kwargs}
+            sig.bind(**keyword_arguments(fn, given))
+    except TypeError as e:
+        return str(e)
+    return None
+
+
 @dataclass
 class FunctionCall:
     """One call of one reward function on a chunk of rows; picklable, so the worker pool can run it

@@ -88,6 +88,8 @@ class Trainer:
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
         # with an environment the rewards are its own: no reward functions, no reward workers
         self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox) if self.env is None else None
+        if self.rewards is not None:  # a reward that cannot take these columns fails now, not on every row
+            self.rewards.check_columns([k for k in self.dataset.items[0] if k != "prompt"])
 
         # ZeRO-3 over several ranks: built partitioned, so no rank ever holds the whole model (LoRA, which
         # ZeRO-3 refuses, loads through load_policy)
