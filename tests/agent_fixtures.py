@@ -78,3 +78,20 @@ class HugeObservationEnv:
 
     def step(self, action):
         return StepResult("x" * (16 << 20), 0.0, False)
+
+
+class SlowEnv:
+    """Its step blocks for ``row["sleep"]`` seconds."""
+
+    def __init__(self, **_):
+        pass
+
+    def reset(self, row):
+        self.sleep = row.get("sleep", 0.0)
+        return row["prompt"]
+
+    def step(self, action):
+        import time
+
+        time.sleep(self.sleep)
+        return StepResult(None, 1.0, True)

@@ -151,6 +151,20 @@ def test_a_huge_observation_ends_its_trajectory_without_being_tokenized():
     assert seen == [] and b.truncated.all() and mt.pop_metrics()["env/budget_frac"] == 1
 
 
+def test_a_blocking_environment_is_named_by_the_watchdog(caplog):
+    """Issue 30, item 29: a step that blocks hung every rank with no word; now the watchdog names it."""
+    from tests.agent_fixtures import SlowEnv
+
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: SlowEnv(), max_turns=2, max_trajectory_tokens=20,
+                          watchdog_s=0.2)
+    with caplog.at_level("WARNING"):
+        b = mt.rollout([[1]], [{"prompt": "fast"}], [0])
+    assert b.rewards.tolist() == [1.0, 1.0] and "has been running" not in caplog.text
+    with caplog.at_level("WARNING"):
+        mt.rollout([[1]], [{"prompt": "slow", "sleep": 1.5}], [0])
+    assert "SlowEnv.step has been running for 0.2 s on rank 0 (env.watchdog_s)" in caplog.text, caplog.text
+
+
 def test_bad_values_from_an_environment_cost_their_trajectory_only(caplog):
     """Issue 30, items 4 and 5: a reward of None or "1.0x", info=None, reset() returning None or a None reward
     term ended the run; a non-finite reward made the group's advantages nan (the step skipped, then the run

@@ -266,6 +266,7 @@ class EnvConfig:
     max_tool_output_chars: int = 2000  # a longer tool answer counts as an error (garbage)
     tool_limits: WorkerLimits = field(default_factory=WorkerLimits)  # memory / CPU / file-size limits of each tool worker
     num_examples: int = 1000  # tasks generated with data.source: env
+    watchdog_s: float = 60.0  # a reset/step/reward_terms call running this long is named in the log (0 = off)
 
 
 @dataclass
@@ -744,6 +745,7 @@ def _validate_env(cfg: Config) -> None:
     _positive("env.tool_workers", e.tool_workers, allow_zero=True)
     _positive("env.max_tool_output_chars", e.max_tool_output_chars)
     _positive("env.num_examples", e.num_examples)
+    _positive("env.watchdog_s", e.watchdog_s, allow_zero=True)
     if any(not s for s in e.stop):
         raise ConfigError("env.stop holds an empty string: every stop string must be non-empty")
     if r.max_trajectory_tokens < r.max_completion_length:

@@ -38,6 +38,7 @@ anything with ``reset(row) -> observation`` and ``step(action_text) -> StepResul
 from __future__ import annotations
 
 import math
+import threading
 import time
 import traceback
 import logging
@@ -215,7 +216,7 @@ class MultiTurnRollout:
 
     def __init__(self, service, make_env: Callable[[dict], Any], max_turns: int, max_trajectory_tokens: int,
                  stop: Optional[list[str]] = None, system_prompt: Optional[str] = None, prefill: str = "",
-                 tool_counts: Optional[Callable[[], dict[str, float]]] = None):
+                 tool_counts: Optional[Callable[[], dict[str, float]]] = None, watchdog_s: float = 0.0):
         self.service, self.make_env = service, make_env
         self.max_turns, self.budget = max_turns, max_trajectory_tokens
         self.stop = list(stop or [])
@@ -226,6 +227,7 @@ class MultiTurnRollout:
         self.env_time = 0.0
         self._reported_error = False
         self._reported_bad: set[str] = set()
+        self.watchdog_s = watchdog_s  # 0: no watchdog
         self.max_token_chars = max_token_chars(service.tokenizer)
 
     # ----------------------------------------------------------------- pieces
@@ -256,6 +258,16 @@ class MultiTurnRollout:
 
     def _env_call(self, fn: Callable, *args) -> tuple[Any, bool]:
         t0 = time.perf_counter()
+        # an environment runs in this process and cannot be interrupted: a blocking one hangs every rank, so a
+        # watchdog names it (once per call, after watchdog_s) while it blocks
+        timer = None
+        if self.watchdog_s:
+            name = getattr(fn, "__qualname__", repr(fn))
+            timer = threading.Timer(self.watchdog_s, log.warning, (
+                "%s has been running for %g s on rank %d (env.watchdog_s): an environment runs in the trainer and "
+                "cannot be interrupted, so every rank waits for it", name, self.watchdog_s, dist.rank()))
+            timer.daemon = True
+            timer.start()
         try:
             return fn(*args), True
         except Exception:  # noqa: BLE001 - an environment's failure costs its trajectory, not the run
@@ -266,6 +278,8 @@ class MultiTurnRollout:
                             traceback.format_exc())
             return None, False
         finally:
+            if timer is not None:
+                timer.cancel()
             self.env_time += time.perf_counter() - t0
 
     def _end(self, tr: _Trajectory, truncated: bool = False) -> None:

@@ -106,7 +106,7 @@ class Trainer:
             self.multiturn = MultiTurnRollout(
                 self.rollout, self.env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
                 stop=cfg.env.stop, system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
-                tool_counts=self.env.toolbox.pop_counts)
+                tool_counts=self.env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
         self.reference = make_reference(
