@@ -578,3 +578,53 @@ def test_lora_two_ranks_zero2_free_reference_checkpoint_and_resume(tmp_path):
     for a, b in zip(want[2:], got[2:]):
         for key in ("reward/mean", "loss", "kl", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_merge_lora_refuses_what_it_cannot_merge_safely(tmp_path):
+    """Issue 30, item 26: a corrupt adapter_config.json, missing adapter weights and a pickled
+    adapter_model.bin ended in raw tracebacks; a --base of another model merged silently and wrote the
+    adapter folder's tokenizer beside a model with another vocabulary."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.foundation.tiny import write_tiny
+
+    base = write_tiny(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(str(adapter))
+    AutoTokenizer.from_pretrained(base).save_pretrained(str(adapter))
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    merge = load_script("merge_lora")
+
+    def fails(folder, *extra: str, needle: str) -> None:
+        import io
+        from contextlib import redirect_stderr
+
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert merge.main([str(folder), str(tmp_path / "out"), *extra]) == 2
+        assert needle in err.getvalue(), err.getvalue()
+
+    # another model's base: a different shape than the base the adapter names
+    fails(adapter, "--base", "builtin:tiny-char-h64", needle="is not the model this adapter was trained on")
+    # the named base is not here: another vocabulary than the adapter's tokenizer is still caught
+    unnamed = tmp_path / "unnamed"
+    shutil.copytree(adapter, unnamed)
+    config = json.loads((unnamed / "adapter_config.json").read_text())
+    (unnamed / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/elsewhere"}))
+    fails(unnamed, "--base", "builtin:tiny-arith", needle="tokens and --base builtin:tiny-arith a vocabulary of")
+    # the right base merges
+    assert merge.main([str(adapter), str(tmp_path / "merged")]) == 0
+    # a corrupt config, missing weights, pickled weights
+    (unnamed / "adapter_config.json").write_text("{not json")
+    fails(unnamed, needle="adapter_config.json is not valid JSON")
+    (unnamed / "adapter_config.json").write_text(json.dumps(config))
+    (unnamed / "adapter_model.safetensors").unlink()
+    fails(unnamed, needle="holds no adapter_model.safetensors: the adapter's weights are missing")
+    (unnamed / "adapter_model.bin").write_bytes(b"pickle")
+    fails(unnamed, needle="adapter_model.bin is a pickle, which could run code when loaded: refusing it")
