@@ -388,6 +388,41 @@ def test_reload_reads_only_safetensors_weights_from_inside_the_reload_root(tmp_p
         assert info["version"] == before["version"] + 1 and info["checkpoint_step"] == 3
 
 
+def test_reload_reads_no_file_outside_the_reload_root(tmp_path, monkeypatch):
+    """Issue 30, item 18: three ways out of GRPO_REF_RELOAD_ROOT: a symlinked weights file, an index naming
+    ../.. shards, and an adapter whose base lies outside the root (or is a hub name)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path / "allowed"
+    monkeypatch.setenv("GRPO_REF_RELOAD_ROOT", str(root))
+    outside = write_tiny(tmp_path / "elsewhere" / "model", seed=2)
+    linked = write_tiny(root / "linked", seed=1)
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(outside / "model.safetensors")
+    sharded = write_tiny(root / "sharded", seed=1)
+    weights = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    save_file(weights, str(tmp_path / "elsewhere" / "shard.safetensors"), metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "../../elsewhere/shard.safetensors" for k in weights}}))
+    adapters = {}
+    for name, base in (("adapter-out", str(outside)), ("adapter-hub", "org/some-model")):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base, "peft_type": "LORA"}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        adapters[name] = folder
+    with serving(f"ref.token={ADMIN}") as srv:
+        version = srv.worker.version
+        for path, words in [(linked, "model.safetensors resolves to"), (sharded, "shard.safetensors resolves to"),
+                            (adapters["adapter-out"], "is outside the server's reload root"),
+                            (adapters["adapter-hub"], "whose base 'org/some-model' is not a folder inside")]:
+            r = _reload(srv.url, path)
+            assert r.status_code == 400 and r.json()["field"] == "checkpoint", (path, r.text)
+            assert words in r.json()["error"], (path, r.json())
+        assert srv.worker.version == version, "nothing was loaded"
+
+
 def test_load_model_can_insist_on_safetensors(tmp_path):
     folder = _pickled_weights_beside_a_decoy(tmp_path / "ck")
     load_model(ModelConfig(), str(folder))  # a trainer's own loads still take any format from_pretrained takes

@@ -22,6 +22,7 @@ since a retry usually follows.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import queue
 import re
@@ -104,11 +105,38 @@ def reload_folder(checkpoint: str, root: Optional[Path]) -> Path:
     if root is not None and not real.is_relative_to(root):
         raise ConfigError(f"checkpoint {checkpoint!r} ({real}) is outside the server's reload root {root} "
                           f"(GRPO_REF_RELOAD_ROOT); put the checkpoint under it")
+    if root is not None:  # every file it reads, not only the folder: a symlinked file or shard leaves the root
+        reads = [f for f in real.iterdir() if not f.is_dir()]
+        index = real / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            except (ValueError, AttributeError) as e:
+                raise ConfigError(f"checkpoint {checkpoint!r}: model.safetensors.index.json is not a weight "
+                                  f"index ({e})") from None
+            reads += [real / str(s) for s in shards]
+        for f in reads:
+            if not f.resolve().is_relative_to(root):
+                raise ConfigError(f"checkpoint {checkpoint!r}: {f.name} resolves to {f.resolve()}, outside the "
+                                  f"server's reload root {root} (GRPO_REF_RELOAD_ROOT); copy it into the checkpoint")
+    if (real / "adapter_config.json").is_file():  # a LoRA adapter loads its base too: the base is read as well
+        try:
+            base = json.loads((real / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (ValueError, AttributeError) as e:
+            raise ConfigError(f"checkpoint {checkpoint!r}: adapter_config.json is not valid ({e})") from None
+        if root is not None and not (isinstance(base, str) and Path(base).is_dir()):
+            raise ConfigError(f"checkpoint {checkpoint!r} is a LoRA adapter whose base {base!r} is not a folder "
+                              f"inside the server's reload root {root} (GRPO_REF_RELOAD_ROOT): reload a merged "
+                              f"folder, or put the base under the root")
+        if isinstance(base, str) and Path(base).is_dir():
+            reload_folder(base, root)  # the same rules for the base's files
     pickles = sorted(f.name for f in real.iterdir() if f.is_file() and f.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
         raise ConfigError(f"checkpoint {checkpoint!r} holds pickle-format files {pickles}; reload reads only "
                           f"safetensors weights and refuses folders with pickles beside them: remove them, or "
                           f"re-save the model with save_pretrained(safe_serialization=True)")
+    if (real / "adapter_config.json").is_file() and (real / "adapter_model.safetensors").is_file():
+        return real
     if not (real / "model.safetensors").is_file() and not (real / "model.safetensors.index.json").is_file():
         raise ConfigError(f"checkpoint {checkpoint!r} holds no model.safetensors (or model.safetensors.index.json); "
                           f"reload reads only safetensors weights written by save_pretrained")
