@@ -628,3 +628,28 @@ def test_merge_lora_refuses_what_it_cannot_merge_safely(tmp_path):
     fails(unnamed, needle="holds no adapter_model.safetensors: the adapter's weights are missing")
     (unnamed / "adapter_model.bin").write_bytes(b"pickle")
     fails(unnamed, needle="adapter_model.bin is a pickle, which could run code when loaded: refusing it")
+
+
+def test_resume_with_another_setup_is_refused_naming_both_values(single_rank_env, tmp_path):
+    """Issue 30, item 6: another alpha rescaled the trained update, other target_modules dropped the trained
+    adapters (and put their Adam moments on new ones), full fine-tuning resumed onto another architecture of
+    the same shapes, all silently."""
+    lora_run, full_run = tmp_path / "lora", tmp_path / "full"
+    tr = make_trainer(lora_run, LORA, "algo.beta=0", "train.max_steps=1")
+    tr.save()
+    tr.close()
+    for overrides, words in [
+        (["model.lora={r: 4, alpha: 16, target_modules: [q_proj, v_proj, up_proj]}"], "alpha: 8.0 in the checkpoint, 16.0 now"),
+        (["model.lora={r: 4, alpha: 8, target_modules: [q_proj, k_proj]}"],
+         "target_modules: ['q_proj', 'up_proj', 'v_proj'] in the checkpoint, ['k_proj', 'q_proj'] now"),
+        ([], "the checkpoint holds a LoRA adapter and this run has no model.lora"),
+    ]:
+        with pytest.raises(ConfigError, match="the run is not set up as the checkpoint was") as e:
+            make_trainer(lora_run, *overrides, "algo.beta=0", resume=True)
+        assert words in str(e.value), str(e.value)
+    tr = make_trainer(full_run, "algo.beta=0", "train.max_steps=1")
+    tr.save()
+    tr.close()
+    with pytest.raises(ConfigError, match="num_attention_heads: 4 in the checkpoint, 1 now"):
+        make_trainer(full_run, "algo.beta=0", "model.name_or_path=builtin:tiny-char-h64", resume=True)
+    make_trainer(lora_run, LORA, "algo.beta=0", resume=True).close()  # the same setup resumes

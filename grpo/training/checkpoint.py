@@ -237,6 +237,42 @@ def export_model(engine, tokenizer, folder: str | Path) -> Path:
     return final
 
 
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "vocab_size")
+
+
+def resume_mismatch(model, path: Path) -> Optional[str]:
+    """What differs between the checkpoint at ``path`` and the run's model (None: nothing that matters). With
+    LoRA: the rank, alpha, adapted and saved modules and the base (another alpha rescaled the trained update,
+    other target modules dropped the trained adapters and put their Adam moments on new ones); without: the
+    architecture's shape. Both values are named."""
+    import json
+
+    adapter = path / "adapter_config.json"
+    if has_lora(model) != adapter.is_file():
+        return (f"the checkpoint {'holds a LoRA adapter' if adapter.is_file() else 'is a full fine-tune'} and "
+                f"this run {'uses model.lora' if has_lora(model) else 'has no model.lora'}")
+    diffs = []
+    if adapter.is_file():
+        saved = json.loads(adapter.read_text())
+        now = model.peft_config["default"]
+        pairs = {"r": (saved.get("r"), now.r), "alpha": (saved.get("lora_alpha"), now.lora_alpha),
+                 "target_modules": (sorted(saved.get("target_modules") or []), sorted(now.target_modules or [])),
+                 "modules_to_save": (sorted(saved.get("modules_to_save") or []), sorted(now.modules_to_save or []))}
+        base = str(saved.get("base_model_name_or_path") or "")
+        synced = Path(base).is_absolute() and Path(base).parent.name == "reference"  # its base was synced
+        if base and not synced and base != str(now.base_model_name_or_path):
+            pairs["model.name_or_path (the adapter's base)"] = (base, now.base_model_name_or_path)
+        diffs = [f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in pairs.items() if a != b]
+    elif (path / "config.json").is_file():
+        saved = json.loads((path / "config.json").read_text())
+        text = saved.get("text_config") or saved
+        now = model.config.get_text_config()
+        diffs = [f"{k}: {text.get(k)!r} in the checkpoint, {getattr(now, k, None)!r} now" for k in SHAPE_KEYS
+                 if k in text and text.get(k) != getattr(now, k, None)]
+    return "; ".join(diffs) or None
+
+
 def load_checkpoint(engine, path: Path) -> dict:
     """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
     # with LoRA the engine state holds only the trainable weights (the adapter): the base is the model loaded

@@ -35,7 +35,7 @@ from grpo.rollout.multiturn import MultiTurnRollout
 from grpo.rollout.service import RolloutService, engine_class
 from grpo.training import deepspeed_engine as ds
 from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, prune_reference_folders,
-                                     reference_folder, save_checkpoint, stored_folder, write_weights)
+                                     reference_folder, resume_mismatch, save_checkpoint, stored_folder, write_weights)
 from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
@@ -125,6 +125,10 @@ class Trainer:
             ckpt = latest_checkpoint(self.out)
             if ckpt is None:
                 raise ConfigError(f"--resume: no checkpoint in {self.out / 'checkpoints'}; start without --resume")
+            mismatch = resume_mismatch(self.model, ckpt)
+            if mismatch:
+                raise ConfigError(f"--resume from {ckpt}: the run is not set up as the checkpoint was ({mismatch}); "
+                                  f"resume with the checkpoint's settings, or start a new train.output_dir")
             state = load_checkpoint(self.engine, ckpt)
             self.step = int(state["step"])
             self.sampler.load_state_dict(state["sampler"])
