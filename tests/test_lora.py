@@ -653,3 +653,21 @@ def test_resume_with_another_setup_is_refused_naming_both_values(single_rank_env
     with pytest.raises(ConfigError, match="num_attention_heads: 4 in the checkpoint, 1 now"):
         make_trainer(full_run, "algo.beta=0", "model.name_or_path=builtin:tiny-char-h64", resume=True)
     make_trainer(lora_run, LORA, "algo.beta=0", resume=True).close()  # the same setup resumes
+
+
+@pytest.mark.parametrize("victim", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_resume_never_unpickles_code_from_deepspeeds_files(single_rank_env, tmp_path, victim):
+    """Issue 30, item 2: DeepSpeed's checkpoint engine loaded ds/*.pt with weights_only=False, so a crafted
+    checkpoint ran code on --resume. Every file now loads weights-only; the real files of ZeRO-2 still do."""
+    from tests.test_checkpoint import _Evil
+
+    run = tmp_path / "run"
+    tr = make_trainer(run, "algo.beta=0", "train.max_steps=1", "train.zero_stage=2")
+    ckpt = tr.save()
+    tr.close()
+    make_trainer(run, "algo.beta=0", "train.zero_stage=2", resume=True).close()  # DeepSpeed's own files load
+    marker = tmp_path / "code-ran"
+    torch.save({"anything": _Evil(marker)}, ckpt / "ds" / victim)
+    with pytest.raises(RuntimeError, match=rf"{victim} holds objects other than tensors and plain data.*refusing"):
+        make_trainer(run, "algo.beta=0", "train.zero_stage=2", resume=True)
+    assert not marker.exists()

@@ -273,10 +273,38 @@ def resume_mismatch(model, path: Path) -> Optional[str]:
     return "; ".join(diffs) or None
 
 
+def _deepspeed_safe_globals() -> list:
+    """The plain data classes DeepSpeed writes into its checkpoint files (found by loading ZeRO 0-3, LoRA and
+    full checkpoints with weights_only=True): allowed to be rebuilt from their fields, nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def weights_only_load(path: str, map_location=None) -> Any:
+    """torch.load of a DeepSpeed checkpoint file that never unpickles code: DeepSpeed's own checkpoint engine
+    loads with weights_only=False, so a crafted ds/*.pt (a shared or downloaded run folder) ran code on
+    --resume. RuntimeError naming the file when it holds anything but tensors and plain data."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals() + _deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(
+            f"{path} holds objects other than tensors and plain data, which could run code when loaded; refusing "
+            f"to load it. Resume only from checkpoints this trainer wrote. ({_unpickler_reason(e)})"
+        ) from e
+
+
 def load_checkpoint(engine, path: Path) -> dict:
-    """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state."""
+    """Restore engine (weights, optimizer, scheduler) and return this rank's trainer state. Every file is read
+    without unpickling code: DeepSpeed's through :func:`weights_only_load`, ours with weights_only=True."""
     # with LoRA the engine state holds only the trainable weights (the adapter): the base is the model loaded
     strict = {"load_module_strict": False} if has_lora(engine.module) else {}
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is not None:  # its load is torch.load(weights_only=False)
+        checkpoint_engine.load = weights_only_load
     load_path, _ = engine.load_checkpoint(str(path), tag="ds", **strict)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no engine state in {path / 'ds'}")
@@ -302,14 +330,7 @@ def _numpy_array_globals() -> list:
 
 def load_trainer_state(f: Path) -> dict:
     """One rank's trainer state: tensors and plain data only, never code from the file."""
-    try:
-        with torch.serialization.safe_globals(_numpy_array_globals()):
-            return torch.load(f, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise RuntimeError(
-            f"{f} holds objects other than tensors and plain data, which could run code when loaded; refusing "
-            f"to load it. Resume only from checkpoints this trainer wrote. ({_unpickler_reason(e)})"
-        ) from e
+    return weights_only_load(str(f))
 
 
 def _unpickler_reason(e: Exception) -> str:
