@@ -17,12 +17,21 @@ CPU seconds is killed by the kernel (SIGXCPU; the worker is replaced); both are 
 Workers are started with ``spawn`` (a fork of a process holding torch's thread pools can
 deadlock) and resolve functions by name themselves, so only names, kwargs and texts
 cross the process boundary.
+
+What comes back is data, never a pickle: code running in a worker (a reward or tool that runs model-written
+code) can write into the pipe, so an answer is JSON of at most MAX_ANSWER_BYTES carrying the number of the call
+it answers, read against the call's deadline (:func:`read_answer`). Anything else (a pickle, garbage, a huge
+length prefix, a stray or late message) is that call's error and its worker is replaced.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import math
+import os
+import select
+import struct
 import multiprocessing as mp
 import resource
 import signal
@@ -123,26 +132,80 @@ def _arm_cpu(seconds: int) -> None:
                                                  resource.getrlimit(resource.RLIMIT_CPU)[1]))
 
 
+MAX_ANSWER_BYTES = 64 << 20  # one answer's JSON; a longer one (or a longer length prefix) is refused unread
+
+
+def encode_answer(seq: int, out: Outcome) -> bytes:
+    """An Outcome as the JSON the trainer accepts (answering call number ``seq``)."""
+    body = {"seq": seq, "status": out.status, "values": out.values, "error": out.error, "value": out.value}
+    try:
+        return json.dumps(body).encode()
+    except (TypeError, ValueError) as e:  # a value JSON cannot carry (an object): the call's error
+        return json.dumps({"seq": seq, "status": "error", "values": None, "value": None,
+                           "error": f"the call's answer cannot be sent back as JSON ({e})"}).encode()
+
+
+def decode_answer(raw: bytes, seq: int) -> Outcome:
+    """The Outcome in ``raw``; ValueError unless it is JSON answering call ``seq`` in the expected shape."""
+    d = json.loads(raw)
+    if not isinstance(d, dict) or d.get("seq") != seq or d.get("status") not in ("ok", "error", "timeout"):
+        raise ValueError(f"not the answer to call {seq}: {raw[:80]!r}")
+    values, error = d.get("values"), d.get("error")
+    if values is not None and not (isinstance(values, list) and all(v is None or isinstance(v, (int, float))
+                                                                     and not isinstance(v, bool) for v in values)):
+        raise ValueError(f"values of call {seq} are not numbers")
+    if error is not None and not isinstance(error, str):
+        raise ValueError(f"error of call {seq} is not text")
+    return Outcome(d["status"], values=values, error=error, value=d.get("value"))
+
+
+def read_answer(conn: Connection, deadline: float, limit: int = MAX_ANSWER_BYTES) -> bytes:
+    """One message of ``conn`` (multiprocessing's framing: a 4-byte length, or -1 and an 8-byte one) read
+    before ``deadline`` (time.monotonic()): TimeoutError past it, ValueError for a length over ``limit``,
+    EOFError when the worker closed the pipe. Never blocks past the deadline on a message sent in part."""
+    fd = conn.fileno()
+
+    def read(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"the answer did not arrive whole before its deadline ({len(buf)} of {n} bytes)")
+            chunk = os.read(fd, min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError("the worker closed the pipe")
+            buf += chunk
+        return buf
+
+    (n,) = struct.unpack("!i", read(4))
+    if n == -1:
+        (n,) = struct.unpack("!Q", read(8))
+    if not 0 <= n <= limit:
+        raise ValueError(f"an answer of {n} bytes (at most {limit})")
+    return read(n)
+
+
 def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> None:
-    """Worker loop: apply the limits, import the registry, say ready, then receive a Call and send back its
-    Outcome until None or a closed pipe."""
+    """Worker loop: apply the limits, import the registry, say ready, then receive (number, Call) and send back
+    its Outcome as JSON (:func:`encode_answer`) until None or a closed pipe."""
     apply_limits(limits)
     import rewards  # noqa: F401  (slow imports happen before the first deadline starts)
 
-    conn.send("ready")
+    conn.send_bytes(b"ready")
     while True:
         try:
-            call = conn.recv()
+            job = conn.recv()  # from the trainer: trusted
         except (EOFError, OSError):
             return
-        if call is None:
+        if job is None:
             return
+        seq, call = job
         _arm_cpu((limits or {}).get("cpu_seconds", 0))
         try:
             out = dispatch(call)
         except MemoryError:  # raised outside the call's own handler (its traceback could not be built)
             out = Outcome("error", error="MemoryError (reward_pool.limits.memory_mb)")
-        conn.send(out)
+        conn.send_bytes(encode_answer(seq, out))
 
 
 class _Worker:
@@ -159,14 +222,14 @@ class _Worker:
         """Block until the worker has imported the registry (not counted against any call's timeout)."""
         if self.ready:
             return
-        if not self.conn.poll(self.STARTUP_TIMEOUT):
-            raise RuntimeError(f"reward worker did not start within {self.STARTUP_TIMEOUT:.0f} s")
         try:
-            msg = self.conn.recv()
-        except (EOFError, OSError) as e:
+            msg = read_answer(self.conn, time.monotonic() + self.STARTUP_TIMEOUT, limit=64)
+        except TimeoutError as e:
+            raise RuntimeError(f"reward worker did not start within {self.STARTUP_TIMEOUT:.0f} s") from e
+        except (EOFError, OSError, ValueError) as e:
             raise RuntimeError(f"reward worker died while starting (exit code {self.proc.exitcode})") from e
-        if msg != "ready":
-            raise RuntimeError(f"reward worker sent {msg!r} instead of 'ready'")
+        if msg != b"ready":
+            raise RuntimeError(f"reward worker sent {msg[:80]!r} instead of 'ready'")
         self.ready = True
 
     def kill(self) -> None:
@@ -206,6 +269,7 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         self.restarts = 0  # workers replaced after a timeout or a crash
         self.kills = {"memory": 0, "cpu": 0, "crash": 0}  # workers replaced for going past a limit, or dying
+        self._seq = 0  # the number of the last call sent: an answer must carry its call's
         if num_workers:
             self._workers = [_Worker(self._ctx, self.limits) for _ in range(num_workers)]
             atexit.register(self.close)
@@ -216,29 +280,39 @@ class WorkerPool:
         results: list[Optional[Outcome]] = [None] * len(calls)
         queue = deque(range(len(calls)))
         idle = list(range(len(self._workers)))
-        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, deadline)
+        busy: dict[int, tuple[int, float, int]] = {}  # worker slot -> (call index, deadline, call number)
         while queue or busy:
             while queue and idle:
                 slot, i = idle.pop(), queue.popleft()
+                self._seq += 1
                 try:
                     self._workers[slot].wait_ready()
-                    self._workers[slot].conn.send(calls[i])
+                    self._workers[slot].conn.send((self._seq, calls[i]))
                 except (BrokenPipeError, OSError, RuntimeError):  # died while idle: replace it, retry once
                     self._replace(slot)
                     self._workers[slot].wait_ready()
-                    self._workers[slot].conn.send(calls[i])
-                busy[slot] = (i, time.monotonic() + (getattr(calls[i], "timeout", None) or self.timeout))
+                    self._workers[slot].conn.send((self._seq, calls[i]))
+                deadline = time.monotonic() + (getattr(calls[i], "timeout", None) or self.timeout)
+                busy[slot] = (i, deadline, self._seq)
             now = time.monotonic()
-            wait_for = max(0.0, min(d for _, d in busy.values()) - now)
+            wait_for = max(0.0, min(d for _, d, _ in busy.values()) - now)
             ready = wait([self._workers[s].conn for s in busy], timeout=wait_for)
             for slot in list(busy):
-                w, (i, deadline) = self._workers[slot], busy[slot]
+                w, (i, deadline, seq) = self._workers[slot], busy[slot]
                 if w.conn in ready:
                     try:
-                        results[i] = w.conn.recv()
+                        results[i] = decode_answer(read_answer(w.conn, max(deadline, time.monotonic() + 1.0)), seq)
                         if results[i].status == "error" and "MemoryError" in (results[i].error or ""):
                             self.kills["memory"] += 1  # its heap may be fragmented or hold the garbage: a fresh one
                             self._replace(slot)
+                    except TimeoutError:  # a message begun and never finished
+                        results[i] = Outcome("timeout")
+                        self._replace(slot)
+                    except ValueError as e:  # not an answer: code in the worker wrote into the pipe
+                        self.kills["crash"] += 1
+                        results[i] = Outcome("error", error=f"the worker sent something that is not its answer ({e}); "
+                                                            f"it was replaced")
+                        self._replace(slot)
                     except (EOFError, OSError):  # the worker crashed mid-call (segfault, OOM kill, SIGXCPU)
                         w.proc.join(timeout=5)
                         code = w.proc.exitcode

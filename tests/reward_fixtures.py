@@ -108,3 +108,35 @@ def spin(prompts, completions, **_):
     while any(c == "spin" for c in completions):
         pass
     return [1.0 for _ in completions]
+
+
+def _worker_pipe():
+    """The pipe a reward worker answers on, as code running in the worker can find it."""
+    import gc
+    from multiprocessing.connection import Connection
+
+    return next(o for o in gc.get_objects() if isinstance(o, Connection) and not o.closed)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # runs wherever this is unpickled
+
+
+def pipe_writer(prompts, completions, mode="pickle", marker="", **_):
+    """Writes into its worker's answer pipe (what model-written code run by a reward could do), then scores 1."""
+    import struct
+
+    conn = _worker_pipe()
+    if mode == "pickle":
+        conn.send(_Payload(marker))  # a crafted pickle before the real answer
+    elif mode == "huge":
+        os.write(conn.fileno(), struct.pack("!i", 2**31 - 1))  # a length prefix of 2 GiB, then nothing
+        time.sleep(600)
+    elif mode == "partial":
+        os.write(conn.fileno(), struct.pack("!i", 100) + b"0123456789")  # 10 of 100 bytes, then nothing
+        time.sleep(600)
+    return [1.0 for _ in completions]

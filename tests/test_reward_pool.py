@@ -118,3 +118,26 @@ def test_nan_and_inf_rewards_are_errors_scored_zero_and_counted(workers, caplog)
         assert "returned nan for row 0 of its chunk" in caplog.text and "must be a finite number" in caplog.text
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("mode", ["pickle", "huge", "partial"])
+def test_what_a_worker_writes_into_its_pipe_is_never_unpickled_or_waited_for(tmp_path, mode):
+    """Issue 30, item 3: answers were unpickled, so code in a worker (a reward running model-written code) ran a
+    crafted pickle in the trainer and shifted that worker's later answers by one call; a huge length prefix
+    blocked the trainer in recv past every deadline. Now an answer is JSON naming its call, read against the
+    call's deadline; anything else is that call's error and the worker is replaced."""
+    marker = tmp_path / "code-ran"
+    r = combined([{"fn": "tests.reward_fixtures:pipe_writer", "kwargs": {"mode": mode, "marker": str(marker)}},
+                  {"fn": "tests.reward_fixtures:length_bonus"}], workers=1, timeout=3.0)
+    try:
+        t0 = time.monotonic()
+        total, per_fn = r(["p"], ["abc"], {})
+        assert time.monotonic() - t0 < 120, "the trainer waited past the call's deadline"
+        assert per_fn["pipe_writer"] == [0.0] and per_fn["length_bonus"] == [3.0], per_fn  # not shifted
+        assert not marker.exists(), "the pickle ran in the trainer"
+        m = r.pop_metrics()
+        assert m["reward/pipe_writer/errors"] + m["reward/pipe_writer/timeouts"] == 1.0
+        total, per_fn = r(["p"], ["abcd"], {})  # the replaced worker answers its own calls
+        assert per_fn["length_bonus"] == [4.0]
+    finally:
+        r.close()
