@@ -346,6 +346,23 @@ def _await(worker: DeviceWorker, job: Job) -> Optional[Any]:
         worker.leave(job)
 
 
+def _queued(worker: DeviceWorker, submit: Callable[[], Job], failed: str) -> tuple[Any, Any]:
+    """Queue a job (``submit``) and wait for its result: (result, None), or (None, the error response): 503 with
+    Retry-After when the queue is full, 500 when it failed, 499 when the client left first."""
+    try:
+        job = submit()
+    except QueueFull as e:
+        return None, error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
+                           None, **{"Retry-After": str(e.retry_after)})
+    try:
+        result = _await(worker, job)
+    except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
+        return None, error(500, f"{failed}: {type(e).__name__}: {e}")
+    if result is None:
+        return None, error(499, "the client closed the connection before the answer was ready")
+    return result, None
+
+
 def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
                draining: threading.Event) -> bottle.Bottle:
     app = bottle.Bottle(catchall=True)
@@ -393,17 +410,10 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
     def logprobs():
         req, digest = _parse(limits, slots, worker.current.vocab_size)
         key = _idempotency_key()
-        try:
-            job = worker.submit(req, None if key is None else (key, digest))
-        except QueueFull as e:
-            return error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
-                         None, **{"Retry-After": str(e.retry_after)})
-        try:
-            result = _await(worker, job)
-        except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
-            return error(500, f"computing log-probs failed: {type(e).__name__}: {e}")
-        if result is None:
-            return error(499, "the client closed the connection before the answer was ready")
+        result, failed = _queued(worker, lambda: worker.submit(req, None if key is None else (key, digest)),
+                                 "computing log-probs failed")
+        if failed is not None:
+            return failed
         lp, ent, seconds, version = result
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
                                               "compute_ms": round(seconds * 1000, 2), "version": version}
@@ -428,17 +438,11 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
             slots.release()
         key = _idempotency_key()
         digest = hashlib.blake2b(b"reward" + body, digest_size=16).digest()
-        try:
-            job = worker.submit_reward(prompts, completions, None if key is None else (key, digest))
-        except QueueFull as e:
-            return error(503, f"the server is busy ({worker.max_queue} requests queued); retry later",
-                         None, **{"Retry-After": str(e.retry_after)})
-        try:
-            result = _await(worker, job)
-        except Exception as e:  # e.g. out of device memory: the client may retry; the worker lives on
-            return error(500, f"scoring failed: {type(e).__name__}: {e}")
-        if result is None:
-            return error(499, "the client closed the connection before the answer was ready")
+        result, failed = _queued(worker, lambda: worker.submit_reward(prompts, completions,
+                                                                      None if key is None else (key, digest)),
+                                 "scoring failed")
+        if failed is not None:
+            return failed
         scores, seconds, version = result
         bottle.request.environ["grpo.log"] = {"rows": len(scores), "compute_ms": round(seconds * 1000, 2),
                                               "reward_version": version}
