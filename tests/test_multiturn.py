@@ -165,6 +165,31 @@ def test_a_blocking_environment_is_named_by_the_watchdog(caplog):
     assert "SlowEnv.step has been running for 0.2 s on rank 0 (env.watchdog_s)" in caplog.text, caplog.text
 
 
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    """Issue 30, item 1: under a template that writes an empty think block into the last assistant message only
+    (as Qwen3's does), every later turn lost the first characters of its observation, silently. Such a template
+    is refused when the rollout is built; a ChatML template without that twist renders observations exactly."""
+    import copy
+    from pathlib import Path
+
+    from grpo.rollout.multiturn import ChatRenderer
+
+    twisted = (Path(__file__).parent / "data" / "think_last_assistant.jinja").read_text()
+    tok = copy.deepcopy(TOK)
+    tok.chat_template = twisted
+    with pytest.raises(ConfigError, match=r"not prefix-stable: adding a user message after an assistant turn.*"
+                                          r"<think>.*data.chat_template"):
+        ChatRenderer(tok, [EOS])
+    tok.chat_template = twisted.replace("and loop.last", "and false")  # the same template without the twist
+    render = ChatRenderer(tok, [EOS])
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    whole = tok.apply_chat_template(probe + [{"role": "user", "content": "obs"}], tokenize=False,
+                                    add_generation_prompt=True)
+    so_far = tok.apply_chat_template(probe, tokenize=False)  # the policy wrote "a"; the rest is the observation's
+    after_turn = whole[so_far.rindex("a<|im_end|>") + 1:]
+    assert render.later("obs", ended_with_eos=False) == tok(after_turn, add_special_tokens=False).input_ids
+
+
 def test_bad_values_from_an_environment_cost_their_trajectory_only(caplog):
     """Issue 30, items 4 and 5: a reward of None or "1.0x", info=None, reset() returning None or a None reward
     term ended the run; a non-finite reward made the group's advantages nan (the step skipped, then the run

@@ -49,6 +49,7 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.batch import RolloutBatch, Turn
+from grpo.foundation.config import ConfigError
 from grpo.foundation.modeling import max_token_chars
 from grpo.rollout.engine import completion_mask
 
@@ -174,6 +175,26 @@ class ChatRenderer:
         self._base_len = len(base)
         self._probe = probe
         self.assistant_tail = base[base.rindex(self._X) + len(self._X):]  # e.g. "<|im_end|>\n" or "\n"
+        self._check_prefix_stable(base)
+
+    def _check_prefix_stable(self, base: str) -> None:
+        """:meth:`later` cuts each observation out of the whole conversation rendered after the conversation so
+        far, which is right only if a later message leaves the earlier ones' text as it was. Some templates do
+        not (Qwen3's writes an empty think block into the last assistant message only, so every later turn lost
+        the start of its observation): refused here, before any rollout, rather than trained on broken text."""
+        for role in ("user", "tool"):
+            try:
+                full = self._template(self._probe + [{"role": role, "content": "o"}], True)
+            except Exception:  # noqa: BLE001 - a template without this role: observations of it fail on their own
+                continue
+            if not full.startswith(base):
+                k = next((i for i, (a, b) in enumerate(zip(base, full)) if a != b), min(len(base), len(full)))
+                raise ConfigError(
+                    f"the tokenizer's chat template is not prefix-stable: adding a {role} message after an assistant "
+                    f"turn changes the earlier text ({base[max(0, k - 20):k + 20]!r} becomes "
+                    f"{full[max(0, k - 20):k + 20]!r}), so multi-turn observations would be cut from the wrong place. "
+                    f"Give data.chat_template a template that renders earlier messages the same whatever follows "
+                    f"(a string or a .jinja file)")
 
     def _template(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
