@@ -199,22 +199,50 @@ class ChatRenderer:
     def _template(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
+    _SLOT = "\u2064{}\u2064"  # where an observation's content goes while its template text is tokenized
+
+    def _guarded(self, messages: list[dict]) -> tuple[list[dict], list[str]]:
+        """``messages`` with each content that spells a special token (a tool answer forging ``<|im_end|>``
+        and a system turn) replaced by a slot, and those contents; nothing replaced when none does."""
+        specials = [t for t in self.tok.all_special_tokens + list(self.tok.get_added_vocab()) if t]
+        out, contents = [], []
+        for m in messages:
+            c = m.get("content")
+            if isinstance(c, str) and any(t in c for t in specials):
+                out.append({**m, "content": self._SLOT.format(len(contents))})
+                contents.append(c)
+            else:
+                out.append(m)
+        return out, contents
+
+    def _encode(self, text: str, contents: list[str]) -> list[int]:
+        """``text`` as tokens, where its template's own markers are special tokens and the contents put back into
+        its slots are plain text, whatever they spell (issue 30, item 19)."""
+        if not contents:
+            return self.tok(text, add_special_tokens=False).input_ids
+        ids: list[int] = []
+        for k, content in enumerate(contents):
+            before, text = text.split(self._SLOT.format(k), 1)
+            ids += self.tok(before, add_special_tokens=False).input_ids
+            ids += self.tok(content, add_special_tokens=False, split_special_tokens=True).input_ids
+        return ids + self.tok(text, add_special_tokens=False).input_ids
+
     def first(self, obs: Observation) -> list[int]:
-        messages = messages_of(obs)
+        messages, contents = self._guarded(messages_of(obs))
         if self.system and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system}] + messages
-        text = self._template(messages, True) + self.prefill
-        return self.tok(text, add_special_tokens=False).input_ids
+        return self._encode(self._template(messages, True) + self.prefill, contents)
 
     def later(self, obs: Observation, ended_with_eos: bool) -> list[int]:
-        full = self._template(self._probe + messages_of(obs), True)
+        messages, contents = self._guarded(messages_of(obs))
+        full = self._template(self._probe + messages, True)
         tail = self.assistant_tail
         if ended_with_eos:
             for e in self.eos_texts:
                 if tail.startswith(e):
                     tail = tail[len(e):]
                     break
-        return self.tok(tail + full[self._base_len:], add_special_tokens=False).input_ids
+        return self._encode(tail + full[self._base_len:], contents)
 
 
 @dataclass
