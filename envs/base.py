@@ -90,7 +90,14 @@ class EnvSetup:
         an ``env.kwargs`` key that neither the environment's constructor nor its ``tasks`` names (when they
         swallow the rest as ``**_``, a misspelling was silently ignored), and a bad value, by building one
         environment (no tools) and, with ``data.source: env``, drawing a few of its tasks."""
-        env_cls, _ = cls.resolve(env_cfg)
+        env_cls, specs = cls.resolve(env_cfg)
+        calls = list(getattr(env_cls, "default_tools", []) or [])  # the names the environment calls
+        given = [s.name or s.fn.split(":")[-1] for s in specs]
+        missing = [n for n in calls if n not in given]
+        if missing:  # every such call would fail as an unknown tool
+            raise EnvConfigError(f"env.name={env_cfg.name!r} calls the tools {missing}, and env.tools names "
+                                 f"{given}: give each the name the environment calls "
+                                 f"(env.tools: [{{fn: ..., name: {missing[0]}}}])")
         kwargs = dict(env_cfg.kwargs)
         named: set[str] = set()
         open_ended = False

@@ -217,6 +217,8 @@ def test_reference_that_starts_late_is_waited_for():
     (["env.name=calculator", "data.source=env", "env.tools=[{fn: calculator}, {fn: calculator}]"],
      ["env.tools names ['calculator'] twice"]),
     # issue 30, items 10 and 22: an environment's options are checked at start, not inside every trajectory
+    (["env.name=calculator", "data.source=env", "env.tools=[{fn: calculator, name: calc}]"],
+     ["env.name='calculator' calls the tools ['calculator'], and env.tools names ['calc']"]),
     (["env.name=maze", "data.source=env", "env.kwargs={walls: -1}"], ["env.kwargs.walls=-1 is invalid"]),
     (["env.name=maze", "data.source=env", "env.kwargs={max_distance: -3}"], ["env.kwargs.max_distance=-3 is invalid"]),
     (["env.name=maze", "data.source=env", "env.kwargs={wals: 2}"],
