@@ -210,6 +210,19 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     assert render.later("obs", ended_with_eos=False) == tok(after_turn, add_special_tokens=False).input_ids
 
 
+def test_a_first_prompt_over_max_prompt_length_ends_its_trajectory(caplog):
+    """Issue 30, item 11: the environment's first prompt ignored rollout.max_prompt_length (623 tokens passed a
+    limit of 64; vLLM then refused the prompt and the run died). It is held to the limit like a dataset prompt:
+    that trajectory starts empty, counted, the environment named once."""
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: RaisingEnv(), max_turns=2, max_trajectory_tokens=20,
+                          max_prompt_length=12)
+    with caplog.at_level("WARNING"):
+        b = mt.rollout([[1], [1]], [{"prompt": "ok"}, {"prompt": "x" * 200}], [0, 1])
+    assert b.rewards.tolist() == [1.0, 1.0, 0.0, 0.0] and all(len(p) <= 12 for p in b.prompt_ids)
+    assert mt.pop_metrics()["env/errors"] == 2
+    assert "RaisingEnv.reset returned a first prompt of" in caplog.text and "rollout.max_prompt_length=12" in caplog.text
+
+
 def test_bad_values_from_an_environment_cost_their_trajectory_only(caplog):
     """Issue 30, items 4 and 5: a reward of None or "1.0x", info=None, reset() returning None or a None reward
     term ended the run; a non-finite reward made the group's advantages nan (the step skipped, then the run
@@ -440,3 +453,15 @@ def test_tiny_arith_is_the_tiny_model_over_a_small_vocabulary():
     ids = tok(text)["input_ids"]
     assert tok.unk_token_id not in ids and tok.decode(ids) == text == "u:3+1\nt:error\na:"
     assert tok("x")["input_ids"] == [tok.unk_token_id]  # any other character
+
+
+def test_sequences_past_the_models_context_are_named_at_start(single_rank_env, tmp_path, capsys):
+    """Issue 30, item 11: prompt + completion (or trajectory) budgets are checked against the model's context."""
+    from tests.test_algos_hooks import make_trainer
+
+    make_trainer("grpo", tmp_path / "short", "algo.beta=0").close()
+    assert "beyond the model's context" not in capsys.readouterr().err
+    make_trainer("grpo", tmp_path / "long", "algo.beta=0", "rollout.max_prompt_length=300",
+                 "rollout.max_completion_length=300").close()
+    assert ("rollout.max_prompt_length + rollout.max_completion_length = 600 tokens, beyond the model's context "
+            "of 512") in capsys.readouterr().err

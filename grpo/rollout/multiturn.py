@@ -265,7 +265,8 @@ class MultiTurnRollout:
 
     def __init__(self, service, make_env: Callable[[dict], Any], max_turns: int, max_trajectory_tokens: int,
                  stop: Optional[list[str]] = None, system_prompt: Optional[str] = None, prefill: str = "",
-                 tool_counts: Optional[Callable[[], dict[str, float]]] = None, watchdog_s: float = 0.0):
+                 tool_counts: Optional[Callable[[], dict[str, float]]] = None, watchdog_s: float = 0.0,
+                 max_prompt_length: int = 0):
         self.service, self.make_env = service, make_env
         self.max_turns, self.budget = max_turns, max_trajectory_tokens
         self.stop = list(stop or [])
@@ -277,6 +278,7 @@ class MultiTurnRollout:
         self._reported_error = False
         self._reported_bad: set[str] = set()
         self.watchdog_s = watchdog_s  # 0: no watchdog
+        self.max_prompt_length = max_prompt_length  # the rendered first observation's limit (0: none)
         self.max_token_chars = max_token_chars(service.tokenizer)
 
     # ----------------------------------------------------------------- pieces
@@ -405,13 +407,24 @@ class MultiTurnRollout:
             obs, ok = self._env_call(env.reset, items[i]) if ok else (None, False)
             if ok and (problem := observation_problem(obs)) is not None:
                 obs, ok = self._bad_value(env, "reset", problem)
+            limit = self.max_prompt_length
+            huge = ok and limit and observation_chars(obs) > limit * self.max_token_chars  # not worth tokenizing
+            prompt = self.render.first(obs) if ok and not huge else []
+            if ok and limit and (huge or len(prompt) > limit):  # held to the limit of a dataset prompt
+                size = f"{observation_chars(obs)} characters" if huge else f"{len(prompt)} tokens"
+                obs, ok = self._bad_value(env, "reset", f"a first prompt of {size}, over "
+                                                        f"rollout.max_prompt_length={limit}")
             if not ok:  # the trajectory cannot start: an empty one (no tokens, no turns, reward 0)
-                shown = items[i].get("prompt", "")  # the row's own prompt, when it is one
-                trs.append(_Trajectory(env=None, prompt=self.render.first(shown if observation_problem(shown) is None
-                                                                          else ""), state="",
+                shown = items[i].get("prompt", "")  # the row's own prompt, when it is one within the limit
+                fits = observation_problem(shown) is None and (
+                    not limit or observation_chars(shown) <= limit * self.max_token_chars)
+                shown_ids = self.render.first(shown if fits else "")
+                if limit and len(shown_ids) > limit:
+                    shown_ids = self.render.first("")
+                trs.append(_Trajectory(env=None, prompt=shown_ids, state="",
                                        done=True))
                 continue
-            trs.append(_Trajectory(env=env, prompt=self.render.first(obs), state=state_key(obs)))
+            trs.append(_Trajectory(env=env, prompt=prompt, state=state_key(obs)))
         self.counts["trajectories"] += len(trs)
         per_turn = svc.cfg.max_completion_length
 

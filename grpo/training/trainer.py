@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -106,7 +107,16 @@ class Trainer:
             self.multiturn = MultiTurnRollout(
                 self.rollout, self.env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
                 stop=cfg.env.stop, system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
-                tool_counts=self.env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s)
+                tool_counts=self.env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s,
+                max_prompt_length=cfg.rollout.max_prompt_length)
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        longest = cfg.rollout.max_prompt_length + (cfg.rollout.max_trajectory_tokens if self.env is not None
+                                                   else cfg.rollout.max_completion_length)
+        if dist.is_main() and context and longest > context:
+            print(f"config warning: rollout.max_prompt_length + rollout."
+                  f"{'max_trajectory_tokens' if self.env is not None else 'max_completion_length'} = {longest} "
+                  f"tokens, beyond the model's context of {context} (max_position_embeddings): the longest "
+                  f"sequences would run past the positions it was trained on", file=sys.stderr, flush=True)
         self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
         self.reference = make_reference(
