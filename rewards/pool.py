@@ -187,7 +187,13 @@ def read_answer(conn: Connection, deadline: float, limit: int = MAX_ANSWER_BYTES
 
 def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> None:
     """Worker loop: apply the limits, import the registry, say ready, then receive (number, Call) and send back
-    its Outcome as JSON (:func:`encode_answer`) until None or a closed pipe."""
+    its Outcome as JSON (:func:`encode_answer`) until None or a closed pipe. The worker leads a session (and
+    process group) of its own: what its calls start is killed with it, and a signal to "its" group never
+    reaches the trainer's."""
+    try:
+        os.setsid()
+    except OSError:  # already a group leader
+        pass
     apply_limits(limits)
     import rewards  # noqa: F401  (slow imports happen before the first deadline starts)
 
@@ -232,7 +238,17 @@ class _Worker:
             raise RuntimeError(f"reward worker sent {msg[:80]!r} instead of 'ready'")
         self.ready = True
 
+    def _kill_group(self) -> None:
+        """SIGKILL to the worker's process group: the worker and whatever its calls started (a child outliving
+        a timed-out call was reparented to init and kept running, also after close())."""
+        if self.proc.pid is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def kill(self) -> None:
+        self._kill_group()
         self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
@@ -243,6 +259,7 @@ class _Worker:
         except (BrokenPipeError, OSError):
             pass
         self.proc.join(timeout=2)
+        self._kill_group()  # the worker has left (or is killed now); what it started goes with it
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=5)

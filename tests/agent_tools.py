@@ -30,3 +30,14 @@ def hog(args: str, **_) -> str:
 def shout(args: str, **_) -> str:
     """Raises with a 1 MB message (its end names the error)."""
     raise ValueError("x" * 1_000_000 + " THE END")
+
+
+def spawn_and_hang(args: str, **_) -> str:
+    """Starts a child that sleeps 600 s (its pid written to the file ``args``), then hangs itself."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    with open(args, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+    return "never"

@@ -270,6 +270,35 @@ def test_a_bad_tool_costs_its_trajectory_not_the_run(tool):
         es.close()
 
 
+def test_a_timed_out_tool_call_takes_what_it_started_with_it(tmp_path):
+    """Issue 30, item 7: a timeout killed the worker but not its child (reparented to init, running on after
+    close()); workers were in the trainer's process group. Now each worker leads its own, killed whole."""
+    import os
+
+    box = ToolBox({"spawn": ("tests.agent_tools:spawn_and_hang", {})}, num_workers=1, timeout=3.0)
+    pid_file = tmp_path / "child.pid"
+    try:
+        assert box.call("spawn", str(pid_file)).status == "timeout"
+        child = int(pid_file.read_text())
+
+        def gone() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return True
+            with open(f"/proc/{child}/stat") as f:  # a zombie (dead, not yet reaped by init) counts as gone
+                return f.read().split(")")[-1].split()[0] == "Z"
+
+        deadline = time.monotonic() + 60
+        while not gone():
+            assert time.monotonic() < deadline, "the timed-out call's child is still running"
+            time.sleep(0.05)
+        box.pool._workers[0].wait_ready()  # the replacement has started (and made its own group)
+        assert os.getpgid(box.pool._workers[0].proc.pid) != os.getpgrp(), "a worker shares the trainer's group"
+    finally:
+        box.close()
+
+
 def test_the_calculator_tool_runs_in_a_worker_and_never_evals():
     box = ToolBox({"calculator": ("calculator", {})}, num_workers=1, timeout=10.0)
     try:
