@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import math
 import os
 import select
@@ -35,12 +36,16 @@ import struct
 import multiprocessing as mp
 import resource
 import signal
+import sys
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
+
+
+log = logging.getLogger("rewards")
 
 
 @dataclass
@@ -81,6 +86,7 @@ class Outcome:
     values: Optional[list[float]] = None
     error: Optional[str] = None
     value: Any = None  # the answer of a call that runs itself (a tool call: envs/sandbox.py)
+    tainted: Optional[str] = None  # what the call patched in its worker (the worker is replaced)
 
     def __post_init__(self) -> None:
         if isinstance(self.error, str) and len(self.error) > MAX_ERROR_CHARS:
@@ -135,9 +141,38 @@ def _arm_cpu(seconds: int) -> None:
 MAX_ANSWER_BYTES = 64 << 20  # one answer's JSON; a longer one (or a longer length prefix) is refused unread
 
 
-def encode_answer(seq: int, out: Outcome) -> bytes:
-    """An Outcome as the JSON the trainer accepts (answering call number ``seq``)."""
-    body = {"seq": seq, "status": out.status, "values": out.values, "error": out.error, "value": out.value}
+def snapshot_functions(seen: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+    """Add to ``seen`` every loaded module not in it yet, with the functions and classes it binds."""
+    for name, mod in list(sys.modules.items()):
+        if name in seen or mod is None:
+            continue
+        try:
+            d = vars(mod)
+        except TypeError:
+            continue
+        seen[name] = (mod, {k: v for k, v in list(d.items()) if callable(v)})
+
+
+def patched(seen: dict[str, tuple[Any, dict[str, Any]]]) -> Optional[str]:
+    """The first function or class a call rebound in a loaded module (builtins included), or None. A call that
+    patched one (math_verify.verify = ..., builtins.float = ...) would change every later call in its worker
+    (a wrong completion then scored 1.0): such a worker is replaced. Flags and caches (not callables) may
+    change freely."""
+    for name, (mod, funcs) in seen.items():
+        if sys.modules.get(name, mod) is not mod:
+            return f"the module {name}"
+        d = vars(mod)
+        for k, v in funcs.items():
+            if d.get(k) is not v:
+                return f"{name}.{k}"
+    return None
+
+
+def encode_answer(seq: int, out: Outcome, tainted: Optional[str] = None) -> bytes:
+    """An Outcome as the JSON the trainer accepts (answering call number ``seq``); ``tainted``: what the call
+    patched in the worker (it is replaced after this answer)."""
+    body = {"seq": seq, "status": out.status, "values": out.values, "error": out.error, "value": out.value,
+            "tainted": tainted}
     try:
         return json.dumps(body).encode()
     except (TypeError, ValueError) as e:  # a value JSON cannot carry (an object): the call's error
@@ -156,7 +191,9 @@ def decode_answer(raw: bytes, seq: int) -> Outcome:
         raise ValueError(f"values of call {seq} are not numbers")
     if error is not None and not isinstance(error, str):
         raise ValueError(f"error of call {seq} is not text")
-    return Outcome(d["status"], values=values, error=error, value=d.get("value"))
+    tainted = d.get("tainted")
+    return Outcome(d["status"], values=values, error=error, value=d.get("value"),
+                   tainted=tainted if isinstance(tainted, str) else None)
 
 
 def read_answer(conn: Connection, deadline: float, limit: int = MAX_ANSWER_BYTES) -> bytes:
@@ -198,6 +235,8 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
     import rewards  # noqa: F401  (slow imports happen before the first deadline starts)
 
     conn.send_bytes(b"ready")
+    seen: dict[str, tuple[Any, dict[str, Any]]] = {}
+    snapshot_functions(seen)
     while True:
         try:
             job = conn.recv()  # from the trainer: trusted
@@ -211,7 +250,9 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
             out = dispatch(call)
         except MemoryError:  # raised outside the call's own handler (its traceback could not be built)
             out = Outcome("error", error="MemoryError (reward_pool.limits.memory_mb)")
-        conn.send_bytes(encode_answer(seq, out))
+        tainted = patched(seen)
+        snapshot_functions(seen)  # modules the call imported: watched from now on
+        conn.send_bytes(encode_answer(seq, out, tainted))
 
 
 class _Worker:
@@ -287,6 +328,7 @@ class WorkerPool:
         self.restarts = 0  # workers replaced after a timeout or a crash
         self.kills = {"memory": 0, "cpu": 0, "crash": 0}  # workers replaced for going past a limit, or dying
         self._seq = 0  # the number of the last call sent: an answer must carry its call's
+        self._reported_taint: set[str] = set()
         if num_workers:
             self._workers = [_Worker(self._ctx, self.limits) for _ in range(num_workers)]
             atexit.register(self.close)
@@ -321,6 +363,13 @@ class WorkerPool:
                         results[i] = decode_answer(read_answer(w.conn, max(deadline, time.monotonic() + 1.0)), seq)
                         if results[i].status == "error" and "MemoryError" in (results[i].error or ""):
                             self.kills["memory"] += 1  # its heap may be fragmented or hold the garbage: a fresh one
+                            self._replace(slot)
+                        elif results[i].tainted:  # later calls must not run on what this one patched
+                            if results[i].tainted not in self._reported_taint:
+                                self._reported_taint.add(results[i].tainted)
+                                log.warning("a call of %s rebound %s in its worker; the worker is replaced after "
+                                            "such calls (later ones are not logged)",
+                                            getattr(calls[i], "fn", "?"), results[i].tainted)
                             self._replace(slot)
                     except TimeoutError:  # a message begun and never finished
                         results[i] = Outcome("timeout")

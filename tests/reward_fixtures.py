@@ -140,3 +140,18 @@ def pipe_writer(prompts, completions, mode="pickle", marker="", **_):
         os.write(conn.fileno(), struct.pack("!i", 100) + b"0123456789")  # 10 of 100 bytes, then nothing
         time.sleep(600)
     return [1.0 for _ in completions]
+
+
+def patches_math(prompts, completions, **_):
+    """Rebinds math.isclose in its worker (as model-written code run inline could), then scores 1."""
+    import math
+
+    math.isclose = lambda *a, **k: True
+    return [1.0 for _ in completions]
+
+
+def uses_isclose(prompts, completions, **_):
+    """1 where the completion is close to 2, by math.isclose."""
+    import math
+
+    return [1.0 if math.isclose(float(c), 2.0) else 0.0 for c in completions]

@@ -141,3 +141,19 @@ def test_what_a_worker_writes_into_its_pipe_is_never_unpickled_or_waited_for(tmp
         assert per_fn["length_bonus"] == [4.0]
     finally:
         r.close()
+
+
+def test_a_call_that_patches_its_worker_does_not_change_later_calls(caplog):
+    """Issue 30, item 17: a call that rebound a function (here math.isclose) changed every later call in the
+    same worker (a wrong completion then scored 1.0). Such a worker is replaced after that call."""
+    r = combined([{"fn": "tests.reward_fixtures:patches_math"}, {"fn": "tests.reward_fixtures:uses_isclose"}],
+                 workers=1, timeout=30.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rewards"):
+            _, per_fn = r(["p"], ["7"], {})
+        assert per_fn["uses_isclose"] == [0.0], "7 is not close to 2"
+        _, per_fn = r(["p"], ["7"], {})
+        assert per_fn["uses_isclose"] == [0.0] and r.pool.restarts >= 2
+        assert "rebound math.isclose in its worker" in caplog.text
+    finally:
+        r.close()
