@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpo.foundation.logprobs import Packed, pack
@@ -34,3 +35,13 @@ def log_events(path: Path, event: str = "request") -> list[dict]:
 def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
     assert torch.equal(a, b), f"max abs difference {(a - b).abs().max().item()}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Autouse where imported (the server tests): the server runs with OMP_NUM_THREADS=1 and CPU kernels split
+    large reductions by thread count, so bit-exact comparisons need the in-process side on one thread too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

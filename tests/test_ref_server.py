@@ -22,7 +22,7 @@ from grpo.reference.launch import ServerProcess, free_port
 from grpo.reference.wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
 from grpo.reference.base import InProcessReference, sliced_logprobs
 from grpo.foundation.tiny import make_char_tokenizer, make_tiny_model, write_tiny
-from tests.ref_support import assert_same, log_events, ragged_batch
+from tests.ref_support import assert_same, log_events, one_thread, ragged_batch  # noqa: F401 (one_thread: autouse)
 from tests.patience import SERVER_S, WAIT_S
 
 pytestmark = pytest.mark.slow
@@ -30,16 +30,6 @@ pytestmark = pytest.mark.slow
 TOKEN = "test-token-123"
 MAX_REQUEST_MB = 0.1
 QUEUE = 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The server runs with OMP_NUM_THREADS=1; CPU kernels split large reductions by thread count,
-    so bit-exact comparisons need the in-process side on one thread too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

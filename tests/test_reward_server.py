@@ -22,7 +22,7 @@ from grpo.reference.launch import ServerProcess, free_port
 from grpo.training.configure import load_config
 from rewards import CombinedReward
 from rewards.models import RewardModel
-from tests.ref_support import ragged_batch
+from tests.ref_support import one_thread, ragged_batch  # noqa: F401 (one_thread: autouse)
 from tests.patience import SERVER_S
 
 pytestmark = pytest.mark.slow
@@ -31,14 +31,6 @@ TOKEN = "rm-token-456"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPTS = ["12=", "345=", "6+7=", "1=", "99<", "a long prompt with many characters="]
 COMPLETIONS = ["12", "543", "13", "", "99 and some more text", "x"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
