@@ -123,31 +123,32 @@ def main() -> None:
     p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
-    p.add_argument("--run", action="append", default=[], metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS
+    p.add_argument("--run", action="append", default=[], metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
                    help="several runs in this one launch (--out then holds {NAME: results}); instead of --micro")
     p.add_argument("--only", action="append", default=[], help="an aggregation (repeatable; default: all)")
     args = p.parse_args()
     ONLY.extend(args.only)
-    if args.lora:  # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
-        load_policy = trainer_module.load_policy
+    # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
+    # (models without adapters are unchanged)
+    load_policy = trainer_module.load_policy
 
-        def with_b(cfg_model):
-            model = load_policy(cfg_model)
-            g = torch.Generator().manual_seed(7)
-            with torch.no_grad():
-                for n, prm in model.named_parameters():
-                    if "lora_B" in n:
-                        prm.copy_(torch.randn(prm.shape, generator=g) * 0.05)
-            return model
+    def with_b(cfg_model):
+        model = load_policy(cfg_model)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for n, prm in model.named_parameters():
+                if "lora_B" in n:
+                    prm.copy_(torch.randn(prm.shape, generator=g) * 0.05)
+        return model
 
-        trainer_module.load_policy = with_b
+    trainer_module.load_policy = with_b
     out = Path(args.out)
     if args.run:
         results = {}
         for spec in args.run:
             name, micro, zero, *model = spec.split(":", 3)
-            results[name] = one_run(micro, int(zero), model[0] if model else args.model, args.lora,
-                                    out.parent / f"run-{name}")
+            results[name] = one_run(micro, int(zero), model[0] if model else args.model,
+                                    args.lora or name.endswith("+lora"), out.parent / f"run-{name}")
     else:
         results = one_run(args.micro, args.zero, args.model, args.lora, out.parent / "run")
     if dist.is_main():

@@ -33,16 +33,23 @@ def grads(tmp_path_factory, tiny_dir):
     builtin = "builtin:tiny-char"
     # one launch per world size (each launch costs the ranks' start-up): 1 rank, then the four 2-rank runs;
     # the last: the same weights from an HF folder, built partitioned from the start (zero.Init)
-    run_deepspeed(["--out", str(out / "w1.pt"), "--run", f"w1-mb16-z0:16:0:{builtin}"], 1, "tests/dist_grad_worker.py")
-    runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}"]
+    # the LoRA adapters' gradient (NAME+lora) rides in the same two launches
+    run_deepspeed(["--out", str(out / "w1.pt"), "--run", f"w1-mb16-z0:16:0:{builtin}", "--run", "w1-mb16-z0+lora:16:0"], 1,
+                  "tests/dist_grad_worker.py")
+    runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}",
+            "w2-mb3-z2+lora:3:2"]
     run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--run", r)]], 2,
                   "tests/dist_grad_worker.py")
     return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
 
 
-@pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-tok12-z3", "w2-mb5-z3-built-partitioned"])
+@pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-tok12-z3", "w2-mb5-z3-built-partitioned",
+                                   "w2-mb3-z2+lora"])
 def test_step_gradient_independent_of_ranks_and_micro_batches(grads, other):
-    ref = grads["w1-mb16-z0"]
+    """With ``+lora`` the policy has LoRA adapters (B made non-zero) and the gradient is the adapters' (small) one:
+    2 ranks x micro-batches of 3 under ZeRO-2 against 1 rank x 1 micro-batch."""
+    lora = other.endswith("+lora")
+    ref = grads["w1-mb16-z0+lora" if lora else "w1-mb16-z0"]
     if other == "w2-tok12-z3":  # a 12-token budget: 6 micro-batches on rank 0, 7 on rank 1; both run 7 passes
         assert grads[other]["micro_batches_per_rank"] == [6, 7]
         assert grads[other]["passes_per_rank"] == [7, 7]
@@ -54,7 +61,9 @@ def test_step_gradient_independent_of_ranks_and_micro_batches(grads, other):
     assert (bonus["grad"] - plain["grad"]).abs().max() > 1e-3 * plain["grad"].abs().max()
     for aggregation, r in per_aggregation(ref).items():
         o = grads[other][aggregation]
-        assert r["grad"].abs().max() > 1e-3  # a real, non-zero gradient
+        assert r["grad"].abs().max() > (1e-4 if lora else 1e-3)  # a real, non-zero gradient
+        if lora:
+            assert r["grad"].numel() < 20_000  # the adapters' only
         torch.testing.assert_close(o["grad"], r["grad"], rtol=1e-4, atol=1e-6 * r["grad"].abs().max().item(),
                                    msg=f"{aggregation}: {other} differs from one rank, one micro-batch")
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6)

@@ -132,23 +132,23 @@ def _package_self_edge(cycle: str) -> bool:
 
 
 # Imports every module alone, each in a fresh child of an interpreter that has loaded only third-party
-# libraries, and prints which project modules each one pulled in.
+# libraries, and prints which project modules each one pulled in. The third-party modules are the ones the
+# whole project loads (found by a first child that imports every module): loaded once in the parent, before
+# the forks, each child runs only project code.
 _PROBE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
-import torch, transformers, yaml, requests, safetensors  # third-party: loaded once, before the forks
-import deepspeed, peft, pyarrow.parquet, bottle  # (the heavy ones too: each child then loads only project code)
+PROJECT = ("grpo", "algos", "rewards", "envs")
 mods = json.loads(sys.argv[2])
-result = {}
-for m in mods:
+
+
+def in_child(fn):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            __import__(m)
-            loaded = sorted(k for k in sys.modules if k.split(".")[0] in ("grpo", "algos", "rewards", "envs"))
-            msg = json.dumps({"ok": True, "loaded": loaded})
+            msg = json.dumps({"ok": True, "value": fn()})
         except BaseException as e:
             msg = json.dumps({"ok": False, "error": repr(e)})
         os.write(w, msg.encode())
@@ -160,7 +160,27 @@ for m in mods:
         data += chunk
     os.close(r)
     os.waitpid(pid, 0)
-    result[m] = json.loads(data)
+    return json.loads(data)
+
+
+def third_party():
+    for m in mods:
+        try:
+            __import__(m)
+        except BaseException:
+            pass  # reported by its own child below
+    return [k for k in sys.modules if k.split(".")[0] not in PROJECT]
+
+
+for name in in_child(third_party).get("value", []):
+    try:
+        __import__(name)
+    except BaseException:
+        pass  # a name that is not importable alone (an alias another module set): its owner loaded it
+result = {}
+for m in mods:
+    r = in_child(lambda: (__import__(m), sorted(k for k in sys.modules if k.split(".")[0] in PROJECT))[1])
+    result[m] = {"ok": r["ok"], "loaded": r.get("value"), "error": r.get("error")}
 print(json.dumps(result))
 """
 
