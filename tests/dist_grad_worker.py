@@ -3,7 +3,7 @@
 Every rank builds the same 16-row batch, takes its own groups, and accumulates gradients
 through the real Trainer/DeepSpeed path; rank 0 writes the gathered gradient for each
 aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages (several of them in one launch with
-``--run``: each launch costs the ranks' start). With ``--lora`` the
+``--run``: each launch costs the ranks' start). A run named NAME+lora: the
 policy has LoRA adapters (B made non-zero, the same on every rank) and the gradient is the adapters'.
 """
 
@@ -91,7 +91,7 @@ def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dic
         chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
         results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
     # every aggregation; then an entropy bonus (algo.entropy_coef: the entropy's gradient through the LM head)
-    for name in ONLY or [*core.AGGREGATIONS, "entropy-bonus"]:
+    for name in [*core.AGGREGATIONS, "entropy-bonus"]:
         if name == "entropy-bonus":
             cfg.algo.aggregation, cfg.algo.entropy_coef = "seq-mean-token-mean", 0.5
             trainer.algo.entropy_alpha = 0.5
@@ -107,9 +107,6 @@ def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dic
     return results
 
 
-ONLY: list[str] = []  # --only: these aggregations (default: all, then the entropy bonus)
-
-
 def per_aggregation(results: dict) -> dict:
     """One run's {aggregation (and "entropy-bonus"): {"loss", "grad"}}, without the per-rank counts beside them."""
     return {k: v for k, v in results.items() if isinstance(v, dict)}
@@ -118,16 +115,11 @@ def per_aggregation(results: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--micro", default=None, help="ROWS or ROWS/TOKENS")
-    p.add_argument("--zero", type=int, default=0)
-    p.add_argument("--lora", action="store_true")
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
-    p.add_argument("--run", action="append", default=[], metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
-                   help="several runs in this one launch (--out then holds {NAME: results}); instead of --micro")
-    p.add_argument("--only", action="append", default=[], help="an aggregation (repeatable; default: all)")
+    p.add_argument("--run", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
+                   help="the runs of this one launch (--out then holds {NAME: results})")
     args = p.parse_args()
-    ONLY.extend(args.only)
     # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
     # (models without adapters are unchanged)
     load_policy = trainer_module.load_policy
@@ -143,14 +135,11 @@ def main() -> None:
 
     trainer_module.load_policy = with_b
     out = Path(args.out)
-    if args.run:
-        results = {}
-        for spec in args.run:
-            name, micro, zero, *model = spec.split(":", 3)
-            results[name] = one_run(micro, int(zero), model[0] if model else args.model,
-                                    args.lora or name.endswith("+lora"), out.parent / f"run-{name}")
-    else:
-        results = one_run(args.micro, args.zero, args.model, args.lora, out.parent / "run")
+    results = {}
+    for spec in args.run:
+        name, micro, zero, *model = spec.split(":", 3)
+        results[name] = one_run(micro, int(zero), model[0] if model else args.model, name.endswith("+lora"),
+                                out.parent / f"run-{name}")
     if dist.is_main():
         torch.save(results, out)
 
