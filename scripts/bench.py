@@ -275,7 +275,7 @@ def child_ours(spec: dict) -> dict:
     else:
         ov += [f"algo.beta={spec['beta']}", "algo.clip_eps_low=0.2", "algo.clip_eps_high=0.2",
                "algo.aggregation=seq-mean-token-mean", "algo.kl_estimator=k3"]
-    cfg = load_config(None, algo, ov)
+    cfg = load_config(None, algo, ov + list(spec.get("set", [])))
     trainer = Trainer(cfg)
     torch.manual_seed(spec["seed"])
     setup_s = time.perf_counter() - t_setup
@@ -387,7 +387,7 @@ def summarise(res: dict, warmup: int) -> dict:
 def run_child(side: str, spec: dict, python: str, workdir: Path) -> dict:
     spec_path, out_path = workdir / f"spec-{side}.json", workdir / f"result-{side}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x]), "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
     if spec.get("device", "cpu") == "cpu":  # both sides on the CPU even where a GPU is present
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
@@ -546,7 +546,7 @@ def base_spec(args, workdir: Path, max_new: int | None = None, group: int | None
             "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
             "seed": args.seed, "temperature": args.temperature, "ignore_eos": not args.keep_eos,
             "threads": args.threads, "workdir": str(workdir), "data": str(workdir / "prompts.jsonl"),
-            "device": args.device}
+            "device": args.device, "set": args.set}
 
 
 def parse_args(argv=None):
@@ -564,6 +564,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="on a GPU: bf16 (both sides)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: both sides on the GPU (TRL: use_cpu=False); adds CUDA peak memory and GPU utilisation")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for our side only, after the shared ones (repeatable), e.g. "
+                        "--set rollout.static.mode=graphs")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)

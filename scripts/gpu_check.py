@@ -100,6 +100,14 @@ def greedy_prefix(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(same) / max(len(same), 1)
 
 
+def engine_overrides(name: str) -> list[str]:
+    """``rollout.*`` overrides of an engine name: ``hf``, ``static``, ``static:MODE`` or ``static:MODE:LENGTH_BUCKET``
+    (``auto`` for the trainer's own choice)."""
+    kind, mode, bucket = (name.split(":") + ["", ""])[:3]
+    return [f"rollout.engine={kind}", f"rollout.static.mode={mode or 'auto'}",
+            f"rollout.static.length_bucket={bucket or 64}"]
+
+
 def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
     """One result per engine (``hf``, ``static``, ``static:MODE`` or ``static:MODE:LENGTH_BUCKET``) at the same
     prompts and settings, each yielded as soon as it is measured. Engines that return log-probs: their gap to the
@@ -121,9 +129,8 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
     greedy = SamplingParams(max_tokens=min(32, spec["gen_tokens"]), ignore_eos=True).greedy()
     reference = None
     for name in engines:
-        kind, mode, bucket = (name.split(":") + ["", ""])[:3]
-        cfg = load_config(None, "grpo", [f"rollout.engine={kind}", f"rollout.static.mode={mode or 'auto'}",
-                                         f"rollout.static.length_bucket={bucket or 64}"])
+        kind = name.split(":")[0]
+        cfg = load_config(None, "grpo", engine_overrides(name))
         engine = engine_class(kind)(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
         _sync(device)
         t0 = time.perf_counter()  # the warm-up: the measured call's shapes (static: compiles, graph captures)
@@ -183,7 +190,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
         f"train.micro_batch_size={spec['prompts'] * spec['G']}", f"train.output_dir={out / 'run'}",
         "logging.progress_bar=false", "logging.plot=false", "rewards=[{fn: 'scripts.bench:bench_reward'}]",
         "algo.beta=0.04", "reward_pool.num_workers=0",  # the reward is a word count: no worker processes
-        f"rollout.engine={engine}",
+        *engine_overrides(engine),
     ])
     _reset_peak(device)
     trainer = Trainer(cfg)
@@ -205,7 +212,8 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     parts = memory_parts(n_params, shape, dtype, states, rows, PROMPT_WORDS + new_tokens)
     parts["reference"] = n_params * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]  # the in-process reference (beta > 0)
     parts["activations_and_rest"] = peak - sum(parts.values())
-    return {"new_tokens": new_tokens, "rows": rows, "engine": type(trainer.rollout.engine).__name__,
+    return {"new_tokens": new_tokens, "rows": rows, "engine": f"{type(trainer.rollout.engine).__name__} "
+            f"{getattr(trainer.rollout.engine, 'mode', '')}".strip(),
             "optimizer_states": states, "params": n_params,
             "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(
                 "cuda") else "process RSS", "memory_parts": parts,
@@ -264,7 +272,8 @@ def main(argv=None) -> int:
                         "static:MODE:LENGTH_BUCKET (MODE: auto, eager, compile, graphs, compile+graphs; "
                         "LENGTH_BUCKET: rollout.static.length_bucket, 0 = whole buffer); greedy tokens compare "
                         "with the first")
-    p.add_argument("--step-engine", default="auto", help="rollout.engine of the step stages (default auto)")
+    p.add_argument("--step-engine", default="auto",
+                   help="the step stages' engine, named as in --engines (default auto: the trainer's own choice)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
