@@ -10,12 +10,12 @@ Models have random weights of SmolLM2-135M's or SmolLM2-1.7B's shape, built on t
 per shape:
 
     generation   each engine's completion tokens/s at 64 rows x 256 new tokens (EOS ignored); ``--engines``
-                 (default hf,static): hf, static (its mode from rollout.static.mode auto: compile+graphs on
+                 (default hf,static): hf, static (its mode from rollout.static.mode auto: graphs on
                  CUDA), static:MODE or static:MODE:LENGTH_BUCKET; the static rows add the warm-up seconds
                  (compiles and graph captures at these shapes), their log-prob gap to the trainer, and
                  (eager engines) how many leading greedy tokens of each row equal the first engine's
-    step_256     training steps at 8 prompts x 8, 256 new tokens (EOS ignored): median time/* of the steps
-    step_1024    the same at 1024 new tokens        after the warm-up, peak memory, and the parts of it
+    step_256     training steps at 8 prompts x 8 (micro-batches of 16), 256 new tokens (EOS ignored): median time/*
+    step_1024    the same at 1024 new tokens        of the steps after the warm-up, peak memory, and the parts of it
                  (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
                  rest = peak - those), step-time outliers (> 1.5x the running median)
     ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/bench_ref_http.py)
@@ -52,8 +52,10 @@ SHAPES = {
                  intermediate_size=128, vocab_size=512),
 }
 # (prompts, G, new tokens at the short and the long step, generation rows and tokens, ref rows/prompt/completion)
-FULL = dict(prompts=8, G=8, short=256, long=1024, gen_rows=64, gen_tokens=256, ref=(64, 40, 256), steps=4, warmup=1)
-TINY = dict(prompts=2, G=2, short=8, long=16, gen_rows=4, gen_tokens=8, ref=(4, 6, 8), steps=2, warmup=1)
+# micro: rows per forward/backward (64 rows x 1064 tokens at once ran out of an H200's 139 GiB at the 1.7B shape)
+FULL = dict(prompts=8, G=8, short=256, long=1024, gen_rows=64, gen_tokens=256, ref=(64, 40, 256), steps=4, warmup=1,
+            micro=16)
+TINY = dict(prompts=2, G=2, short=8, long=16, gen_rows=4, gen_tokens=8, ref=(4, 6, 8), steps=2, warmup=1, micro=4)
 PROMPT_WORDS = 40
 
 
@@ -187,7 +189,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
         f"rollout.num_generations={spec['G']}", f"rollout.prompts_per_step={spec['prompts']}",
         f"rollout.max_completion_length={new_tokens}", "rollout.ignore_eos=true", "rollout.max_prompt_length=512",
         f"train.max_steps={spec['steps'] + spec['warmup']}", "train.lr=1e-6", f"train.optimizer_states={states}",
-        f"train.micro_batch_size={spec['prompts'] * spec['G']}", f"train.output_dir={out / 'run'}",
+        f"train.micro_batch_size={spec['micro']}", f"train.output_dir={out / 'run'}",
         "logging.progress_bar=false", "logging.plot=false", "rewards=[{fn: 'scripts.bench:bench_reward'}]",
         "algo.beta=0.04", "reward_pool.num_workers=0",  # the reward is a word count: no worker processes
         *engine_overrides(engine),
@@ -212,7 +214,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     parts = memory_parts(n_params, shape, dtype, states, rows, PROMPT_WORDS + new_tokens)
     parts["reference"] = n_params * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]  # the in-process reference (beta > 0)
     parts["activations_and_rest"] = peak - sum(parts.values())
-    return {"new_tokens": new_tokens, "rows": rows, "engine": f"{type(trainer.rollout.engine).__name__} "
+    return {"new_tokens": new_tokens, "rows": rows, "micro_batch": spec["micro"], "engine": f"{type(trainer.rollout.engine).__name__} "
             f"{getattr(trainer.rollout.engine, 'mode', '')}".strip(),
             "optimizer_states": states, "params": n_params,
             "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(

@@ -515,6 +515,16 @@ def test_static_on_an_unsupported_model_fails_naming_the_reason():
         static.StaticEngine(setup_for(model))
 
 
+def test_auto_mode_is_graphs_on_cuda_and_eager_elsewhere():
+    from grpo.foundation.config import ConfigError
+    # graphs without compile on CUDA: compile+graphs failed in Inductor on an H200 (torch 2.11, docs/results.md)
+    assert static.resolve_mode("auto", torch.device("cuda")) == "graphs"
+    assert static.resolve_mode("auto", torch.device("cpu")) == "eager"
+    assert static.resolve_mode("compile+graphs", torch.device("cuda")) == "compile+graphs"
+    with pytest.raises(ConfigError, match=r"rollout.static.mode='graphs' needs CUDA"):
+        static.resolve_mode("graphs", torch.device("cpu"))
+
+
 def test_auto_picks_hf_off_cuda_and_says_why(capsys):
     from grpo.foundation.config import ConfigError
     from grpo.rollout.hf import HFEngine

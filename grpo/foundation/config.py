@@ -181,7 +181,7 @@ STATIC_MODES = ("auto", "eager", "compile", "graphs", "compile+graphs")
 class StaticConfig:
     """The ``static`` engine (``rollout.engine: static``, or ``auto`` on CUDA; grpo/rollout/static.py)."""
 
-    # auto: compile+graphs on CUDA, eager elsewhere; eager: neither (debugging); compile: torch.compile of the
+    # auto: graphs on CUDA, eager elsewhere; eager: neither (debugging); compile: torch.compile of the
     # decode step; graphs: a CUDA graph per (rows bucket, length bucket) without compile; compile+graphs: both
     mode: str = "auto"
     # decode steps between the host's reads of which rows finished (early exit, compaction into a smaller

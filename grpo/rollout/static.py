@@ -20,7 +20,9 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   through a non-blocking copy (into pinned memory on CUDA) that it waits for only after the next step is queued.
   When the live rows fit a smaller bucket they are moved there (compaction).
 * ``rollout.static.mode``: ``eager``, ``compile`` (torch.compile of the decode step), ``graphs`` (a CUDA graph per
-  (rows bucket, length bucket)), ``compile+graphs``; ``auto`` = compile+graphs on CUDA, eager elsewhere. Graphs hold
+  (rows bucket, length bucket)), ``compile+graphs``; ``auto`` = graphs on CUDA, eager elsewhere (measured on an H200
+  with torch 2.11: graphs 12.9k tokens/s at the 1.7B shape, 1.4 s of captures; compile+graphs failed in Inductor's
+  Triton code generation there, and compiles once per length bucket: docs/results.md). Graphs hold
   pointers: every call compares each weight's ``data_ptr`` with the captured ones and recaptures on a change.
 
 ``Completions.logprobs`` are the sampler's log-probs of the drawn tokens under the distribution it drew from
@@ -254,9 +256,10 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """``rollout.static.mode`` on this device (``auto``: compile+graphs on CUDA, eager elsewhere)."""
+    """``rollout.static.mode`` on this device (``auto``: graphs on CUDA, eager elsewhere; compile is opt-in: it
+    failed in Inductor on torch 2.11 at the 1.7B shape, and recompiles for every length bucket)."""
     if mode == "auto":
-        return "compile+graphs" if device.type == "cuda" else "eager"
+        return "graphs" if device.type == "cuda" else "eager"
     if "graphs" in mode and device.type != "cuda":
         raise ConfigError(f"rollout.static.mode={mode!r} needs CUDA (graphs are CUDA graphs), and the policy is on "
                           f"{device.type}: use 'eager' or 'compile' (or 'auto')")
