@@ -23,6 +23,7 @@ from algos.edge_grpo import CONTINUE, HINT, REPLACE, correction_case
 from grpo.foundation import core
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
+from grpo.foundation.dist import shutdown
 from grpo.reference.handle import ReferenceHandle
 from grpo.training.configure import load_config
 from grpo.rollout.engine import completion_mask
@@ -298,7 +299,7 @@ def _balance_worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.txt").write_text(
         f"{[out.prompt_index[g * G] for g in range(out.num_groups)]};{len(out)};{ctx.metrics['dapo/kept_frac']}"
     )
-    tdist.destroy_process_group()
+    shutdown()  # a barrier first: a rank torn down mid-collective aborted its peer (SIGABRT)
 
 
 def spawn2(worker, tmp_path) -> None:
@@ -393,7 +394,7 @@ def _gpg_worker(rank: int, port: int, out_dir: str) -> None:
         algo.process_batch(make_batch(rewards[rank], [2] * 6, 2), ctx)
         results.append(f"{name}:{ctx.skip_update}:{algo.alpha}")
     Path(out_dir, f"rank{rank}.txt").write_text("|".join(results))
-    tdist.destroy_process_group()
+    shutdown()  # a barrier first: a rank torn down mid-collective aborted its peer (SIGABRT)
 
 
 def test_gpg_alpha_and_skip_count_groups_over_all_ranks(tmp_path):
