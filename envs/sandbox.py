@@ -11,6 +11,7 @@ argument text cross the process boundary.
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -82,22 +83,12 @@ class ToolBox:
                                                                "tool_timeouts": 0.0})
 
     def __post_init__(self) -> None:
-        self.pool = WorkerPool(self.num_workers, self.timeout, self.limits) if self.tools else None
+        # every new worker imports the tools' modules first (a replaced one too), under the pool's start-up
+        # allowance, so that importing a tool never counts against a call's timeout
+        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}))
+        self.pool = WorkerPool(self.num_workers, self.timeout, self.limits, warm_up=warm) if self.tools else None
         self._reported: set[tuple[str, str]] = set()
-        self._warm_at = -1  # the pool's restart count when its workers were last warmed up
-
-    def _warm_up(self) -> None:
-        """Every worker imports the tools' modules (a new worker after a restart too), under the pool's
-        start-up allowance, so that importing a tool never counts against a call's timeout."""
-        p = self.pool
-        if p.num_workers == 0 or self._warm_at == p.restarts:
-            return
-        timeout, p.timeout = p.timeout, 300.0
-        try:
-            p.run([WarmUp(sorted({spec for spec, _ in self.tools.values()})) for _ in range(p.num_workers)])
-        finally:
-            p.timeout = timeout
-        self._warm_at = p.restarts
+        self._lock = threading.Lock()  # environments of a turn may call tools from several threads
 
     def call(self, name: str, args: str) -> ToolResult:
         if name not in self.tools:
@@ -107,17 +98,18 @@ class ToolBox:
     def call_many(self, calls: list[tuple[str, str]]) -> list[ToolResult]:
         """Several calls at once, spread over the workers."""
         jobs = [ToolCall(self.tools[n][0], self.tools[n][1], str(a), self.max_output_chars) for n, a in calls]
-        if jobs:
-            self._warm_up()
         out = []
         for (name, _), o in zip(calls, self.pool.run(jobs) if jobs else []):
-            self.counts["tool_calls"] += 1
+            with self._lock:
+                self.counts["tool_calls"] += 1
+                if o.status != "ok":
+                    self.counts["tool_timeouts" if o.status == "timeout" else "tool_errors"] += 1
+                    first = (name, o.status) not in self._reported
+                    self._reported.add((name, o.status))
             if o.status == "ok":
                 out.append(ToolResult(True, o.value))
                 continue
-            self.counts["tool_timeouts" if o.status == "timeout" else "tool_errors"] += 1
-            if (name, o.status) not in self._reported:
-                self._reported.add((name, o.status))
+            if first:
                 log.warning("tool %r: %s (later ones are only counted)\n%s", name, o.status, o.error or "")
             out.append(ToolResult(False, None, o.status, o.error))
         return out
@@ -125,8 +117,9 @@ class ToolBox:
     def pop_counts(self) -> dict[str, float]:
         """Calls, errors and timeouts since the last pop, and ``tool_killed``: tool workers replaced for going
         past ``env.tool_limits`` (memory, CPU seconds) or crashing."""
-        out = dict(self.counts)
-        self.counts = {k: 0.0 for k in self.counts}
+        with self._lock:
+            out = dict(self.counts)
+            self.counts = {k: 0.0 for k in self.counts}
         out["tool_killed"] = float(sum(self.pool.pop_kills().values())) if self.pool is not None else 0.0
         return out
 

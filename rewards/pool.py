@@ -37,6 +37,7 @@ import multiprocessing as mp
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -264,6 +265,7 @@ class _Worker:
         self.proc.start()
         child.close()
         self.ready = False
+        self.warmed = False  # the pool's warm_up call has run here
 
     def wait_ready(self) -> None:
         """Block until the worker has imported the registry (not counted against any call's timeout)."""
@@ -313,15 +315,23 @@ class WorkerPool:
 
     ``num_workers=0`` runs calls in this process, one after another, without a timeout or limits
     (for debugging: nothing can interrupt a hung call there). ``limits``: a WorkerLimits (or mapping) for
-    each worker; ``kills`` counts workers replaced for memory, cpu, or another crash.
+    each worker; ``kills`` counts workers replaced for memory, cpu, or another crash. ``warm_up``: a call each
+    new worker runs before its first real one, under the start-up allowance (imports that must not count
+    against a call's deadline).
+
+    Thread-safe: several threads may call :meth:`run` at once (a turn's environments stepping concurrently);
+    each takes idle workers as it needs them and gives them back as its calls finish, so N threads with one
+    call each keep up to N workers busy.
     """
 
-    def __init__(self, num_workers: int, timeout: float, limits: Any = None):
+    POLL_S = 0.02  # while calls wait for a worker held by another thread: how often to look for a free one
+
+    def __init__(self, num_workers: int, timeout: float, limits: Any = None, warm_up: Any = None):
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0")
-        self.num_workers, self.timeout = num_workers, timeout
+        self.num_workers, self.timeout, self.warm_up = num_workers, timeout, warm_up
         self._ctx = mp.get_context("spawn")
         self.limits = limits if limits is None or isinstance(limits, dict) else dict(vars(limits))
         self._workers: list[_Worker] = []
@@ -329,80 +339,150 @@ class WorkerPool:
         self.kills = {"memory": 0, "cpu": 0, "crash": 0}  # workers replaced for going past a limit, or dying
         self._seq = 0  # the number of the last call sent: an answer must carry its call's
         self._reported_taint: set[str] = set()
+        self._lock = threading.Condition()  # guards _idle, _seq and the counters
+        self._idle: list[int] = []  # worker slots no run() holds
         if num_workers:
             self._workers = [_Worker(self._ctx, self.limits) for _ in range(num_workers)]
+            self._idle = list(range(num_workers))
             atexit.register(self.close)
+
+    # -- the slots a run() holds
+    def _take(self, want: int, block: bool) -> list[int]:
+        """Up to ``want`` idle slots; at least one when ``block`` (waiting for another thread to give one back)."""
+        with self._lock:
+            while block and not self._idle:
+                self._lock.wait()
+            taken, self._idle = self._idle[:want], self._idle[want:]
+            return taken
+
+    def _give(self, slots: list[int]) -> None:
+        if slots:
+            with self._lock:
+                self._idle.extend(slots)
+                self._lock.notify_all()
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.kills[kind] += 1
+
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def _ready(self, slot: int) -> None:
+        """The worker in ``slot`` started and warmed up (``warm_up``, once per worker)."""
+        w = self._workers[slot]
+        w.wait_ready()
+        if self.warm_up is not None and not w.warmed:
+            w.warmed = True
+            seq = self._next_seq()
+            w.conn.send((seq, self.warm_up))
+            try:
+                decode_answer(read_answer(w.conn, time.monotonic() + w.STARTUP_TIMEOUT), seq)
+            except (TimeoutError, EOFError, OSError, ValueError):
+                pass  # a broken worker: the real call finds it and reports it
+
+    def _send(self, slot: int, call: Any) -> int:
+        seq = self._next_seq()
+        try:
+            self._ready(slot)
+            self._workers[slot].conn.send((seq, call))
+        except (BrokenPipeError, OSError, RuntimeError):  # died while idle: replace it, retry once
+            self._replace(slot)
+            self._ready(slot)
+            self._workers[slot].conn.send((seq, call))
+        return seq
 
     def run(self, calls: list[Call]) -> list[Outcome]:
         if not self.num_workers:
             return [dispatch(c) for c in calls]
         results: list[Optional[Outcome]] = [None] * len(calls)
         queue = deque(range(len(calls)))
-        idle = list(range(len(self._workers)))
+        idle: list[int] = []  # slots this run holds with nothing sent
         busy: dict[int, tuple[int, float, int]] = {}  # worker slot -> (call index, deadline, call number)
-        while queue or busy:
-            while queue and idle:
-                slot, i = idle.pop(), queue.popleft()
-                self._seq += 1
-                try:
-                    self._workers[slot].wait_ready()
-                    self._workers[slot].conn.send((self._seq, calls[i]))
-                except (BrokenPipeError, OSError, RuntimeError):  # died while idle: replace it, retry once
-                    self._replace(slot)
-                    self._workers[slot].wait_ready()
-                    self._workers[slot].conn.send((self._seq, calls[i]))
-                deadline = time.monotonic() + (getattr(calls[i], "timeout", None) or self.timeout)
-                busy[slot] = (i, deadline, self._seq)
-            now = time.monotonic()
-            wait_for = max(0.0, min(d for _, d, _ in busy.values()) - now)
-            ready = wait([self._workers[s].conn for s in busy], timeout=wait_for)
-            for slot in list(busy):
-                w, (i, deadline, seq) = self._workers[slot], busy[slot]
-                if w.conn in ready:
+        try:
+            while queue or busy:
+                if len(queue) > len(idle):
+                    idle += self._take(len(queue) - len(idle), block=not busy and not idle)
+                while queue and idle:
+                    slot, i = idle.pop(), queue.popleft()
                     try:
-                        results[i] = decode_answer(read_answer(w.conn, max(deadline, time.monotonic() + 1.0)), seq)
-                        if results[i].status == "error" and "MemoryError" in (results[i].error or ""):
-                            self.kills["memory"] += 1  # its heap may be fragmented or hold the garbage: a fresh one
-                            self._replace(slot)
-                        elif results[i].tainted:  # later calls must not run on what this one patched
-                            if results[i].tainted not in self._reported_taint:
-                                self._reported_taint.add(results[i].tainted)
-                                log.warning("a call of %s rebound %s in its worker; the worker is replaced after "
-                                            "such calls (later ones are not logged)",
-                                            getattr(calls[i], "fn", "?"), results[i].tainted)
-                            self._replace(slot)
-                    except TimeoutError:  # a message begun and never finished
-                        results[i] = Outcome("timeout")
-                        self._replace(slot)
-                    except ValueError as e:  # not an answer: code in the worker wrote into the pipe
-                        self.kills["crash"] += 1
-                        results[i] = Outcome("error", error=f"the worker sent something that is not its answer ({e}); "
-                                                            f"it was replaced")
-                        self._replace(slot)
-                    except (EOFError, OSError):  # the worker crashed mid-call (segfault, OOM kill, SIGXCPU)
-                        w.proc.join(timeout=5)
-                        code = w.proc.exitcode
-                        cpu = code == -signal.SIGXCPU
-                        self.kills["cpu" if cpu else "crash"] += 1
-                        why = " past reward_pool.limits.cpu_seconds / env.tool_limits.cpu_seconds" if cpu else ""
-                        results[i] = Outcome("error", error=f"worker process died (exit code {code}){why}")
-                        self._replace(slot)
-                elif time.monotonic() >= deadline:
-                    results[i] = Outcome("timeout")
-                    self._replace(slot)
-                else:
-                    continue
-                del busy[slot]
-                idle.append(slot)
+                        seq = self._send(slot, calls[i])
+                    except BaseException:  # a worker that cannot start: its slot goes back (finally), not lost
+                        idle.append(slot)
+                        raise
+                    deadline = time.monotonic() + (getattr(calls[i], "timeout", None) or self.timeout)
+                    busy[slot] = (i, deadline, seq)
+                self._give(idle[len(queue):])  # what this run cannot use now, for the other threads
+                del idle[len(queue):]
+                now = time.monotonic()
+                wait_for = max(0.0, min(d for _, d, _ in busy.values()) - now)
+                if queue:  # calls wait for a worker that another thread holds
+                    wait_for = min(wait_for, self.POLL_S)
+                ready = wait([self._workers[s].conn for s in busy], timeout=wait_for)
+                for slot in list(busy):
+                    if self._collect(slot, busy[slot], calls, results, ready):
+                        del busy[slot]
+                        idle.append(slot)
+        finally:
+            for slot in busy:  # left mid-call (an exception here): its answer would reach the next caller
+                self._replace(slot)
+            self._give(idle + list(busy))
         return results  # type: ignore[return-value]
 
+    def _collect(self, slot: int, job: tuple[int, float, int], calls: list, results: list, ready: list) -> bool:
+        """The answer of the call in ``slot`` into ``results`` (its worker replaced when it must be); False
+        while the call is still running within its deadline."""
+        w, (i, deadline, seq) = self._workers[slot], job
+        if w.conn in ready:
+            try:
+                results[i] = decode_answer(read_answer(w.conn, max(deadline, time.monotonic() + 1.0)), seq)
+                if results[i].status == "error" and "MemoryError" in (results[i].error or ""):
+                    self._count("memory")  # its heap may be fragmented or hold the garbage: a fresh one
+                    self._replace(slot)
+                elif results[i].tainted:  # later calls must not run on what this one patched
+                    with self._lock:
+                        first = results[i].tainted not in self._reported_taint
+                        self._reported_taint.add(results[i].tainted)
+                    if first:
+                        log.warning("a call of %s rebound %s in its worker; the worker is replaced after "
+                                    "such calls (later ones are not logged)",
+                                    getattr(calls[i], "fn", "?"), results[i].tainted)
+                    self._replace(slot)
+            except TimeoutError:  # a message begun and never finished
+                results[i] = Outcome("timeout")
+                self._replace(slot)
+            except ValueError as e:  # not an answer: code in the worker wrote into the pipe
+                self._count("crash")
+                results[i] = Outcome("error", error=f"the worker sent something that is not its answer ({e}); "
+                                                    f"it was replaced")
+                self._replace(slot)
+            except (EOFError, OSError):  # the worker crashed mid-call (segfault, OOM kill, SIGXCPU)
+                w.proc.join(timeout=5)
+                code = w.proc.exitcode
+                cpu = code == -signal.SIGXCPU
+                self._count("cpu" if cpu else "crash")
+                why = " past reward_pool.limits.cpu_seconds / env.tool_limits.cpu_seconds" if cpu else ""
+                results[i] = Outcome("error", error=f"worker process died (exit code {code}){why}")
+                self._replace(slot)
+            return True
+        if time.monotonic() >= deadline:
+            results[i] = Outcome("timeout")
+            self._replace(slot)
+            return True
+        return False
+
     def _replace(self, slot: int) -> None:
+        """A new worker in ``slot`` (held by the caller's run, so no other thread touches it meanwhile)."""
         self._workers[slot].kill()
         self._workers[slot] = _Worker(self._ctx, self.limits)
-        self.restarts += 1
+        with self._lock:
+            self.restarts += 1
 
     def pop_kills(self) -> dict[str, int]:
-        out, self.kills = self.kills, dict.fromkeys(self.kills, 0)
+        with self._lock:
+            out, self.kills = self.kills, dict.fromkeys(self.kills, 0)
         return out
 
     def close(self) -> None:

@@ -41,3 +41,29 @@ def spawn_and_hang(args: str, **_) -> str:
         f.write(str(child.pid))
     time.sleep(600)
     return "never"
+
+
+def rendezvous(args: str, dir: str, n: int, **_) -> str:
+    """Waits (up to 60 s) until ``n`` calls have started (each leaves a file in ``dir``), then answers how many
+    it saw: calls made one at a time never meet, and time out."""
+    import os
+    import uuid
+
+    open(os.path.join(dir, f"{os.getpid()}-{uuid.uuid4().hex}"), "w").close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        seen = len(os.listdir(dir))
+        if seen >= n:
+            return str(seen)
+        time.sleep(0.01)
+    return "alone"
+
+
+def echo(args: str, **_) -> str:
+    return args
+
+
+def nap(args: str, seconds: float = 0.5, **_) -> str:
+    """Sleeps ``seconds``, then answers 7 (issue 30, item 16's measurement: a slow tool)."""
+    time.sleep(seconds)
+    return "7"

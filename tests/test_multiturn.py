@@ -270,6 +270,52 @@ def test_a_bad_tool_costs_its_trajectory_not_the_run(tool):
         es.close()
 
 
+def test_a_turns_tool_calls_run_in_env_tool_workers_at_once(tmp_path):
+    """Issue 30, item 16: a turn's tool calls ran one at a time whatever env.tool_workers said. Each call here
+    waits until 4 calls have started: one at a time, every call times out; 4 environments stepping in 4
+    threads over 4 tool workers, all 8 are answered."""
+    from grpo.foundation.config import ToolSpec
+
+    spec = ToolSpec(fn="tests.agent_tools:rendezvous", name="calculator", kwargs={"dir": str(tmp_path), "n": 4})
+    es = env_setup("calculator", tools=[spec], workers=4, timeout=30.0)
+    try:
+        mt = MultiTurnRollout(service(calc_script, "rollout.max_completion_length=5"), es.factory, max_turns=2,
+                              max_trajectory_tokens=24, tool_counts=es.toolbox.pop_counts, env_threads=4)
+        b = mt.rollout([[1]] * 8, [{"prompt": "3+4", "answer": "7"}] * 8, list(range(8)))
+        m = mt.pop_metrics()
+        assert (m["env/tool_calls"], m["env/tool_errors"], m["env/tool_timeouts"]) == (8, 0, 0), m
+        for r in range(0, 16, 2):  # row 0 of each group called the tool and copied its answer (>= 4 calls seen)
+            answer = TOK.decode(b.completion_ids[r]).split("t:")[1].split("\n")[0]
+            assert answer.isdigit() and int(answer) >= 4, TOK.decode(b.completion_ids[r])
+        assert len(list(tmp_path.iterdir())) == 8
+    finally:
+        es.close()
+
+
+def test_tool_workers_serve_threads_calling_at_once():
+    """The pool behind the tools: 6 threads calling at once over 3 workers, each answer its own call's."""
+    import threading
+
+    box = ToolBox({"echo": ("tests.agent_tools:echo", {})}, num_workers=3, timeout=30.0)
+    answers: dict[int, list[str]] = {}
+
+    def caller(k: int) -> None:
+        answers[k] = [r.output for _ in range(4) for r in box.call_many([("echo", f"{k}-a"), ("echo", f"{k}-b")])]
+
+    try:
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert answers == {k: [f"{k}-a", f"{k}-b"] * 4 for k in range(6)}
+        counts = box.pop_counts()
+        assert (counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"]) == (48, 0, 0)
+        assert box.pool.restarts == 0 and sorted(box.pool._idle) == [0, 1, 2]  # every worker back in the pool
+    finally:
+        box.close()
+
+
 def test_a_timed_out_tool_call_takes_what_it_started_with_it(tmp_path):
     """Issue 30, item 7: a timeout killed the worker but not its child (reparented to init, running on after
     close()); workers were in the trainer's process group. Now each worker leads its own, killed whole."""

@@ -157,3 +157,27 @@ def test_a_call_that_patches_its_worker_does_not_change_later_calls(caplog):
         assert "rebound math.isclose in its worker" in caplog.text
     finally:
         r.close()
+
+
+def test_a_worker_that_cannot_start_gives_its_slot_back():
+    """run() raises when a worker cannot start even after a replacement; its slot must return to the pool, or
+    threads waiting for a worker (a turn's environments stepping at once) would wait forever."""
+    from rewards.pool import Call, WorkerPool
+
+    pool = WorkerPool(2, timeout=30.0)
+    real, broken = pool._ready, [True]
+
+    def ready(slot):
+        if broken[0]:
+            raise RuntimeError("reward worker died while starting (test)")
+        real(slot)
+
+    try:
+        pool._ready = ready
+        with pytest.raises(RuntimeError, match="died while starting"):
+            pool.run([Call("tests.reward_fixtures:length_bonus", {}, ["p"], ["abc"], {})])
+        assert sorted(pool._idle) == [0, 1]
+        broken[0] = False
+        assert pool.run([Call("tests.reward_fixtures:length_bonus", {}, ["p"], ["abc"], {})])[0].status == "ok"
+    finally:
+        pool.close()

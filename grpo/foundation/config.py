@@ -262,7 +262,9 @@ class EnvConfig:
     tools: Optional[list[ToolSpec]] = None  # null: the environment's own tools
     stop: list[str] = field(default_factory=list)  # strings that end a policy turn besides EOS
     tool_timeout: float = 5.0  # seconds per tool call
-    tool_workers: int = 1  # 0: tools in the trainer, no timeout
+    # tool worker processes, and how many of a turn's environments step at once (threads; 0: tools in the
+    # trainer, no timeout, one environment at a time)
+    tool_workers: int = 1
     max_tool_output_chars: int = 2000  # a longer tool answer counts as an error (garbage)
     tool_limits: WorkerLimits = field(default_factory=WorkerLimits)  # memory / CPU / file-size limits of each tool worker
     num_examples: int = 1000  # tasks generated with data.source: env

@@ -42,6 +42,7 @@ import threading
 import time
 import traceback
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -266,7 +267,7 @@ class MultiTurnRollout:
     def __init__(self, service, make_env: Callable[[dict], Any], max_turns: int, max_trajectory_tokens: int,
                  stop: Optional[list[str]] = None, system_prompt: Optional[str] = None, prefill: str = "",
                  tool_counts: Optional[Callable[[], dict[str, float]]] = None, watchdog_s: float = 0.0,
-                 max_prompt_length: int = 0):
+                 max_prompt_length: int = 0, env_threads: int = 1):
         self.service, self.make_env = service, make_env
         self.max_turns, self.budget = max_turns, max_trajectory_tokens
         self.stop = list(stop or [])
@@ -280,6 +281,10 @@ class MultiTurnRollout:
         self.watchdog_s = watchdog_s  # 0: no watchdog
         self.max_prompt_length = max_prompt_length  # the rendered first observation's limit (0: none)
         self.max_token_chars = max_token_chars(service.tokenizer)
+        # a turn's environments step in up to this many threads (env.tool_workers: their tool calls then run in
+        # that many workers at once); everything else of a turn stays on this thread, in trajectory order
+        self.env_threads = max(1, env_threads)
+        self._lock = threading.Lock()  # the error counters, which environment threads update
 
     # ----------------------------------------------------------------- pieces
     def _cut_at_stop(self, toks: list[int]) -> tuple[list[int], bool]:
@@ -307,7 +312,7 @@ class MultiTurnRollout:
                 lo = mid + 1
         return toks[:lo], True
 
-    def _env_call(self, fn: Callable, *args) -> tuple[Any, bool]:
+    def _env_call(self, fn: Callable, *args, timed: bool = True) -> tuple[Any, bool]:
         t0 = time.perf_counter()
         # an environment runs in this process and cannot be interrupted: a blocking one hangs every rank, so a
         # watchdog names it (once per call, after watchdog_s) while it blocks
@@ -322,22 +327,32 @@ class MultiTurnRollout:
         try:
             return fn(*args), True
         except Exception:  # noqa: BLE001 - an environment's failure costs its trajectory, not the run
-            self.counts["env_errors"] += 1
-            if not self._reported_error:
-                self._reported_error = True
+            with self._lock:
+                self.counts["env_errors"] += 1
+                first, self._reported_error = not self._reported_error, True
+            if first:
                 log.warning("an environment raised; its trajectory ends (later errors are only counted):\n%s",
                             traceback.format_exc())
             return None, False
         finally:
             if timer is not None:
                 timer.cancel()
-            self.env_time += time.perf_counter() - t0
+            if timed:
+                self.env_time += time.perf_counter() - t0
 
     def _end(self, tr: _Trajectory, truncated: bool = False) -> None:
         tr.done, tr.truncated = True, truncated
 
-    def _take_turn(self, tr: _Trajectory, new: list[int], first: bool) -> None:
-        """Append the policy's turn ``new``, step the environment, append its observation (or end)."""
+    def _take_turns(self, turns: list[tuple[_Trajectory, list[int]]], first: bool) -> None:
+        """Each trajectory's policy turn: append it, step its environment (the steps of the turn concurrently,
+        see ``env_threads``), append the observation (or end)."""
+        policy = [self._policy_turn(tr, new, first) for tr, new in turns]
+        results = self._step_envs([(tr.env, action) for (tr, _), (_, _, action) in zip(turns, policy)])
+        for (tr, _), (new, start, _), (res, ok) in zip(turns, policy, results):
+            self._after_step(tr, new, start, res, ok)
+
+    def _policy_turn(self, tr: _Trajectory, new: list[int], first: bool) -> tuple[list[int], int, Action]:
+        """Append the policy's turn (cut after a stop string): the turn's tokens, where they start, the action."""
         eos = set(self.service.eos_ids)
         new, stopped = self._cut_at_stop(new)
         start = len(tr.tokens)
@@ -349,7 +364,21 @@ class MultiTurnRollout:
         if first:
             action = self.prefill + action
         ended = stopped or (bool(new) and new[-1] in eos)
-        res, ok = self._env_call(tr.env.step, Action.of(action, truncated=not ended))
+        return new, start, Action.of(action, truncated=not ended)
+
+    def _step_envs(self, steps: list[tuple[Any, Action]]) -> list[tuple[Any, bool]]:
+        """``env.step(action)`` of each pair, in up to ``env_threads`` threads; results in the given order."""
+        if self.env_threads == 1 or len(steps) < 2:
+            return [self._env_call(env.step, action) for env, action in steps]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(min(self.env_threads, len(steps)), thread_name_prefix="env-step") as pool:
+            out = list(pool.map(lambda s: self._env_call(s[0].step, s[1], timed=False), steps))
+        self.env_time += time.perf_counter() - t0
+        return out
+
+    def _after_step(self, tr: _Trajectory, new: list[int], start: int, res: Any, ok: bool) -> None:
+        """The environment's answer to the turn ``new``: the turn recorded, the observation appended (or end)."""
+        eos = set(self.service.eos_ids)
         if ok and (problem := step_problem(res)) is not None:
             res, ok = self._bad_value(tr.env, "step", problem)
         reward = float(res.reward) if ok else 0.0
@@ -441,17 +470,14 @@ class MultiTurnRollout:
         else:
             firsts = [t for t, _ in svc.continue_sequences([tr.prompt for tr in trs], [[] for _ in trs],
                                                            [first_room] * len(trs))]
-        for tr, toks in zip(trs, firsts):
-            if not tr.done:
-                self._take_turn(tr, toks, first=True)
+        self._take_turns([(tr, toks) for tr, toks in zip(trs, firsts) if not tr.done], first=True)
         while True:
             active = [tr for tr in trs if not tr.done]
             if not svc.collective_rounds(1 if active else 0):
                 break
             room = [min(per_turn, self.budget - len(tr.tokens)) for tr in active]
             outs = svc.continue_sequences([tr.prompt for tr in active], [tr.tokens for tr in active], room)
-            for tr, (toks, _) in zip(active, outs):
-                self._take_turn(tr, toks, first=False)
+            self._take_turns([(tr, toks) for tr, (toks, _) in zip(active, outs)], first=False)
         svc.timings["env"] = svc.timings.get("env", 0.0) + self.env_time
         self.env_time = 0.0
         return self._batch(trs, items, prompt_index, rows, G)

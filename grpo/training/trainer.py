@@ -108,7 +108,7 @@ class Trainer:
                 self.rollout, self.env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens,
                 stop=cfg.env.stop, system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
                 tool_counts=self.env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s,
-                max_prompt_length=cfg.rollout.max_prompt_length)
+                max_prompt_length=cfg.rollout.max_prompt_length, env_threads=cfg.env.tool_workers)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         longest = cfg.rollout.max_prompt_length + (cfg.rollout.max_trajectory_tokens if self.env is not None
                                                    else cfg.rollout.max_completion_length)
