@@ -60,11 +60,13 @@ SMOLLM_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9
                     rope_theta=100000.0, rms_norm_eps=1e-5)
 
 
-def random_smollm2(folder: Path, shape: dict = SMOLLM_SHAPE, device: str = "cpu", dtype=None) -> Path:
+def random_smollm2(folder: Path, shape: dict = SMOLLM_SHAPE, device: str = "cpu", dtype=None,
+                   classifier: bool = False) -> Path:
     """A random-init LlamaForCausalLM of ``shape`` (SmolLM2-135M's by default), built on ``device`` in ``dtype``,
-    and a word-level tokenizer of its vocabulary ("t4" ... as words)."""
+    and a word-level tokenizer of its vocabulary ("t4" ... as words). ``classifier``: a
+    LlamaForSequenceClassification with one logit instead (a reward model)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     vocab = {t: i for i, t in enumerate(specials)}
@@ -74,7 +76,8 @@ def random_smollm2(folder: Path, shape: dict = SMOLLM_SHAPE, device: str = "cpu"
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     torch.manual_seed(0)
     with torch.device(device):  # a GPU initialises a 1.7B model in seconds, a CPU in minutes
-        model = LlamaForCausalLM(LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+        conf = LlamaConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, **({"num_labels": 1} if classifier else {}))
+        model = (LlamaForSequenceClassification if classifier else LlamaForCausalLM)(conf)
     if dtype is not None:
         model.to(dtype)
     model.save_pretrained(folder)

@@ -19,6 +19,9 @@ per shape:
                  (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
                  rest = peak - those), step-time outliers (> 1.5x the running median)
     ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/bench_ref_http.py)
+    step_rm      step_256 with a learned reward model of the policy's shape (random weights, one logit) as the
+                 reward, scored in the trainer process: time/step, reward/rm/latency, reward/model_time_frac
+                 (issue 23: the reward model's cost on the step; compare with step_256)
 
 Each stage's JSON is appended to OUT/gpu_check.jsonl as soon as it finishes (a run cut short keeps what it
 measured); OUT/gpu_table.md is the table of the whole run. ``--tiny``: a 2-layer model and small batches.
@@ -177,7 +180,7 @@ def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int,
 
 
 def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
-               engine: str = "auto") -> dict:
+               engine: str = "auto", rewards: str = "[{fn: 'scripts.bench:bench_reward'}]") -> dict:
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
 
@@ -190,7 +193,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
         f"rollout.max_completion_length={new_tokens}", "rollout.ignore_eos=true", "rollout.max_prompt_length=512",
         f"train.max_steps={spec['steps'] + spec['warmup']}", "train.lr=1e-6", f"train.optimizer_states={states}",
         f"train.micro_batch_size={spec['micro']}", f"train.output_dir={out / 'run'}",
-        "logging.progress_bar=false", "logging.plot=false", "rewards=[{fn: 'scripts.bench:bench_reward'}]",
+        "logging.progress_bar=false", "logging.plot=false", f"rewards={rewards}",
         "algo.beta=0.04", "reward_pool.num_workers=0",  # the reward is a word count: no worker processes
         *engine_overrides(engine),
     ])
@@ -202,7 +205,8 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
             m = trainer.train_step()
             trainer.step += 1
             trainer.step_watch.check(trainer.step, m)
-            steps.append({k: v for k, v in m.items() if k.startswith("time/")})
+            steps.append({k: v for k, v in m.items() if k.startswith("time/") or k.endswith(("/latency", "_frac"))
+                          and k.startswith("reward/")})
         peak = _peak_bytes(device)
         n_params = sum(p.numel() for p in trainer.model.parameters())
         shape = trainer.model.config.to_dict()
@@ -251,6 +255,9 @@ def table(rows: list[dict]) -> str:
                    f"{md.get('time/weight_sync', 0):.2f}); peak {r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_kind']}: "
                    + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items())
                    + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
+            if "reward/rm/latency" in md:
+                res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
+                        f"{md.get('reward/model_time_frac', 0):.2f} of the step")
         elif r["stage"] == "ref_http":
             res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}) against a "
                    f"{r['server_forward_ms']:.1f} ms forward, {r['rows']} x ({r['prompt']} + {r['completion']})")
@@ -268,7 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="135m,1.7b", help="comma-separated: 135m, 1.7b")
     p.add_argument("--model", help="an HF folder to measure instead of random shapes")
     p.add_argument("--optimizer-states", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--stages", default="generation,step_256,step_1024,ref_http")
+    p.add_argument("--stages", default="generation,step_256,step_1024,ref_http,step_rm")
     p.add_argument("--engines", default="hf,static",
                    help="the generation stage's engines, comma-separated: hf, static, static:MODE or "
                         "static:MODE:LENGTH_BUCKET (MODE: auto, eager, compile, graphs, compile+graphs; "
@@ -310,8 +317,18 @@ def main(argv=None) -> int:
                                  out, states, args.step_engine)
             elif stage == "ref_http":
                 res = stage_ref_http(folder, args.device, dtype, spec)
+            elif stage == "step_rm":
+                rm = out / f"random-{name}-rm"
+                if not (rm / "config.json").exists():
+                    conf = json.loads((Path(folder) / "config.json").read_text())  # the policy's shape
+                    random_smollm2(rm, {k: conf.get(k, v) for k, v in SHAPES["135m"].items()}, args.device,
+                                   torch.bfloat16 if dtype == "bf16" else torch.float32, classifier=True)
+                res = stage_step(folder, args.device, dtype, spec, spec["short"], out, states, args.step_engine,
+                                 rewards=f"[{{model: '{rm}', name: rm}}, {{fn: 'scripts.bench:bench_reward', "
+                                         f"weight: 0}}]")
+                res["reward_model"] = str(rm)
             else:
-                raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http")
+                raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http, step_rm")
             res["stage_seconds"] = time.perf_counter() - t0
             rows.append(record(out, stage, name, res))
             (out / "gpu_table.md").write_text(table(rows))

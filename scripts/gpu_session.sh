@@ -24,7 +24,7 @@ stage $PY scripts/bench.py --model $GC/random-$SHAPE --vs trl --device $DEV --dt
   --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1 \
   --set rollout.engine=static --set rollout.static.mode=${SM:-graphs} --out $BE
 stage $G --stages ref_http
-stage $G --stages step_256 --step-engine static:${SM:-graphs}
+stage $G --stages step_256,step_rm --step-engine static:${SM:-graphs}
 stage $G --stages generation --engines static:${CM:-compile+graphs}:0
 stage $G --stages step_1024 --step-engine static:${SM:-graphs}
 B="$PY scripts/bench.py --model $GC/random-$SHAPE --device $DEV --dtype ${DTYPE:-bf16} --algo grpo --prompts ${P:-8} --group ${GRP:-8} --micro-batch ${MB:-16} --set rollout.engine=static --set rollout.static.mode=${SM:-graphs}"

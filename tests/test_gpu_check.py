@@ -19,15 +19,19 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
-    assert [r["stage"] for r in rows] == ["machine", "generation", "generation", "step_256", "step_1024", "ref_http"]
-    gen, gen_static, short, long, ref = rows[1:]
+    assert [r["stage"] for r in rows] == ["machine", "generation", "generation", "step_256", "step_1024", "ref_http",
+                                          "step_rm"]
+    gen, gen_static, short, long, ref, rm = rows[1:]
     assert gen["tokens_per_s"] > 0 and gen["rows"] == 4
     # the static engine (eager on CPU) at the same prompts: its greedy tokens are the hf engine's (fp32)
     assert (gen_static["engine"], gen_static["mode"], gen_static["rows"]) == ("static", "eager", 4)
     assert gen_static["tokens_per_s"] > 0 and gen_static["greedy_same_tokens"] == gen_static["greedy_tokens"] == 8
     assert 0 <= gen_static["logprob_gap_mean"] <= gen_static["logprob_gap_max"] < 1e-4 and "logprob_gap_mean" not in gen
     assert short["new_tokens"] < long["new_tokens"]
-    for step in (short, long):
+    # the reward model (a random one-logit classifier of the policy's shape) scored every step, a part of its time
+    assert 0 < rm["median"]["reward/rm/latency"] < rm["median"]["time/step"]
+    assert 0 < rm["median"]["reward/model_time_frac"] < 1 and "reward/rm/latency" not in short["median"]
+    for step in (short, long, rm):
         med = step["median"]
         assert med["time/step"] >= med["time/generation"] > 0 and med["time/train"] > 0
         parts = step["memory_parts"]
@@ -37,4 +41,4 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert step["max_over_median"] >= 1.0 and isinstance(step["outliers"], list)
     assert ref["round_trip_ms"] > ref["server_forward_ms"] > 0
     table = (out / "gpu_table.md").read_text()
-    assert table.count("\n| tiny |") == 5 and "tokens/s" in table and "HTTP path" in table
+    assert table.count("\n| tiny |") == 6 and "tokens/s" in table and "HTTP path" in table and "reward model" in table
