@@ -2,7 +2,10 @@
 
 One launch serves every algorithm (starting the launcher costs more than the steps), and
 each algorithm gets a fresh Trainer and engine. Rank 0 writes OUT/NAME/status.json with
-"ok" or the error, which the parametrised test reads.
+"ok" or the error, which the parametrised test reads. A plan entry may also name the run's
+``algo`` (default: its key, so one algorithm can run twice under two keys) and ``resume``
+(``--resume`` from the run's output folder); its overrides come last and win (output folder,
+checkpoints, plots).
 """
 
 from __future__ import annotations
@@ -32,17 +35,18 @@ def main() -> None:
     plan: dict[str, list[str] | dict] = json.loads(Path(args.plan).read_text())
     for name, entry in plan.items():
         if isinstance(entry, dict):
-            config, overrides = entry["config"], entry["overrides"]
+            config, overrides = entry.get("config", "configs/demo.yaml"), entry["overrides"]
+            algo, resume = entry.get("algo", name), bool(entry.get("resume", False))
         else:
-            config, overrides = "configs/demo.yaml", entry
+            config, overrides, algo, resume = "configs/demo.yaml", entry, name, False
         out = Path(args.out) / name
         status: dict = {"algo": name, "config": config}
         try:
-            cfg = load_config(root / config, algo=name, overrides=[
+            cfg = load_config(root / config, algo=algo, overrides=[
                 f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.save_every=0",
                 "logging.progress_bar=false", "logging.plot=false", *overrides,
             ])
-            Trainer(cfg).train()
+            Trainer(cfg, resume=resume).train()
             status["ok"] = True
         except Exception as e:  # recorded for the test to report; the next algorithm still runs
             status.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())

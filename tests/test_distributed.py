@@ -1,8 +1,9 @@
 """Multi-process integration: the DeepSpeed launcher with CPU ranks, the real trainer.
 
 - the gradient of one step does not depend on ranks, micro-batch size or ZeRO stage;
-- `deepspeed --num_gpus 2 train.py` runs, writes metrics and a loadable checkpoint;
-- --resume continues exactly as the uninterrupted run;
+- the trainer on 2 launched ranks (full fine-tuning, and LoRA under ZeRO-2) writes metrics and a loadable
+  checkpoint; --resume continues exactly as the uninterrupted run (both runs share one launch, their resumes
+  another: tests/algo_smoke_worker.py); --resume without a checkpoint is refused at start;
 - reward rises on the built-in task.
 """
 
@@ -80,12 +81,60 @@ def test_zero3_generation_and_evaluation_stay_in_step(tmp_path, tiny_dir):
     assert all(checks.values()), [k for k, ok in checks.items() if not ok]
 
 
+# LoRA on 2 ranks, ZeRO-2, beta > 0 with the free reference (adapters off), a checkpoint every 2 steps
+LORA_RUN = ["train.zero_stage=2", "algo.beta=0.04", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, "
+            "up_proj], modules_to_save: [lm_head]}", "train.lr=3e-3", "train.max_steps=4", "train.save_every=2"]
+FULL_RUN = ["train.max_steps=4", "train.save_every=2", "algo.beta=0.04"]
+
+
+def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, bool]]) -> None:
+    """One 2-rank launch of tests/algo_smoke_worker.py for several train runs: name -> (overrides on
+    TINY_RUN's, output folder, --resume). Each run's status is checked."""
+    plan = {name: {"algo": None, "resume": resume, "overrides": [*TINY_RUN[2:], "logging.plot=true", *over,
+                                                                 f"train.output_dir={folder}"]}
+            for name, (over, folder, resume) in runs.items()}
+    (out / "plan.json").write_text(json.dumps(plan))
+    run_deepspeed(["--plan", str(out / "plan.json"), "--out", str(out / "status")], 2, "tests/algo_smoke_worker.py")
+    for name in runs:
+        status = json.loads((out / "status" / name / "status.json").read_text())
+        assert status["ok"], status.get("traceback", status)
+
+
+def crash_after_step_2(full: Path, crashed: Path, text_latest: bool) -> Path:
+    """A copy of a 4-step run as if it had crashed right after its step-2 checkpoint; ``latest`` a symlink, or
+    (``text_latest``) the text-file form runs wrote before the symlink."""
+    shutil.copytree(full, crashed, symlinks=True)
+    shutil.rmtree(crashed / "checkpoints" / "step-4")
+    (crashed / "checkpoints" / LATEST).unlink()
+    if text_latest:
+        (crashed / "checkpoints" / LATEST).write_text("step-2")
+    else:
+        (crashed / "checkpoints" / LATEST).symlink_to("step-2")
+    return crashed
+
+
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """4 steps on 2 ranks with a checkpoint every 2 steps (the uninterrupted run)."""
-    out = tmp_path_factory.mktemp("full") / "run"
-    run_deepspeed(TINY_RUN + ["train.max_steps=4", "train.save_every=2", "algo.beta=0.04", f"train.output_dir={out}"])
-    return out
+def full_runs(tmp_path_factory) -> dict[str, Path]:
+    """The uninterrupted runs, in one launch: 4 steps on 2 ranks with a checkpoint every 2 steps, full
+    fine-tuning (``full``) and LoRA under ZeRO-2 (``lora``)."""
+    out = tmp_path_factory.mktemp("full")
+    runs = {"full": (FULL_RUN, out / "run"), "lora": (LORA_RUN, out / "lora")}
+    launch_runs(out, {k: (over, folder, False) for k, (over, folder) in runs.items()})
+    return {k: folder for k, (_, folder) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def full_run(full_runs) -> Path:
+    return full_runs["full"]
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(full_runs, tmp_path_factory) -> dict[str, Path]:
+    """Each full run crashed after step 2 and resumed with --resume, in one launch."""
+    out = tmp_path_factory.mktemp("resumed")
+    crashed = {k: crash_after_step_2(full, out / k, text_latest=k == "full") for k, full in full_runs.items()}
+    launch_runs(out, {k: (FULL_RUN if k == "full" else LORA_RUN, folder, True) for k, folder in crashed.items()})
+    return crashed
 
 
 def test_two_ranks_write_metrics_and_checkpoint(full_run):
@@ -111,24 +160,35 @@ def test_two_ranks_write_metrics_and_checkpoint(full_run):
     assert samples and {"prompt", "completion", "reward"} <= set(samples[0])
 
 
-def test_resume_reproduces_uninterrupted_run(full_run, tmp_path):
-    """Simulate a crash right after the step-2 checkpoint, resume, compare steps 3-4."""
-    crashed = tmp_path / "run"
-    shutil.copytree(full_run, crashed, symlinks=True)
-    shutil.rmtree(crashed / "checkpoints" / "step-4")
-    (crashed / "checkpoints" / LATEST).unlink()
-    (crashed / "checkpoints" / LATEST).write_text("step-2")  # the text-file form runs wrote before the symlink
-    run_deepspeed(TINY_RUN + ["train.max_steps=4", "train.save_every=2", "algo.beta=0.04",
-                              f"train.output_dir={crashed}", "--resume"])
-    want = read_metrics(full_run / "metrics.jsonl")
-    got = read_metrics(crashed / "metrics.jsonl")
+def test_resume_reproduces_uninterrupted_run(full_runs, resumed_runs):
+    """A crash right after the step-2 checkpoint, resumed: steps 3-4 as in the uninterrupted run."""
+    want = read_metrics(full_runs["full"] / "metrics.jsonl")
+    got = read_metrics(resumed_runs["full"] / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3, 4]  # no step lost or duplicated
     for a, b in zip(want[2:], got[2:]):
         for key in ("reward/mean", "loss", "kl", "grad_norm", "completion/length_mean", "advantage/std"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
-def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    proc = run_deepspeed(TINY_RUN + [f"train.output_dir={tmp_path / 'empty'}", "--resume"], num_ranks=1, check=False)
-    assert proc.returncode != 0
-    assert "no checkpoint in" in proc.stderr + proc.stdout
+def test_lora_two_ranks_zero2_free_reference_checkpoint_and_resume(full_runs, resumed_runs):
+    """LoRA on 2 ranks, ZeRO-2, beta > 0 with the free reference: the run writes adapter checkpoints (partitioned
+    optimizer state without the frozen base), and --resume from step 2 reproduces steps 3-4."""
+    ckpt = full_runs["lora"] / "checkpoints" / "step-4"
+    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+    shards = sorted((ckpt / "ds").glob("*optim_states.pt"))
+    assert len(shards) == 2  # ZeRO-2: each rank's partition of the adapters' optimizer state
+    want = read_metrics(full_runs["lora"] / "metrics.jsonl")
+    got = read_metrics(resumed_runs["lora"] / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and want[-1]["kl"] > 0
+    for a, b in zip(want[2:], got[2:]):
+        for key in ("reward/mean", "loss", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
+    """In-process: the refusal comes from the start-up checks, before DeepSpeed or a model (no launch needed)."""
+    import train
+
+    assert train.main(TINY_RUN + [f"train.output_dir={tmp_path / 'empty'}", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: no checkpoint in" in err and "start without --resume" in err, err

@@ -527,35 +527,7 @@ def test_prorl_resets_with_lora_use_the_same_mechanism(single_rank_env, tmp_path
 # The adapters' step gradient on 1 rank against 2 ranks under ZeRO-2: tests/test_distributed.py ("+lora" runs).
 
 
-@pytest.mark.slow
-def test_lora_two_ranks_zero2_free_reference_checkpoint_and_resume(tmp_path):
-    """2 ranks, ZeRO-2, beta > 0 with the free reference: the run writes adapter checkpoints (partitioned
-    optimizer state without the frozen base), and --resume from step 2 reproduces steps 3-4."""
-
-    from grpo.training.checkpoint import LATEST
-    from grpo.training.metrics import read_metrics
-    from tests.conftest import run_deepspeed
-
-    run = ["--config", "configs/demo.yaml", "logging.progress_bar=false", "rollout.prompts_per_step=4",
-           "rollout.num_generations=4", "train.micro_batch_size=5", "train.zero_stage=2", "algo.beta=0.04",
-           LORA_HEAD, "train.lr=3e-3", "train.max_steps=4", "train.save_every=2"]
-    full = tmp_path / "full"
-    run_deepspeed(run + [f"train.output_dir={full}"])
-    ckpt = full / "checkpoints" / "step-4"
-    assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
-    shards = sorted((ckpt / "ds").glob("*optim_states.pt"))
-    assert len(shards) == 2  # ZeRO-2: each rank's partition of the adapters' optimizer state
-    crashed = tmp_path / "crashed"
-    shutil.copytree(full, crashed, symlinks=True)
-    shutil.rmtree(crashed / "checkpoints" / "step-4")
-    (crashed / "checkpoints" / LATEST).unlink()
-    (crashed / "checkpoints" / LATEST).symlink_to("step-2")
-    run_deepspeed(run + [f"train.output_dir={crashed}", "--resume"])
-    want, got = read_metrics(full / "metrics.jsonl"), read_metrics(crashed / "metrics.jsonl")
-    assert [r["step"] for r in got] == [1, 2, 3, 4] and want[-1]["kl"] > 0
-    for a, b in zip(want[2:], got[2:]):
-        for key in ("reward/mean", "loss", "kl", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+# LoRA on 2 ranks under ZeRO-2 with checkpoints and --resume: tests/test_distributed.py (its launches).
 
 
 def test_merge_lora_refuses_what_it_cannot_merge_safely(tmp_path):
