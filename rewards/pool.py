@@ -403,7 +403,8 @@ class WorkerPool:
         busy: dict[int, tuple[int, float, int]] = {}  # worker slot -> (call index, deadline, call number)
         try:
             while queue or busy:
-                if len(queue) > len(idle):
+                others = len(busy) + len(idle) < self.num_workers  # another thread holds some workers
+                if len(queue) > len(idle) and others:
                     idle += self._take(len(queue) - len(idle), block=not busy and not idle)
                 while queue and idle:
                     slot, i = idle.pop(), queue.popleft()
@@ -418,7 +419,7 @@ class WorkerPool:
                 del idle[len(queue):]
                 now = time.monotonic()
                 wait_for = max(0.0, min(d for _, d, _ in busy.values()) - now)
-                if queue:  # calls wait for a worker that another thread holds
+                if queue and len(busy) < self.num_workers:  # calls wait for a worker another thread holds
                     wait_for = min(wait_for, self.POLL_S)
                 ready = wait([self._workers[s].conn for s in busy], timeout=wait_for)
                 for slot in list(busy):
