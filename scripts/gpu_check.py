@@ -19,6 +19,10 @@ per shape:
                  (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
                  rest = peak - those), step-time outliers (> 1.5x the running median)
     ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/bench_ref_http.py)
+    compile_probe  which part of the static decode step torch.compile fails on (sampler, forward, whole step),
+                 two layers of the shape (not in the default stages)
+    decode_profile the static engine's decode step under torch.profiler: kernels and device ms per token, the
+                 costliest kernels; on CUDA the graphs engine's ms per token beside it (not in the default stages)
     step_rm      step_256 with a learned reward model of the policy's shape (random weights, one logit) as the
                  reward, scored in the trainer process: time/step, reward/rm/latency, reward/model_time_frac
                  (issue 23: the reward model's cost on the step; compare with step_256)
@@ -235,6 +239,103 @@ def stage_ref_http(folder: str, device: str, dtype: str, spec: dict) -> dict:
                extra_server_args=("--device", device, "--dtype", dtype))
 
 
+def _engine(folder: str, device: str, dtype: str, mode: str):
+    """(model, a static engine in ``mode``) over a fresh load of ``folder``."""
+    from grpo.foundation.config import ModelConfig
+    from grpo.foundation.modeling import load_model
+    from grpo.rollout.engine import EngineSetup
+    from grpo.rollout.service import engine_class
+    from grpo.training.configure import load_config
+
+    model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
+    cfg = load_config(None, "grpo", engine_overrides(f"static:{mode}"))
+    return model, engine_class("static")(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+
+
+def stage_compile_probe(folder: str, device: str, dtype: str, spec: dict) -> dict:
+    """Which part of the static engine's decode step torch.compile (Inductor) fails on, at this shape with two
+    layers: the sampler alone, the forward alone, the whole step. Each part: "ok" and its seconds, or the error's
+    last line."""
+    from grpo.rollout import static
+
+    model, engine = _engine(folder, device, dtype, "eager")
+    w = engine.weights()
+    w.layers = w.layers[:2]
+    s = static.model_spec(model)
+    rows, vocab = spec["gen_rows"], model.config.vocab_size
+    k = torch.zeros((2, rows, s.kv_heads, 64, s.head_dim), dtype=w.embed.dtype, device=device)
+    v, kpos = torch.zeros_like(k), torch.full((rows, 64), -1, dtype=torch.long, device=device)
+    tok = torch.randint(4, vocab, (rows,), device=device)
+    pos, col = torch.full((rows,), 5, device=device), torch.tensor([5], device=device)
+    u, logits = torch.rand(rows, device=device), torch.randn(rows, vocab, device=device)
+    sampling = (1.0, 1.0, 0)
+    parts = {
+        "sample": (static.sample, (logits, u, *sampling)),
+        "forward": (lambda flat, *a: static.forward(s, static.Weights.unflat(flat, w.rope_scale), *a),
+                    (w.flat(), tok[:, None], pos[:, None], col, k, v, kpos, 64)),
+        "step": (lambda flat, *a: engine._step(flat, *a), (w.flat(), tok, pos, col, u, k, v, kpos, 64, w.rope_scale,
+                                                           sampling)),
+    }
+    out = {"torch": torch.__version__, "layers": 2, "rows": rows}
+    for name, (fn, args) in parts.items():
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        try:
+            torch.compile(fn, dynamic=False)(*args)
+            _sync(device)
+            out[name] = f"ok in {time.perf_counter() - t0:.1f} s"
+        except Exception as e:  # the point of the stage: which part fails, and how
+            out[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+    del engine, model
+    return out
+
+
+def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict) -> dict:
+    """Where a decode step's time goes: the static engine (eager) under torch.profiler for ``gen_tokens`` tokens
+    at ``gen_rows`` rows, the 12 costliest kernels (device time; CPU ops on CPU), kernels and device ms per token;
+    on CUDA also the graphs engine's wall ms per token at the same shape (what the GPU takes when launches cost
+    nothing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.rollout.engine import SamplingParams
+
+    cuda = device.startswith("cuda")
+    g = torch.Generator().manual_seed(1)
+    n = 8 if spec["gen_rows"] >= 8 else 2
+    prompts = [torch.randint(4, 512, (PROMPT_WORDS,), generator=g).tolist() for _ in range(spec["gen_rows"] // n)]
+    params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
+    out = {"rows": len(prompts) * n, "new_tokens": params.max_tokens}
+    for mode in (["eager", "graphs"] if cuda else ["eager"]):
+        model, engine = _engine(folder, device, dtype, mode)
+        engine.generate(prompts, params, n)  # warm-up (graph captures)
+        _sync(device)
+        if mode == "graphs":
+            t0 = time.perf_counter()
+            engine.generate(prompts, params, n)
+            _sync(device)
+            out["graphs_ms_per_token"] = 1000 * (time.perf_counter() - t0) / params.max_tokens
+        else:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            t0 = time.perf_counter()
+            with profile(activities=acts) as prof:
+                engine.generate(prompts, params, n)
+                _sync(device)
+            out["eager_ms_per_token"] = 1000 * (time.perf_counter() - t0) / params.max_tokens
+            events = prof.key_averages()
+            attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+            kernels = [e for e in events if getattr(e, attr, 0) > 0 and (not cuda or e.device_type.name == "CUDA")]
+            total = sum(getattr(e, attr) for e in kernels)
+            out["device_ms_per_token"] = total / 1000 / params.max_tokens
+            out["kernels_per_token"] = sum(e.count for e in kernels) / params.max_tokens
+            out["top"] = [{"name": e.key[:90], "ms_per_token": getattr(e, attr) / 1000 / params.max_tokens,
+                           "calls_per_token": e.count / params.max_tokens}
+                          for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:12]]
+        del engine, model
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| shape | stage | result |", "|---|---|---|"]
     for r in rows:
@@ -259,8 +360,16 @@ def table(rows: list[dict]) -> str:
                 res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
                         f"{md.get('reward/model_time_frac', 0):.2f} of the step")
         elif r["stage"] == "ref_http":
-            res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}) against a "
-                   f"{r['server_forward_ms']:.1f} ms forward, {r['rows']} x ({r['prompt']} + {r['completion']})")
+            res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}; server parse "
+                   f"{r['server_parse_ms']:.1f}, wait {r['server_wait_ms']:.1f}, client codec {r['client_codec_ms']:.1f}, "
+                   f"rest {r['rest_ms']:.1f}) against a {r['server_forward_ms']:.1f} ms forward, {r['rows']} x "
+                   f"({r['prompt']} + {r['completion']})")
+        elif r["stage"] == "decode_profile":
+            res = (f"eager {r['eager_ms_per_token']:.2f} ms a token: {r['kernels_per_token']:.0f} kernels, "
+                   f"{r['device_ms_per_token']:.2f} ms of device time"
+                   + (f"; graphs {r['graphs_ms_per_token']:.2f} ms a token" if "graphs_ms_per_token" in r else "")
+                   + f" ({r['rows']} rows); costliest: "
+                   + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}" for t in r["top"][:5]))
         else:
             res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
         lines.append(f"| {r['shape']} | {r['stage']} | {res} |")
@@ -283,10 +392,13 @@ def main(argv=None) -> int:
                         "with the first")
     p.add_argument("--step-engine", default="auto",
                    help="the step stages' engine, named as in --engines (default auto: the trainer's own choice)")
+    p.add_argument("--steps", type=int, help="measured steps of the step stages (default 4; more to look for outliers)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = TINY if args.tiny else FULL
+    spec = dict(TINY if args.tiny else FULL)
+    if args.steps:
+        spec["steps"] = args.steps
     dtype = "bf16" if args.device.startswith("cuda") else "fp32"
     states = args.optimizer_states if dtype == "bf16" else "fp32"
     stages = args.stages.split(",")
@@ -317,6 +429,10 @@ def main(argv=None) -> int:
                                  out, states, args.step_engine)
             elif stage == "ref_http":
                 res = stage_ref_http(folder, args.device, dtype, spec)
+            elif stage == "compile_probe":
+                res = stage_compile_probe(folder, args.device, dtype, spec)
+            elif stage == "decode_profile":
+                res = stage_decode_profile(folder, args.device, dtype, spec)
             elif stage == "step_rm":
                 rm = out / f"random-{name}-rm"
                 if not (rm / "config.json").exists():
@@ -328,7 +444,8 @@ def main(argv=None) -> int:
                                          f"weight: 0}}]")
                 res["reward_model"] = str(rm)
             else:
-                raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http, step_rm")
+                raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http, step_rm, "
+                                 f"compile_probe, decode_profile")
             res["stage_seconds"] = time.perf_counter() - t0
             rows.append(record(out, stage, name, res))
             (out / "gpu_table.md").write_text(table(rows))

@@ -409,7 +409,7 @@ def test_graph_bookkeeping_on_cpu(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- compiled and graphed
-# Inductor's C++ backend on the CPU: one compile, one shape (fixed length, EOS ignored, no compaction), about 50 s
+# Inductor's C++ backend on the CPU: one compile, one shape (fixed length, EOS ignored, no compaction), about 15 s
 # on the 2-core machine, so run with the GPU suite (and by hand: -m gpu); on a GPU every mode, buckets and replays.
 
 

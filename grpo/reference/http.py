@@ -301,18 +301,24 @@ class HTTPReference:
     def logprobs(self, packed: Packed, temperature: float, with_entropy: bool = False
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[rows, width] float32 log-probs (and entropy) of ``packed``'s completion tokens."""
+        t_enc = time.perf_counter()
         body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass)
         t0 = time.perf_counter()
         resp = self._request("POST", "/v1/logprobs", body=body, content_type=CONTENT_TYPE, key=uuid.uuid4().hex)
+        t_dec = time.perf_counter()
         try:
             lp, ent, header = decode_response(resp.content, packed.length, packed.width)
         except WireError as e:
             raise ReferenceServerError(f"reference server at {self.url} sent a malformed answer: {e}") from None
         self._check_read_timeout(float(header.get("compute_ms", 0.0)) / 1000, packed.input_ids.shape[0])
+        t1 = time.perf_counter()
         with self._lock:
             m = self._metrics
-            m["ref/latency"] += time.perf_counter() - t0
+            m["ref/latency"] += t1 - t0
             m["ref/server_compute"] += float(header.get("compute_ms", 0.0)) / 1000
+            m["ref/server_parse"] += float(header.get("parse_ms", 0.0)) / 1000
+            m["ref/server_wait"] += float(header.get("wait_ms", 0.0)) / 1000
+            m["ref/client_codec"] += (t0 - t_enc) + (t1 - t_dec)
             m["ref/bytes_sent"] += len(body)
             m["ref/bytes_received"] += len(resp.content)
             m["ref/requests"] += 1
@@ -352,8 +358,9 @@ class HTTPReference:
     # ------------------------------------------------------------------ metrics
     @staticmethod
     def _zero_metrics() -> dict[str, float]:
-        return {"ref/latency": 0.0, "ref/server_compute": 0.0, "ref/bytes_sent": 0.0, "ref/bytes_received": 0.0,
-                "ref/requests": 0.0, "ref/retries": 0.0}
+        return {"ref/latency": 0.0, "ref/server_compute": 0.0, "ref/server_parse": 0.0, "ref/server_wait": 0.0,
+                "ref/client_codec": 0.0, "ref/bytes_sent": 0.0, "ref/bytes_received": 0.0, "ref/requests": 0.0,
+                "ref/retries": 0.0}
 
     def pop_metrics(self) -> dict[str, float]:
         """Totals since the last call (one training step): seconds, bytes, requests, retries."""

@@ -13,7 +13,8 @@ Request (``POST /v1/logprobs``), rows concatenated without padding:
              micro-batch size, so the server's forward passes match the in-process reference's)
 Response:
     tensors  logprobs [T] float32 (T = sum completion_lens), entropy [T] float32 when asked
-    header   version, rows, tokens, compute_ms
+    header   version, rows, tokens, compute_ms (the forward), parse_ms (reading and checking the
+             body), wait_ms (the wait for the device thread beyond compute_ms)
 
 The rows stay flat on the server until their forward pass: a request costs rows x its longest
 row padded tokens of work, which is capped per request (:class:`TooLarge`, 413), and only one

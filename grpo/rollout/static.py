@@ -19,7 +19,7 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   bucket, so tokens do not depend on buckets or compaction), and the host reads which rows finished once every ``check_every`` steps
   through a non-blocking copy (into pinned memory on CUDA) that it waits for only after the next step is queued.
   When the live rows fit a smaller bucket they are moved there (compaction).
-* ``rollout.static.mode``: ``eager``, ``compile`` (torch.compile of the decode step), ``graphs`` (a CUDA graph per
+* ``rollout.static.mode``: ``eager``, ``compile`` (torch.compile of the decode step's forward), ``graphs`` (a CUDA graph per
   (rows bucket, length bucket)), ``compile+graphs``; ``auto`` = graphs on CUDA, eager elsewhere (measured on an H200
   with torch 2.11: graphs 12.9k tokens/s at the 1.7B shape, 1.4 s of captures; compile+graphs failed in Inductor's
   Triton code generation there, and compiles once per length bucket: docs/results.md). Graphs hold
@@ -289,10 +289,11 @@ class StaticEngine:
         self.pool = None
         self.pointers: tuple[int, ...] = ()  # the weights' data_ptrs the graphs were captured with
         self.metrics: dict[str, float] = {}
-        self.step = self._step
-        if "compile" in self.mode:
+        self.step, self.logits = self._step, self._logits
+        if "compile" in self.mode:  # the forward only: Inductor's Triton backend failed on the sampler's 49k-wide
+            # cumsum (a split scan, torch 2.11, H200: docs/results.md); the sampler runs eager (captured by graphs)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per bucket
-            self.step = torch.compile(self._step, dynamic=False)
+            self.logits = torch.compile(self._logits, dynamic=False)
 
     # -- weights
     def weights(self) -> Weights:
@@ -357,12 +358,14 @@ class StaticEngine:
             torch.cuda.empty_cache()
 
     # -- one decode step (compiled and / or captured)
+    def _logits(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: float) -> torch.Tensor:
+        return forward(self.spec, Weights.unflat(flat, rope_scale), tok[:, None], pos[:, None], col, k, v, kpos, length)
+
     def _step(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, u: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: float,
               sampling: tuple[float, float, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        w = Weights.unflat(flat, rope_scale)
-        logits = forward(self.spec, w, tok[:, None], pos[:, None], col, k, v, kpos, length)
-        return sample(logits, u, *sampling)
+        return sample(self.logits(flat, tok, pos, col, k, v, kpos, length, rope_scale), u, *sampling)
 
     def _run_step(self, w: Weights, tok, pos, col, u, k, v, kpos, length, sampling):
         if "graphs" not in self.mode:

@@ -408,17 +408,22 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
 
     @app.post("/v1/logprobs")
     def logprobs():
+        t0 = time.perf_counter()
         req, digest = _parse(limits, slots, worker.current.vocab_size)
         key = _idempotency_key()
+        t1 = time.perf_counter()
         result, failed = _queued(worker, lambda: worker.submit(req, None if key is None else (key, digest)),
                                  "computing log-probs failed")
         if failed is not None:
             return failed
         lp, ent, seconds, version = result
+        # where the server's time went besides the forward (scripts/bench_ref_http.py): reading and checking the
+        # body, and the wait for the device thread beyond its compute (queue, hand-off)
+        parse_ms, wait_ms = (t1 - t0) * 1000, (time.perf_counter() - t1 - seconds) * 1000
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
                                               "compute_ms": round(seconds * 1000, 2), "version": version}
         out = encode_flat_response(lp, ent, {"version": version, "rows": req.rows, "tokens": req.tokens,
-                                             "compute_ms": seconds * 1000})
+                                             "compute_ms": seconds * 1000, "parse_ms": parse_ms, "wait_ms": wait_ms})
         return bottle.HTTPResponse(out, status=200, headers={"Content-Type": CONTENT_TYPE})
 
     @app.post("/v1/reward")
