@@ -36,7 +36,7 @@ collectives; the copy is a whole model per rank, freed with the KV buffers by ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -170,11 +170,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
-            k_buf: torch.Tensor, v_buf: torch.Tensor, kpos: torch.Tensor, length: int,
+            k_buf: Sequence[torch.Tensor], v_buf: Sequence[torch.Tensor], kpos: torch.Tensor, length: int,
             last_only: bool = True) -> torch.Tensor:
     """Feed ``ids`` [R, S] at positions ``pos`` [R, S] (-1: left padding) into columns ``col .. col + S - 1``
-    (``col``: a one-element long tensor, so a captured graph replays at any column) of the KV buffers
-    [layers, R, kv_heads, max_len, head_dim]; attend to the first ``length`` columns (a static bucket >= the
+    (``col``: a one-element long tensor, so a captured graph replays at any column) of the KV buffers, one
+    [R, kv_heads, max_len, head_dim] tensor per layer (a list: written in place as a whole, a compiled step
+    writes one column; a write through a view of one [layers, ...] tensor made Inductor copy the whole buffer
+    for every layer, about 300 ms a step at 8 x 16 x 2048 columns on CPU); attend to the first ``length`` columns (a static bucket >= the
     last written column + 1). Returns float32 logits [R, V] of the last column (``last_only``) or [R, S, V]."""
     R, S = ids.shape
     H, KV, D = spec.heads, spec.kv_heads, spec.head_dim
@@ -201,7 +203,7 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         mask = attend
         if spec.windows[i] is not None:
             mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
-        a = F.scaled_dot_product_attention(q, k_buf[i, :, :, :length], v_buf[i, :, :, :length], attn_mask=mask,
+        a = F.scaled_dot_product_attention(q, k_buf[i][:, :, :length], v_buf[i][:, :, :length], attn_mask=mask,
                                            scale=D ** -0.5, enable_gqa=H != KV)
         x = x + F.linear(a.transpose(1, 2).reshape(R, S, H * D), lw["o"], lw["o_bias"])
         h = rms_norm(x, lw["post_norm"], spec.eps)
@@ -284,7 +286,7 @@ class StaticEngine:
         self.gen.manual_seed(setup.cfg.train.seed * 1_000_003 + dist.rank())  # the engine's own stream
         self.merged: Optional[dict[str, torch.Tensor]] = None  # LoRA: the merged copy (adapted weights only)
         self.owned: Optional[dict[str, torch.Tensor]] = None  # ZeRO-3: the gathered weights
-        self.kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # k, v, kpos (capacity buffers)
+        self.kv: Optional[tuple[list, list, torch.Tensor]] = None  # k, v per layer, kpos (capacity buffers)
         self.graphs: dict[tuple, tuple] = {}  # (rows, length, sampling) -> (graph, static inputs, outputs)
         self.pool = None
         self.pointers: tuple[int, ...] = ()  # the weights' data_ptrs the graphs were captured with
@@ -398,15 +400,15 @@ class StaticEngine:
         """KV buffers with room for ``rows`` x ``length`` (grown when short; graphs then hold stale pointers)."""
         s = self.spec
         if self.kv is not None:
-            k = self.kv[0]
-            if k.shape[1] >= rows and k.shape[3] >= length and k.dtype == dtype:
+            k = self.kv[0][0]
+            if k.shape[0] >= rows and k.shape[2] >= length and k.dtype == dtype:
                 return self.kv
-            rows, length = max(rows, k.shape[1]), max(length, k.shape[3])
+            rows, length = max(rows, k.shape[0]), max(length, k.shape[2])
         self.graphs = {}
-        shape = (s.layers, rows, s.kv_heads, length, s.head_dim)
+        shape = (rows, s.kv_heads, length, s.head_dim)
         # zeros, not empty: masked keys still multiply their values by 0, and 0 * NaN is NaN
-        self.kv = (torch.zeros(shape, dtype=dtype, device=self.device),
-                   torch.zeros(shape, dtype=dtype, device=self.device),
+        self.kv = ([torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(s.layers)],
+                   [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(s.layers)],
                    torch.full((rows, length), -1, dtype=torch.long, device=self.device))
         return self.kv
 
@@ -435,8 +437,9 @@ class StaticEngine:
         pk = torch.zeros((s.layers, P, s.kv_heads, Lp, s.head_dim), dtype=w.embed.dtype, device=dev)
         pv, pkpos = torch.zeros_like(pk), torch.full((P, Lp), -1, dtype=torch.long, device=dev)
         logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
-        k_all[:, :R, :, :Lp] = pk.repeat_interleave(G, dim=1)
-        v_all[:, :R, :, :Lp] = pv.repeat_interleave(G, dim=1)
+        for i in range(s.layers):
+            k_all[i][:R, :, :Lp] = pk[i].repeat_interleave(G, dim=0)
+            v_all[i][:R, :, :Lp] = pv[i].repeat_interleave(G, dim=0)
         kpos_all[:Rb] = -1
         kpos_all[:R, :Lp] = pkpos.repeat_interleave(G, dim=0)
 
@@ -457,13 +460,15 @@ class StaticEngine:
         pending = False
 
         cols = torch.arange(Lp, Lp + T, device=dev)
+        cap = k_all[0].shape[2]
+        k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]  # each layer's rows of the bucket
         tok, lp = sample(logits, u_all[0, rows], *sampling)
         for t in range(T):
             if t:
                 col = Lp + t - 1  # the column of token t - 1, fed now
-                length = min(k_all.shape[3], round_up(col + 1, self.length_bucket or k_all.shape[3]))
-                tok, lp = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows],
-                                         k_all[:, :Rb], v_all[:, :Rb], kpos_all[:Rb], length, sampling)
+                length = min(cap, round_up(col + 1, self.length_bucket or cap))
+                tok, lp = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows], k_rows, v_rows,
+                                         kpos_all[:Rb], length, sampling)
                 nxt = nxt + 1
             out_tok[rows, t] = tok
             out_lp[rows, t] = lp
@@ -487,8 +492,10 @@ class StaticEngine:
                     rows_h += [R] * (Rb - len(sel))
                     rows = torch.tensor(rows_h, device=dev)
                     idx, L = torch.tensor(sel, device=dev), Lp + t  # the columns written so far
-                    k_all[:, : len(sel), :, :L] = k_all[:, idx, :, :L]
-                    v_all[:, : len(sel), :, :L] = v_all[:, idx, :, :L]
+                    for i in range(s.layers):
+                        k_all[i][: len(sel), :, :L] = k_all[i][idx, :, :L]
+                        v_all[i][: len(sel), :, :L] = v_all[i][idx, :, :L]
+                    k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]
                     kpos_all[: len(sel), :L] = kpos_all[idx, :L]
                     kpos_all[len(sel): Rb] = -1
                     spare = Rb - len(sel)
