@@ -232,8 +232,10 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
 
 
 def stage_ref_http(folder: str, device: str, dtype: str, spec: dict) -> dict:
+    from grpo.foundation import dist
     from scripts.bench_ref_http import run
 
+    dist.host_threads(device.startswith("cuda"))  # the client's threads as in the trainer (its server sets its own)
     rows, prompt, completion = spec["ref"]
     return run(folder, rows, prompt, completion, requests=10 if rows > 8 else 3,
                extra_server_args=("--device", device, "--dtype", dtype))

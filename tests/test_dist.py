@@ -35,3 +35,22 @@ def test_launcher_or_mpi_job_left_alone(bare_env, var):
     assert dist.default_single_process_env() is False
     assert os.environ[var] == "7"
     assert all(k not in os.environ for k in LAUNCHER if k != var)
+
+
+def test_host_threads_one_on_cuda_a_share_on_cpu_and_omp_num_threads_decides(monkeypatch):
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(os, "cpu_count", lambda: 8)
+        assert dist.host_threads(cuda=True) == 1 == torch.get_num_threads()
+        assert dist.host_threads(cuda=False, local_ranks=2) == 4 == torch.get_num_threads()
+        assert dist.host_threads(cuda=False, local_ranks=16) == 1  # never 0
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        assert dist.host_threads(cuda=True) == 3 == torch.get_num_threads()  # the user's setting stays
+    finally:
+        torch.set_num_threads(before)

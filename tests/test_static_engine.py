@@ -517,7 +517,7 @@ def test_static_on_an_unsupported_model_fails_naming_the_reason():
 
 def test_auto_mode_is_graphs_on_cuda_and_eager_elsewhere():
     from grpo.foundation.config import ConfigError
-    # graphs without compile on CUDA: compile+graphs failed in Inductor on an H200 (torch 2.11, docs/results.md)
+    # graphs without compile on CUDA: compile+graphs was 8x slower than graphs on an H200 (torch 2.11, docs/results.md)
     assert static.resolve_mode("auto", torch.device("cuda")) == "graphs"
     assert static.resolve_mode("auto", torch.device("cpu")) == "eager"
     assert static.resolve_mode("compile+graphs", torch.device("cuda")) == "compile+graphs"

@@ -21,8 +21,9 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   When the live rows fit a smaller bucket they are moved there (compaction).
 * ``rollout.static.mode``: ``eager``, ``compile`` (torch.compile of the decode step's forward), ``graphs`` (a CUDA graph per
   (rows bucket, length bucket)), ``compile+graphs``; ``auto`` = graphs on CUDA, eager elsewhere (measured on an H200
-  with torch 2.11: graphs 12.9k tokens/s at the 1.7B shape, 1.4 s of captures; compile+graphs failed in Inductor's
-  Triton code generation there, and compiles once per length bucket: docs/results.md). Graphs hold
+  with torch 2.11: graphs 12.8-12.9k tokens/s at the 1.7B shape, 1.4-3.4 s of captures; compile+graphs compiles once
+  per length bucket, and made 1.6k there before the KV buffers became one tensor per layer, not measured since:
+  docs/results.md). Graphs hold
   pointers: every call compares each weight's ``data_ptr`` with the captured ones and recaptures on a change.
 
 ``Completions.logprobs`` are the sampler's log-probs of the drawn tokens under the distribution it drew from
@@ -259,7 +260,7 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
 
 def resolve_mode(mode: str, device: torch.device) -> str:
     """``rollout.static.mode`` on this device (``auto``: graphs on CUDA, eager elsewhere; compile is opt-in: it
-    failed in Inductor on torch 2.11 at the 1.7B shape, and recompiles for every length bucket)."""
+    compiles once per length bucket, and its GPU speed since the per-layer KV buffers is not measured yet)."""
     if mode == "auto":
         return "graphs" if device.type == "cuda" else "eager"
     if "graphs" in mode and device.type != "cuda":

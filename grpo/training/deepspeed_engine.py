@@ -94,11 +94,9 @@ def init_distributed() -> None:
 
 
 def share_cpu_threads() -> None:
-    """Ranks on one CPU machine split its cores instead of each grabbing all of them."""
-    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
-        return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    """Ranks on one CPU machine split its cores instead of each grabbing all of them; on CUDA one host thread
+    (``dist.host_threads``; ``OMP_NUM_THREADS`` overrides both)."""
+    dist.host_threads(torch.cuda.is_available(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size())))
 
 
 def build_engine(cfg: Config, model: torch.nn.Module):

@@ -52,7 +52,9 @@ from typing import Any, Callable, Optional, TextIO
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
+import torch
 
+from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
 from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_response, parse_request
 from grpo.reference.server.worker import DeviceWorker, Job, QueueFull, ReloadBusy
@@ -691,7 +693,9 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, rewa
     token = resolve_token(r.token)
     check_bind(r.host, token)
     source = r.model or cfg.model.name_or_path
-    log("loading", model=source, dtype=cfg.model.dtype, device=device)
+    # on CUDA the host only parses and encodes: one CPU thread unless OMP_NUM_THREADS says (dist.host_threads)
+    threads = dist.host_threads(True) if str(device).startswith("cuda") else torch.get_num_threads()
+    log("loading", model=source, dtype=cfg.model.dtype, device=device, cpu_threads=threads)
     t0 = time.perf_counter()
     reload_root = os.environ.get(RELOAD_ROOT_ENV) or None
     worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size,
