@@ -258,6 +258,7 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
 
 class _Worker:
     STARTUP_TIMEOUT = 300.0  # seconds for a new worker's imports
+    STOP_WAIT_S = 2.0  # seconds a started worker has to leave when stopped (then it is killed)
 
     def __init__(self, ctx, limits: Optional[dict[str, int]] = None) -> None:
         self.conn, child = ctx.Pipe()
@@ -296,17 +297,39 @@ class _Worker:
         self.proc.join(timeout=5)
         self.conn.close()
 
-    def stop(self) -> None:
+    def started(self) -> bool:
+        """Whether the worker has said it is ready (its message read now, without waiting, if it is there)."""
+        if not self.ready and self.conn.poll(0):
+            try:
+                self.wait_ready()
+            except RuntimeError:
+                return False
+        return self.ready
+
+    def ask_to_stop(self) -> None:
+        """A started worker is asked to leave (after the call it may be running); one still importing holds no
+        work and is killed at once, instead of being waited for through its imports."""
+        if not self.started():
+            self._kill_group()
+            self.proc.kill()
+            return
         try:
             self.conn.send(None)
         except (BrokenPipeError, OSError):
             pass
-        self.proc.join(timeout=2)
+
+    def finish_stop(self, deadline: float) -> None:
+        """Wait until ``deadline`` (time.monotonic()) for the worker to leave, then kill what is left."""
+        self.proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill_group()  # the worker has left (or is killed now); what it started goes with it
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=5)
         self.conn.close()
+
+    def stop(self) -> None:
+        self.ask_to_stop()
+        self.finish_stop(time.monotonic() + self.STOP_WAIT_S)
 
 
 class WorkerPool:
@@ -487,6 +510,10 @@ class WorkerPool:
         return out
 
     def close(self) -> None:
-        for w in self._workers:
-            w.stop()
-        self._workers = []
+        """Stop every worker: all are asked at once and share one wait (a worker still starting is killed)."""
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.ask_to_stop()
+        deadline = time.monotonic() + _Worker.STOP_WAIT_S
+        for w in workers:
+            w.finish_stop(deadline)

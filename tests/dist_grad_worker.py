@@ -59,7 +59,7 @@ def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dic
         f"train.micro_batch_tokens={tokens or 0}",
         f"rollout.max_completion_length={WIDTH}", f"train.output_dir={out_dir}",
         "logging.progress_bar=false", "rollout.prompts_per_step=4", f"rollout.num_generations={G}",
-        f"model.name_or_path={model}",
+        f"model.name_or_path={model}", "reward_pool.num_workers=0",  # no rewards are computed here
         # ZeRO-3: LM-head chunks of 7 tokens, so the ranks' micro-batches need unequal numbers of them
         *([f"train.logprob_chunk_size={CHUNK_Z3}"] if zero == 3 else []),
     ])
