@@ -71,6 +71,47 @@ def test_nan_steps_are_skipped_then_the_run_stops(single_rank_env, tmp_path):
     tr.close()
 
 
+def test_stop_when_needs_a_target_and_a_window():
+    with pytest.raises(ConfigError, match=r"train.stop_when.at_least is missing.*at_least: 0.9"):
+        load_config(overrides=["train.stop_when={metric: reward/mean}"])
+    with pytest.raises(ConfigError, match=r"train.stop_when.window"):
+        load_config(overrides=["train.stop_when={at_least: 0.5, window: 0}"])
+    with pytest.raises(ConfigError, match=r"threshold"):  # a wrong key names the valid ones
+        load_config(overrides=["train.stop_when={threshold: 0.5}"])
+    sw = load_config(overrides=["train.stop_when={at_least: 0.5}"]).train.stop_when
+    assert (sw.metric, sw.at_least, sw.window, sw.min_steps) == ("reward/mean", 0.5, 5, 0)
+
+
+def stop_when_run(tmp_path, stop_when: str):
+    from grpo.training.trainer import Trainer
+
+    cfg = load_config(DEMO, "grpo", [f"train.output_dir={tmp_path}", "logging.progress_bar=false", "algo.beta=0",
+                                     "logging.plot=false", "rollout.prompts_per_step=2", "rollout.num_generations=4",
+                                     "reward_pool.num_workers=0", "train.max_steps=6", f"train.stop_when={stop_when}",
+                                     "train.export_final=false"])
+    return Trainer(cfg)
+
+
+def test_stop_when_ends_the_run_at_the_target_with_its_final_checkpoint(single_rank_env, tmp_path, capsys):
+    from grpo.training.metrics import read_metrics
+
+    # the mean reward of 3 steps is always >= -1: the run ends after step 3 of 6, as if max_steps were 3
+    history = stop_when_run(tmp_path, "{metric: reward/mean, at_least: -1, window: 3}").train()
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+    assert (tmp_path / "checkpoints" / "step-3").is_dir() and not (tmp_path / "checkpoints" / "step-6").exists()
+    assert "train.stop_when: the mean of reward/mean over the last 3 steps" in capsys.readouterr().out
+    # a target never reached: every step runs
+    assert len(stop_when_run(tmp_path / "b", "{at_least: 100, window: 2}").train()) == 6
+    # not before min_steps
+    assert len(stop_when_run(tmp_path / "c", "{at_least: -1, window: 2, min_steps: 4}").train()) == 4
+
+
+def test_stop_when_on_a_metric_the_steps_do_not_log_names_the_ones_they_do(single_rank_env, tmp_path):
+    with pytest.raises(ConfigError, match=r"train.stop_when.metric='reward/meen' is not logged .*'reward/mean'"):
+        stop_when_run(tmp_path, "{metric: reward/meen, at_least: 0.5}").train()
+
+
 def test_every_exit_of_train_py_shuts_the_process_group_down(monkeypatch):
     import train
     from grpo.foundation import dist

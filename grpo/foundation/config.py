@@ -320,6 +320,18 @@ class AlgoConfig:
 
 
 @dataclass
+class StopWhen:
+    """``train.stop_when``: end the run before ``train.max_steps`` once the mean of ``metric`` over the last
+    ``window`` steps is at least ``at_least`` (a target reward, say); the run then ends as at ``max_steps``
+    (final checkpoint, export, plot). Null (the default): always run to ``max_steps``."""
+
+    metric: str = "reward/mean"  # a per-step metric (metrics.jsonl's names: docs/metrics.md)
+    at_least: Optional[float] = None  # required: the target of the window's mean
+    window: int = 5  # steps averaged (the check starts once this many have run)
+    min_steps: int = 0  # never stop before this step (e.g. to compare a first window with a later one)
+
+
+@dataclass
 class TrainConfig:
     """Optimisation and the DeepSpeed engine."""
 
@@ -354,6 +366,8 @@ class TrainConfig:
     # the moments in the weights' bf16, about 8 bytes a parameter; needs model.dtype bf16 and no LoRA)
     optimizer_states: Literal["fp32", "bf16"] = "fp32"
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a NaN/inf loss or gradient norm
+    # end early once the mean of a metric over the last steps reaches a target: {metric, at_least, window}
+    stop_when: Optional[StopWhen] = None
 
 
 @dataclass
@@ -576,6 +590,14 @@ def validate(cfg: Config) -> None:
     _positive("train.micro_batch_tokens", t.micro_batch_tokens, allow_zero=True)
     check_optimizer_states(cfg)
     _positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
+    if t.stop_when is not None:
+        _positive("train.stop_when.window", t.stop_when.window)
+        _positive("train.stop_when.min_steps", t.stop_when.min_steps, allow_zero=True)
+        if t.stop_when.at_least is None:
+            raise ConfigError("train.stop_when.at_least is missing: give the target, e.g. "
+                              "train.stop_when={metric: reward/mean, at_least: 0.9, window: 5}")
+        if not t.stop_when.metric.strip():
+            raise ConfigError("train.stop_when.metric is empty: name a per-step metric such as reward/mean")
     _positive("algo.beta", a.beta, allow_zero=True)
     _positive("algo.clip_eps_low", a.clip_eps_low, allow_zero=True)
     _positive("algo.clip_eps_high", a.clip_eps_high, allow_zero=True)

@@ -491,6 +491,25 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         return self.evaluator(self.step, self.out)
 
+    def _stop_reached(self, history: list[dict]) -> bool:
+        """``train.stop_when``: whether the mean of its metric over the last ``window`` steps of this run reached
+        ``at_least``. Decided on rank 0 and shared, so every rank leaves the loop after the same step; a metric
+        the steps do not log stops the run with the names they do log."""
+        sw = self.cfg.train.stop_when
+        if dist.any_rank(sw.metric not in history[-1]):
+            known = sorted(k for k, v in history[-1].items() if isinstance(v, (int, float)) and k != "step")
+            raise ConfigError(f"train.stop_when.metric={sw.metric!r} is not logged by this run's steps; choose "
+                              f"from {known}")
+        window = [h[sw.metric] for h in history[-sw.window:] if sw.metric in h]
+        mean = sum(window) / len(window)
+        reached = dist.any_rank(dist.is_main() and len(window) == sw.window and self.step >= sw.min_steps
+                                and mean >= sw.at_least)
+        if reached and dist.is_main():
+            print(f"train.stop_when: the mean of {sw.metric} over the last {sw.window} steps is {mean:.4g} >= "
+                  f"{sw.at_least:g} at step {self.step}: stopping before train.max_steps={self.cfg.train.max_steps}",
+                  flush=True)
+        return reached
+
     def _train(self) -> list[dict]:
         cfg = self.cfg
         history = []
@@ -518,6 +537,8 @@ class Trainer:
                 last_saved = self.save()
             if (synced or saved) and dist.is_main() and self.reference is not None:
                 prune_reference_folders(self.out, self.reference.folder)  # only what the run may still read
+            if cfg.train.stop_when is not None and self._stop_reached(history):
+                break
         if last_saved is None or not last_saved.name.endswith(f"-{self.step}"):
             last_saved = self.save()
             if dist.is_main() and self.reference is not None:
