@@ -18,12 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo.foundation import dist  # noqa: E402
-from grpo.training.configure import load_config  # noqa: E402
-from grpo.training.trainer import Trainer  # noqa: E402
-
 
 def main() -> None:
+    # imported here, not at the top: each reward worker (spawned) runs this file's top level again, and the
+    # trainer's imports (torch, transformers, DeepSpeed) cost each of them ~3 s of CPU for nothing
+    from grpo.foundation import dist
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
     p = argparse.ArgumentParser()
     p.add_argument("--plan", required=True, help="JSON file: {algorithm name: [key=value overrides]} (on "
                    "configs/demo.yaml), or {algorithm name: {\"config\": YAML file, \"overrides\": [...]}}")

@@ -31,16 +31,26 @@ def deepspeed_cmd(num_ranks: int, script: str = "train.py") -> list[str]:
     return launcher + ["--num_gpus", str(num_ranks), "--master_port", str(free_port()), script]
 
 
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def run_deepspeed(args: list[str], num_ranks: int = 2, script: str = "train.py",
                   check: bool = True) -> subprocess.CompletedProcess:
-    """Launch ``script`` with the deepspeed launcher from the repo root; fail with its output (hung: after LAUNCH_S)."""
+    """Launch ``script`` with the deepspeed launcher from the repo root; fail with its output (hung: after LAUNCH_S).
+    One rank runs as a plain ``python script`` (a world of one, as a user's ``python train.py``): the launcher's two
+    processes would cost more than such a run (~7 s of their imports on the 2-core machine); 2 ranks go through it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = deepspeed_cmd(num_ranks, script) + args
+    if num_ranks == 1:
+        cmd = [sys.executable, "-u", script] + args
+        env = {k: v for k, v in env.items() if k not in LAUNCHER_VARS}
+    else:
+        cmd = deepspeed_cmd(num_ranks, script) + args
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
     if check and proc.returncode != 0:
-        raise AssertionError(f"deepspeed exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    port = cmd[cmd.index("--master_port") + 1]  # DeepSpeed's CPU shm all-reduce op is not built (init_distributed)
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")), "a rank made a /dev/shm buffer"
+        raise AssertionError(f"{cmd[0]} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    if num_ranks > 1:  # DeepSpeed's CPU shm all-reduce op is not built (init_distributed)
+        port = cmd[cmd.index("--master_port") + 1]
+        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")), "a rank made a /dev/shm buffer"
     return proc
 
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo.training.checkpoint import latest_checkpoint
 from grpo.training.metrics import read_metrics
 from grpo.reference.launch import ROOT, ServerProcess, free_port
+from tests.conftest import LAUNCHER_VARS
 from tests.patience import LAUNCH_S, SERVER_S, STEP_S
 
 pytestmark = pytest.mark.slow
@@ -36,8 +37,7 @@ def server(tmp_path_factory):
 
 def start_training(out: Path, url: str, *overrides: str) -> subprocess.Popen:
     # A plain `python train.py` with no launcher variables: the trainer makes itself a world of one.
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, **ONE_THREAD}
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, **ONE_THREAD}
     cmd = [sys.executable, "train.py", "--config", "configs/demo.yaml", f"ref.url={url}", "algo.beta=0.01",
            f"train.output_dir={out}", "rollout.prompts_per_step=4", "rollout.num_generations=4",
            "logging.progress_bar=false", "logging.plot=false", *overrides]

@@ -17,6 +17,7 @@ from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
 from grpo.rollout.hf import HFEngine  # noqa: E402
 from grpo.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from grpo.training.configure import load_config  # noqa: E402
+from tests.conftest import LAUNCHER_VARS  # noqa: E402
 from tests.patience import LAUNCH_S  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -205,8 +206,7 @@ def test_a_killed_run_resumes_with_synced_weights(tmp_path):
             "train.save_every=2", f"train.output_dir={tmp_path}", "rollout.vllm.cpu_kv_cache_gb=0.25"]
     # the demo's 32 x 16 rows: about half the groups have rewards that differ, so the weights do move
     # a world of one of its own (this process's engine holds the module's MASTER_PORT)
-    launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([sys.executable, "train.py", "--config", "configs/demo.yaml", "train.max_steps=1000", *args],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marker = tmp_path / "checkpoints" / "latest"  # a symlink to the step folder, made once the save is complete
