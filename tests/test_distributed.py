@@ -85,6 +85,9 @@ def test_zero3_generation_and_evaluation_stay_in_step(tmp_path, tiny_dir):
 LORA_RUN = ["train.zero_stage=2", "algo.beta=0.04", "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj, "
             "up_proj], modules_to_save: [lm_head]}", "train.lr=3e-3", "train.max_steps=4", "train.save_every=2"]
 FULL_RUN = ["train.max_steps=4", "train.save_every=2", "algo.beta=0.04"]
+# the static engine under ZeRO-3 (rides in the full runs' launch; not resumed)
+STATIC_RUN = ["algo.beta=0", "rollout.engine=static", "algo.tis_cap=2.0", "train.zero_stage=3", "model.dtype=fp32",
+              "train.max_steps=2"]
 
 
 def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, bool]]) -> None:
@@ -116,9 +119,10 @@ def crash_after_step_2(full: Path, crashed: Path, text_latest: bool) -> Path:
 @pytest.fixture(scope="module")
 def full_runs(tmp_path_factory) -> dict[str, Path]:
     """The uninterrupted runs, in one launch: 4 steps on 2 ranks with a checkpoint every 2 steps, full
-    fine-tuning (``full``) and LoRA under ZeRO-2 (``lora``)."""
+    fine-tuning (``full``) and LoRA under ZeRO-2 (``lora``); and 2 steps with the static engine under ZeRO-3
+    (``static``)."""
     out = tmp_path_factory.mktemp("full")
-    runs = {"full": (FULL_RUN, out / "run"), "lora": (LORA_RUN, out / "lora")}
+    runs = {"full": (FULL_RUN, out / "run"), "lora": (LORA_RUN, out / "lora"), "static": (STATIC_RUN, out / "static")}
     launch_runs(out, {k: (over, folder, False) for k, (over, folder) in runs.items()})
     return {k: folder for k, (_, folder) in runs.items()}
 
@@ -132,7 +136,7 @@ def full_run(full_runs) -> Path:
 def resumed_runs(full_runs, tmp_path_factory) -> dict[str, Path]:
     """Each full run crashed after step 2 and resumed with --resume, in one launch."""
     out = tmp_path_factory.mktemp("resumed")
-    crashed = {k: crash_after_step_2(full, out / k, text_latest=k == "full") for k, full in full_runs.items()}
+    crashed = {k: crash_after_step_2(full_runs[k], out / k, text_latest=k == "full") for k in ("full", "lora")}
     launch_runs(out, {k: (FULL_RUN if k == "full" else LORA_RUN, folder, True) for k, folder in crashed.items()})
     return crashed
 
@@ -183,6 +187,14 @@ def test_lora_two_ranks_zero2_free_reference_checkpoint_and_resume(full_runs, re
     for a, b in zip(want[2:], got[2:]):
         for key in ("reward/mean", "loss", "kl", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_two_ranks_under_zero3_train_with_the_static_engine(full_runs):
+    """ZeRO-3 over 2 CPU ranks: each generation call gathers the weights once on every rank (a collective, also on
+    a rank without prompts), then decodes with no collectives; the sampler's log-probs match the trainer's."""
+    rows = read_metrics(full_runs["static"] / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sampler_gap/max"] < 1e-4 for r in rows)
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):

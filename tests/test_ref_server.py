@@ -3,6 +3,7 @@ reload and graceful shutdown. The last test stops the module's server (SIGTERM).
 
 from __future__ import annotations
 
+import http.client
 import socket
 import subprocess
 import threading
@@ -125,33 +126,50 @@ def _wait_health(server, key: str, value: int, timeout: float = WAIT_S) -> None:
         time.sleep(0.002)
 
 
-def test_overload_answers_503_with_retry_after_and_the_client_retries(server, dirs, inproc):
-    """A deliberate overload: a slow request runs, the queue fills up, and the next requests are refused
-    with 503 + Retry-After; the client retries and gets the exact answer; queued requests stay exact."""
+def test_overload_answers_503_with_retry_after_and_the_client_retries(dirs, inproc):
+    """A deliberate overload: a long request runs, the queue fills up, and the next requests are refused with 503 +
+    Retry-After; the client retries and gets the exact answer; queued requests stay exact. The long request (a body
+    over the shared server's limit: a server of its own) would run for minutes on a loaded machine, so nothing races
+    its length: once the checks are done its client leaves, and the server drops it at its next forward pass (499)."""
+    log = dirs["root"] / "overload.log"
+    srv = ServerProcess(["--model", str(dirs["model"]), "--max-queue", str(QUEUE), "--max-request-mb", "8"],
+                        port=free_port(), token=TOKEN, log_path=log, env={"OMP_NUM_THREADS": "1"})
+    srv.start(timeout=SERVER_S)
     inproc.cfg.train.micro_batch_size = 1
-    slow = encode_request(ragged_batch(3, rows=48, vocab=93, max_prompt=250, max_completion=240, width=240), 1.0,
-                          rows_per_pass=1)
+    long = encode_request(ragged_batch(3, rows=1500, vocab=93, max_prompt=250, max_completion=240, width=240), 1.0,
+                          rows_per_pass=1)  # 1500 forward passes: about 30 s on the idle 2-core machine
     p = ragged_batch(21, rows=4, vocab=93)
     body, expected = encode_request(p, 1.0, rows_per_pass=1), inproc.logprobs(p, 1.0)
-    ref = client(server, dirs, inproc, micro_batch_size=1)
-    seen_before = len(log_events(dirs["log"]))
-    with ThreadPoolExecutor(QUEUE + 1) as pool:
-        running = pool.submit(post, server, slow)
-        _wait_health(server, "running", 1)
-        queued = [pool.submit(post, server, body) for _ in range(QUEUE)]
-        _wait_health(server, "queued", QUEUE)
-        refused = post(server, body)
-        assert refused.status_code == 503, refused.text
-        assert int(refused.headers["Retry-After"]) >= 1 and "busy" in refused.json()["error"]
-        assert_same(ref.submit(p, 1.0).result(), expected)  # sent while the queue is still full
-        assert ref.pop_metrics()["ref/retries"] >= 1, "the client met a 503 and retried"
-        assert running.result().status_code == 200
-        for f in queued:
-            assert f.result().status_code == 200
-            assert_same(decode_response(f.result().content, p.length, p.width)[0], expected)
-    statuses = Counter(e["status"] for e in log_events(dirs["log"])[seen_before:] if e["path"] == "/v1/logprobs")
-    assert set(statuses) == {200, 503} and statuses[503] >= 2, statuses
-    ref.close()
+    ref = client(srv, dirs, inproc, micro_batch_size=1)
+    port = int(srv.url.rsplit(":", 1)[1])
+    running = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        running.request("POST", "/v1/logprobs", body=long,
+                        headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"})
+        with ThreadPoolExecutor(QUEUE) as pool:
+            _wait_health(srv, "running", 1)
+            queued = [pool.submit(post, srv, body) for _ in range(QUEUE)]
+            _wait_health(srv, "queued", QUEUE)
+            refused = post(srv, body)
+            assert refused.status_code == 503, refused.text
+            assert int(refused.headers["Retry-After"]) >= 1 and "busy" in refused.json()["error"]
+            answer = ref.submit(p, 1.0)  # sent while the queue is still full: refused, then retried
+            deadline = time.monotonic() + WAIT_S
+            while Counter(e["status"] for e in log_events(log))[503] < 2:
+                assert time.monotonic() < deadline, "the client's request was never refused"
+                time.sleep(0.1)
+            running.close()  # the long request's client leaves: the server drops it, the queue drains
+            assert_same(answer.result(), expected)
+            assert ref.pop_metrics()["ref/retries"] >= 1, "the client met a 503 and retried"
+            for f in queued:
+                assert f.result().status_code == 200
+                assert_same(decode_response(f.result().content, p.length, p.width)[0], expected)
+        statuses = Counter(e["status"] for e in log_events(log) if e["path"] == "/v1/logprobs")
+        assert set(statuses) == {200, 499, 503} and statuses[503] >= 2 and statuses[499] == 1, statuses
+    finally:
+        running.close()
+        ref.close()
+        srv.stop()
 
 
 # --------------------------------------------------------------------------- bad input
