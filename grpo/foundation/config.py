@@ -366,7 +366,7 @@ class TrainConfig:
     # the moments in the weights' bf16, about 8 bytes a parameter; needs model.dtype bf16 and no LoRA)
     optimizer_states: Literal["fp32", "bf16"] = "fp32"
     max_nonfinite_steps: int = 3  # stop after this many steps in a row with a NaN/inf loss or gradient norm
-    # end early once the mean of a metric over the last steps reaches a target: {metric, at_least, window}
+    # end early once the mean of a metric over the last steps reaches a target: {metric, at_least, window, min_steps}
     stop_when: Optional[StopWhen] = None
 
 

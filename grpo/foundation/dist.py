@@ -24,7 +24,7 @@ def host_threads(cuda: bool, local_ranks: int = 1) -> int:
     """Set and return torch's CPU (intra-op) threads for a process whose model is on CUDA (``cuda``) or on the CPU.
 
     ``OMP_NUM_THREADS``, when set, decides (nothing is changed). On CUDA the host only encodes, packs and copies
-    small tensors: one thread (torchrun's default for its processes). With one thread per core, the pool woken for
+    small tensors: one thread (what torchrun sets for each of several processes). With one thread per core, the pool woken for
     each of those small ops after the host waited on the GPU made the reference server's HTTP path 17.7 ms
     instead of 4.4 ms on a 16-core H200 host (docs/results.md). On the CPU, ranks on one machine split its cores.
     """
