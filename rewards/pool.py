@@ -327,10 +327,6 @@ class _Worker:
             self.proc.join(timeout=5)
         self.conn.close()
 
-    def stop(self) -> None:
-        self.ask_to_stop()
-        self.finish_stop(time.monotonic() + self.STOP_WAIT_S)
-
 
 class WorkerPool:
     """``num_workers`` processes; :meth:`run` maps calls to outcomes, each call within ``timeout`` seconds
