@@ -233,13 +233,14 @@ class GpuSampler:
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 return
 
-    def result(self) -> dict:
+    def result(self, peak: int = 0) -> dict:
+        """``peak``: bytes the run itself saw at most (our trainer resets torch's counter at each phase)."""
         if not self.on:
             return {}
         import torch
 
         self._stop.set()
-        return {"cuda_peak_mb": torch.cuda.max_memory_allocated() / 2**20,
+        return {"cuda_peak_mb": max(torch.cuda.max_memory_allocated(), peak) / 2**20,
                 "gpu_util_mean": statistics.mean(self.samples) if self.samples else float("nan")}
 
 
@@ -291,13 +292,13 @@ def child_ours(spec: dict) -> dict:
             "total": total, "generation": m["time/generation"], "reference": m.get("time/reference", 0.0),
             "old_logprobs": m.get("time/old_logprobs", 0.0), "update": m.get("time/train", 0.0),
             "completion_tokens": int(b.mask.sum()), "prompt_tokens": sum(len(p) for p in b.prompt_ids),
-            "loss": m["loss"],
+            "loss": m["loss"], **{k: v for k, v in m.items() if k.startswith("memory/")},
         })
         print(f"[ours] step {i}: {total:.2f}s (generation {m['time/generation']:.2f}s)", flush=True)
     prompt_lens = [len(trainer.dataset.ids[i]) for i in range(spec["prompts"])]
     return {"side": "ours", "algo": cfg.algo.name, "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
             "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(), "prompt_lens": prompt_lens,
-            "torch": torch.__version__, **gpu.result()}
+            "torch": torch.__version__, **gpu.result(trainer.memory.run_peak)}
 
 
 def child_trl(spec: dict) -> dict:

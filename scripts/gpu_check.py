@@ -184,7 +184,8 @@ def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int,
 
 
 def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
-               engine: str = "auto", rewards: str = "[{fn: 'scripts.bench:bench_reward'}]") -> dict:
+               engine: str = "auto", rewards: str = "[{fn: 'scripts.bench:bench_reward'}]",
+               overrides: tuple[str, ...] = ()) -> dict:
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
 
@@ -199,7 +200,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
         f"train.micro_batch_size={spec['micro']}", f"train.output_dir={out / 'run'}",
         "logging.progress_bar=false", "logging.plot=false", f"rewards={rewards}",
         "algo.beta=0.04", "reward_pool.num_workers=0",  # the reward is a word count: no worker processes
-        *engine_overrides(engine),
+        *engine_overrides(engine), *overrides,
     ])
     _reset_peak(device)
     trainer = Trainer(cfg)
@@ -209,9 +210,9 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
             m = trainer.train_step()
             trainer.step += 1
             trainer.step_watch.check(trainer.step, m)
-            steps.append({k: v for k, v in m.items() if k.startswith("time/") or k.endswith(("/latency", "_frac"))
-                          and k.startswith("reward/")})
-        peak = _peak_bytes(device)
+            steps.append({k: v for k, v in m.items() if k.startswith(("time/", "memory/"))
+                          or k.endswith(("/latency", "_frac")) and k.startswith("reward/")})
+        peak = max(_peak_bytes(device), trainer.memory.run_peak)  # the trainer resets the counter at each phase
         n_params = sum(p.numel() for p in trainer.model.parameters())
         shape = trainer.model.config.to_dict()
     finally:
@@ -224,7 +225,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     parts["activations_and_rest"] = peak - sum(parts.values())
     return {"new_tokens": new_tokens, "rows": rows, "micro_batch": spec["micro"], "engine": f"{type(trainer.rollout.engine).__name__} "
             f"{getattr(trainer.rollout.engine, 'mode', '')}".strip(),
-            "optimizer_states": states, "params": n_params,
+            "optimizer_states": states, "params": n_params, "overrides": list(overrides),
             "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(
                 "cuda") else "process RSS", "memory_parts": parts,
             "outliers": [list(o) for o in trainer.step_watch.outliers if o[0] > spec["warmup"]],
@@ -358,6 +359,12 @@ def table(rows: list[dict]) -> str:
                    f"{md.get('time/weight_sync', 0):.2f}); peak {r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_kind']}: "
                    + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items())
                    + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
+            phases = sorted({k for st in r["steps"] for k in st if k.startswith("memory/")})
+            if phases:  # CUDA: which phase of a step sets the peak (the most over the steps)
+                res += "; phase peaks " + ", ".join(
+                    f"{k[7:-4]} {max(st.get(k, 0.0) for st in r['steps']):.2f}" for k in phases) + " GiB"
+            if r.get("overrides"):
+                res += "; " + " ".join(r["overrides"])
             if "reward/rm/latency" in md:
                 res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
                         f"{md.get('reward/model_time_frac', 0):.2f} of the step")
@@ -394,6 +401,8 @@ def main(argv=None) -> int:
                         "with the first")
     p.add_argument("--step-engine", default="auto",
                    help="the step stages' engine, named as in --engines (default auto: the trainer's own choice)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the step stages (repeatable), e.g. train.logprob_chunk_size=512")
     p.add_argument("--steps", type=int, help="measured steps of the step stages (default 4; more to look for outliers)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -428,7 +437,7 @@ def main(argv=None) -> int:
                 continue
             elif stage in ("step_256", "step_1024"):
                 res = stage_step(folder, args.device, dtype, spec, spec["short" if stage == "step_256" else "long"],
-                                 out, states, args.step_engine)
+                                 out, states, args.step_engine, overrides=tuple(args.set))
             elif stage == "ref_http":
                 res = stage_ref_http(folder, args.device, dtype, spec)
             elif stage == "compile_probe":
@@ -443,7 +452,7 @@ def main(argv=None) -> int:
                                    torch.bfloat16 if dtype == "bf16" else torch.float32, classifier=True)
                 res = stage_step(folder, args.device, dtype, spec, spec["short"], out, states, args.step_engine,
                                  rewards=f"[{{model: '{rm}', name: rm}}, {{fn: 'scripts.bench:bench_reward', "
-                                         f"weight: 0}}]")
+                                         f"weight: 0}}]", overrides=tuple(args.set))
                 res["reward_model"] = str(rm)
             else:
                 raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http, step_rm, "

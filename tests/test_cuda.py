@@ -39,6 +39,12 @@ def test_bf16_training_steps_run_on_the_gpu(single_rank_env, tmp_path):
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0, m
     assert steps[-1]["kl"] > 0  # the policy moved away from the reference
     assert any(not torch.equal(before[n], p) for n, p in tr.model.named_parameters())
+    # each phase's peak holds at least the weights (policy, reference) and, in training, the optimizer states
+    weights = sum(p.numel() * p.element_size() for p in tr.model.parameters()) / 2**30
+    for m in steps:
+        assert min(m["memory/generate_gib"], m["memory/logprobs_gib"]) > weights, m
+        assert m["memory/train_gib"] > 2 * weights, m
+    assert tr.memory.run_peak / 2**30 >= max(m["memory/train_gib"] for m in steps)
     tr.close()
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_check_tiny_on_cpu(tmp_path):
     out = tmp_path / "gc"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
-                           "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
+                           "--tiny", "--set", "train.logprob_chunk_size=64"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
@@ -39,6 +39,10 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert parts["weights"] == 4 * step["params"] and parts["master"] == 0 and parts["optimizer"] == 8 * step["params"]
         assert step["peak_bytes"] > sum(v for k, v in parts.items() if k != "activations_and_rest")
         assert step["max_over_median"] >= 1.0 and isinstance(step["outliers"], list)
+        # --set reaches the step stages' config; memory/* phase peaks exist on CUDA only
+        assert step["overrides"] == ["train.logprob_chunk_size=64"]
+        assert not any(k.startswith("memory/") for k in med)
+    assert "logprob_chunk_size: 64" in (out / "run" / "config.yaml").read_text()
     assert ref["round_trip_ms"] > ref["server_forward_ms"] > 0
     table = (out / "gpu_table.md").read_text()
     assert table.count("\n| tiny |") == 6 and "tokens/s" in table and "HTTP path" in table and "reward model" in table

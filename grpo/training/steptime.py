@@ -15,6 +15,41 @@ import time
 from collections import deque
 from typing import Optional
 
+import torch
+
+
+class MemoryPeaks:
+    """``memory/<phase>_gib``: the most CUDA memory allocated during each phase of a step (``generate``,
+    ``logprobs``: the old-policy and reference passes, ``train``: the training passes, the optimizer step and
+    the engine's weight sync), in GiB; nothing off CUDA. The allocator's counters are host reads (no device
+    sync). Each phase resets torch's peak counter, so the whole run's peak is ``run_peak`` (bytes), which also
+    keeps what happened between steps (evaluation, checkpoints)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device if device.type == "cuda" else None
+        self.run_peak = 0
+        self.metrics: dict[str, float] = {}
+
+    def _read(self) -> int:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_peak = max(self.run_peak, peak)
+        return peak
+
+    def begin(self) -> None:
+        """A step starts: what came before it counts towards ``run_peak`` only."""
+        if self.device is not None:
+            self._read()
+
+    def end(self, phase: str) -> None:
+        """The phase that began at the previous call ends now."""
+        if self.device is not None:
+            self.metrics[f"memory/{phase}_gib"] = self._read() / 2**30
+
+    def pop(self) -> dict[str, float]:
+        out, self.metrics = self.metrics, {}
+        return out
+
 
 class GcTimer:
     """Seconds spent in Python's garbage collector since the last ``pop`` (all generations)."""

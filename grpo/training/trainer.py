@@ -41,7 +41,7 @@ from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
 from grpo.training.partitioned import frozen_partitioned, load_partitioned
-from grpo.training.steptime import GcTimer, OutlierWatch
+from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch
 from rewards import CombinedReward
 
 
@@ -157,6 +157,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg, start_step=self.step)
         self.health = LearningHealth(cfg, cfg.logging.health_patience, dist.is_main())
         self.gc_timer = GcTimer()  # time/gc: the garbage collector's pauses inside each step
+        self.memory = MemoryPeaks(self.device)  # memory/<phase>_gib on CUDA: where a step's peak comes from
         self.step_watch = OutlierWatch(verbose=dist.is_main())  # a step > 1.5x the running median is named
         self.watchdog = NonFiniteWatchdog(cfg, cfg.train.max_nonfinite_steps)
         self.reward_guard = RewardFailureGuard(cfg.reward_pool.max_failing_steps)
@@ -325,6 +326,7 @@ class Trainer:
         self.rollout.pop_timings()  # evaluation's generation is not this step's
         self._early = None
         self.gc_timer.pop()
+        self.memory.begin()
         if self.rewards is not None:
             self.rewards.set_state(self.step, cfg.train.max_steps)
         batch = self.generate(self._rank_indices())
@@ -333,6 +335,7 @@ class Trainer:
         batch = algo.process_batch(batch, ctx)
         scored = ctx.scored or batch  # what the step's reward / advantage metrics describe
         timings = self.rollout.pop_timings()
+        self.memory.end("generate")
         self.rollout.offload()  # vllm on CUDA: its memory is the training passes' until the next sync
 
         t0 = time.perf_counter()
@@ -351,6 +354,7 @@ class Trainer:
         t2 = time.perf_counter()
         timings["old_logprobs"] = t1 - t0
         timings["reference"] = t2 - t1
+        self.memory.end("logprobs")
 
         if batch.advantages is None:  # a hook may have set them already (CPPO, before pruning)
             batch.advantages = algo.advantages(batch, ctx)
@@ -381,6 +385,7 @@ class Trainer:
         timings["train"] = t_sync - t3  # the passes and the optimizer step; the engine's sync is weight_sync
         timings["gc"] = self.gc_timer.pop()
         timings["step"] = t4 - t_start
+        self.memory.end("train")
 
         self._last_batch = scored
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else cfg.train.lr
@@ -399,6 +404,7 @@ class Trainer:
         if gap is not None:
             m.update(gap.metrics())
         m.update(self.rollout.pop_metrics())
+        m.update(self.memory.pop())
         self.watchdog.record(self.step + 1, finite, m["loss"], grad_norm)  # may stop the run
         m["nonfinite_steps"] = float(self.watchdog.total)
         self.health.check(self.step + 1, m)
