@@ -222,12 +222,15 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     rows = spec["prompts"] * spec["G"]
     parts = memory_parts(n_params, shape, dtype, states, rows, PROMPT_WORDS + new_tokens)
     parts["reference"] = n_params * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]  # the in-process reference (beta > 0)
+    phases = {k: max(st.get(k, 0.0) for st in steps) for k in {k for st in steps for k in st if k.startswith("memory/")}}
+    kv_held = not phases or max(phases, key=phases.get) == "memory/generate_gib"
+    kv = parts["kv_cache"] if kv_held else parts.pop("kv_cache")  # freed before the passes that set the peak
     parts["activations_and_rest"] = peak - sum(parts.values())
     return {"new_tokens": new_tokens, "rows": rows, "micro_batch": spec["micro"], "engine": f"{type(trainer.rollout.engine).__name__} "
             f"{getattr(trainer.rollout.engine, 'mode', '')}".strip(),
             "optimizer_states": states, "params": n_params, "overrides": list(overrides),
             "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(
-                "cuda") else "process RSS", "memory_parts": parts,
+                "cuda") else "process RSS", "memory_parts": parts, "kv_cache_bytes": kv, "kv_cache_in_peak": kv_held,
             "outliers": [list(o) for o in trainer.step_watch.outliers if o[0] > spec["warmup"]],
             "max_over_median": max(s["time/step"] for s in kept) / max(med["time/step"], 1e-12)}
 
@@ -358,6 +361,8 @@ def table(rows: list[dict]) -> str:
                    f"{md.get('time/reference', 0):.2f}, train {md.get('time/train', 0):.2f}, sync "
                    f"{md.get('time/weight_sync', 0):.2f}); peak {r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_kind']}: "
                    + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items())
+                   + ("" if r.get("kv_cache_in_peak", True) else
+                      f"; the KV cache, {r['kv_cache_bytes'] / 2**30:.2f}, was freed before the passes that set it")
                    + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
             phases = sorted({k for st in r["steps"] for k in st if k.startswith("memory/")})
             if phases:  # CUDA: which phase of a step sets the peak (the most over the steps)

@@ -47,7 +47,7 @@ def test_chunk_size_zero_is_chosen_by_device():
     from grpo.foundation.logprobs import device_chunk_size
 
     assert device_chunk_size(0, torch.device("cpu")) == 256
-    assert device_chunk_size(0, torch.device("cuda")) == 2048
+    assert device_chunk_size(0, torch.device("cuda")) == 512
     assert device_chunk_size(64, torch.device("cuda")) == 64
 
 

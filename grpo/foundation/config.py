@@ -359,7 +359,7 @@ class TrainConfig:
     keep_checkpoints: int = 0
     # at the end write OUT/final/: the model + tokenizer only, a plain HF folder for from_pretrained / vLLM (LoRA: merged)
     export_final: bool = True
-    # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer); 0 = by device: 256 on a CPU, 2048 on a GPU
+    # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer); 0 = by device: 256 on a CPU, 512 on a GPU
     logprob_chunk_size: int = 0
     # Adam's state and the master weights of a bf16 model: fp32 (DeepSpeed's bf16 mode: fp32 master weights,
     # fp32 moments and gradients, about 16-20 bytes a parameter) or bf16 (pure bf16 as TRL's bf16 runs:

@@ -21,9 +21,8 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   When the live rows fit a smaller bucket they are moved there (compaction).
 * ``rollout.static.mode``: ``eager``, ``compile`` (torch.compile of the decode step's forward), ``graphs`` (a CUDA graph per
   (rows bucket, length bucket)), ``compile+graphs``; ``auto`` = graphs on CUDA, eager elsewhere (measured on an H200
-  with torch 2.11: graphs 12.8-12.9k tokens/s at the 1.7B shape, 1.4-3.4 s of captures; compile+graphs compiles once
-  per length bucket, and made 1.6k there before the KV buffers became one tensor per layer, not measured since:
-  docs/results.md). Graphs hold
+  with torch 2.11: graphs 12.8-12.9k tokens/s at the 1.7B shape, 1.4-3.4 s of captures; compile+graphs 20.1k, but
+  it compiles once per length bucket: 67 s of warm-up at 256 new tokens; docs/results.md). Graphs hold
   pointers: every call compares each weight's ``data_ptr`` with the captured ones and recaptures on a change.
 
 ``Completions.logprobs`` are the sampler's log-probs of the drawn tokens under the distribution it drew from
@@ -239,10 +238,24 @@ def round_up(n: int, m: int) -> int:
 # ----------------------------------------------------------------------------- the engine
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The warm-up stream of every graph capture on ``device``: one for the process (see ``capture_graph``)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def capture_graph(run: Callable[[], tuple[torch.Tensor, ...]], pool) -> tuple[torch.cuda.CUDAGraph, tuple]:
     """A CUDA graph of ``run`` (after one warm-up run on a side stream) and its output tensors, which every
-    ``replay()`` overwrites. Its inputs are whatever tensors ``run`` reads: their storage must stay."""
-    side = torch.cuda.Stream()
+    ``replay()`` overwrites. Its inputs are whatever tensors ``run`` reads: their storage must stay.
+
+    The side stream is one for the process's life (per device): torch keeps a cuBLAS workspace (32 MiB on an
+    H200) for each (handle, stream) a GEMM ran on and never frees it, so a new stream per capture leaked 32 MiB
+    a capture, 160 MiB a step at 5 length buckets recaptured after every ``offload`` (H200, docs/results.md)."""
+    side = side_stream(torch.cuda.current_stream().device)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         run()
@@ -259,8 +272,8 @@ def _base(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:
-    """``rollout.static.mode`` on this device (``auto``: graphs on CUDA, eager elsewhere; compile is opt-in: it
-    compiles once per length bucket, and its GPU speed since the per-layer KV buffers is not measured yet)."""
+    """``rollout.static.mode`` on this device (``auto``: graphs on CUDA, eager elsewhere; compile is opt-in: 1.6x
+    graphs' tokens/s on an H200, but it compiles once per length bucket, 67 s for 256 new tokens: docs/gpu.md)."""
     if mode == "auto":
         return "graphs" if device.type == "cuda" else "eager"
     if "graphs" in mode and device.type != "cuda":
