@@ -1,4 +1,4 @@
-"""Run under the deepspeed launcher: train each named algorithm for a few steps in turn.
+"""Run under a launcher (tests.conftest.run_deepspeed): train each named algorithm for a few steps in turn.
 
 One launch serves every algorithm (starting the launcher costs more than the steps), and
 each algorithm gets a fresh Trainer and engine. Rank 0 writes OUT/NAME/status.json with

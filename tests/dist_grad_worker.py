@@ -1,9 +1,9 @@
-"""Run under the deepspeed launcher: the full gradient of one step on a fixed global batch.
+"""Run on 1 or 2 ranks (tests.conftest.run_deepspeed): the full gradient of one step on a fixed global batch.
 
 Every rank builds the same 16-row batch, takes its own groups, and accumulates gradients
 through the real Trainer/DeepSpeed path; rank 0 writes the gathered gradient for each
 aggregation. The test compares world sizes, micro-batch sizes and ZeRO stages (several of them in one launch with
-``--run``: each launch costs the ranks' start). A run named NAME+lora: the
+``--case``: each launch costs the ranks' start). A run named NAME+lora: the
 policy has LoRA adapters (B made non-zero, the same on every rank) and the gradient is the adapters'.
 """
 
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
-    p.add_argument("--run", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
+    p.add_argument("--case", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
                    help="the runs of this one launch (--out then holds {NAME: results})")
     args = p.parse_args()
     # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
@@ -136,7 +136,7 @@ def main() -> None:
     trainer_module.load_policy = with_b
     out = Path(args.out)
     results = {}
-    for spec in args.run:
+    for spec in args.case:
         name, micro, zero, *model = spec.split(":", 3)
         results[name] = one_run(micro, int(zero), model[0] if model else args.model, name.endswith("+lora"),
                                 out.parent / f"run-{name}")

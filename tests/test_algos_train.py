@@ -1,6 +1,6 @@
 """Every registered algorithm trains the demo task for 3 steps on 2 DeepSpeed CPU ranks.
 
-One deepspeed launch runs them all in turn (tests/algo_smoke_worker.py, with the algorithm's
+One 2-rank launch (torchrun) runs them all in turn (tests/algo_smoke_worker.py, with the algorithm's
 preset ``configs/NAME.yaml`` (``configs/demo.yaml`` for one without) + ``--algo NAME`` + the
 overrides below): starting the launcher costs more than the steps. The test is parametrised over
 the registry and checks each algorithm's status, the metrics every algorithm must log
@@ -108,7 +108,7 @@ def smoke_runs(tmp_path_factory):
     plan = out / "plan.json"
     plan.write_text(json.dumps({name: {"config": preset(name), "overrides": SMALL + ALGOS.get(name, ([], []))[0]}
                                 for name in NAMES}))
-    run_deepspeed(["--plan", str(plan), "--out", str(out)], 2, "tests/algo_smoke_worker.py")
+    run_deepspeed(["--plan", str(plan), "--out", str(out)], 2, "tests/algo_smoke_worker.py", launcher="torchrun")
     return out
 
 

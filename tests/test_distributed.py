@@ -35,12 +35,12 @@ def grads(tmp_path_factory, tiny_dir):
     # one launch per world size (each launch costs the ranks' start-up): 1 rank, then the four 2-rank runs;
     # the last: the same weights from an HF folder, built partitioned from the start (zero.Init)
     # the LoRA adapters' gradient (NAME+lora) rides in the same two launches
-    run_deepspeed(["--out", str(out / "w1.pt"), "--run", f"w1-mb16-z0:16:0:{builtin}", "--run", "w1-mb16-z0+lora:16:0"], 1,
+    run_deepspeed(["--out", str(out / "w1.pt"), "--case", f"w1-mb16-z0:16:0:{builtin}", "--case", "w1-mb16-z0+lora:16:0"], 1,
                   "tests/dist_grad_worker.py")
     runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}",
             "w2-mb3-z2+lora:3:2"]
-    run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--run", r)]], 2,
-                  "tests/dist_grad_worker.py")
+    run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--case", r)]], 2,
+                  "tests/dist_grad_worker.py", launcher="torchrun")
     return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
 
 
@@ -75,7 +75,7 @@ def test_zero3_generation_and_evaluation_stay_in_step(tmp_path, tiny_dir):
     built partitioned hold the whole model's weights, the partitioned reference answers like it, and it is
     synced (mixed, reloaded) by the formula."""
     out = tmp_path / "checks.json"
-    run_deepspeed(["--out", str(out), "--model", str(tiny_dir)], 2, "tests/zero3_generate_worker.py")
+    run_deepspeed(["--out", str(out), "--model", str(tiny_dir)], 2, "tests/zero3_generate_worker.py", launcher="torchrun")
     checks = json.loads(out.read_text())
     assert len(checks) == 18, checks
     assert all(checks.values()), [k for k, ok in checks.items() if not ok]
@@ -97,7 +97,8 @@ def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, bool]]) -> Non
                                                                  f"train.output_dir={folder}"]}
             for name, (over, folder, resume) in runs.items()}
     (out / "plan.json").write_text(json.dumps(plan))
-    run_deepspeed(["--plan", str(out / "plan.json"), "--out", str(out / "status")], 2, "tests/algo_smoke_worker.py")
+    run_deepspeed(["--plan", str(out / "plan.json"), "--out", str(out / "status")], 2, "tests/algo_smoke_worker.py",
+                  launcher="torchrun")
     for name in runs:
         status = json.loads((out / "status" / name / "status.json").read_text())
         assert status["ok"], status.get("traceback", status)

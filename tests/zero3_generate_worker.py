@@ -1,4 +1,4 @@
-"""Run under the deepspeed launcher with 2 ranks: generation and evaluation on a ZeRO-3 engine.
+"""Run under a launcher with 2 ranks (torchrun in the test): generation and evaluation on a ZeRO-3 engine.
 
 ZeRO-3 gathers each layer's weights with a collective inside every forward pass, so ranks that
 generate different amounts of work must still run the same number of forwards. Here the ranks
