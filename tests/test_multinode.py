@@ -51,7 +51,7 @@ def run_two_nodes(args: list[str], script: str, tmp: Path) -> None:
 def test_two_nodes_equal_two_ranks_on_one_node(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the same threads per rank on both layouts
     run_two_nodes([*RUN, f"train.output_dir={tmp_path / 'nodes'}"], "train.py", tmp_path)
-    run_deepspeed([*RUN, f"train.output_dir={tmp_path / 'ranks'}"], 2)
+    run_deepspeed([*RUN, f"train.output_dir={tmp_path / 'ranks'}"], 2, launcher="torchrun")  # the nodes: deepspeed
     nodes, ranks = read_metrics(tmp_path / "nodes" / "metrics.jsonl"), read_metrics(tmp_path / "ranks" / "metrics.jsonl")
     assert len(nodes) == len(ranks) == 3
     for a, b in zip(nodes, ranks):
