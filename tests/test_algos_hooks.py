@@ -278,10 +278,8 @@ def test_dapo_dynamic_sampling_clear_error_when_exhausted():
     assert len(calls) == 2
 
 
-def _balance_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _balance_on(rank: int, out_dir: Path) -> None:
+    """dapo's dynamic sampling on 2 ranks (``_two_rank_worker``): rank 0 has a surplus of valid groups."""
     G = 2
     cfg = make_cfg("dapo", "algo.overlong_buffer=0", "rollout.num_generations=2", "rollout.prompts_per_step=4")
     algo = get_algorithm("dapo")(cfg)
@@ -299,23 +297,36 @@ def _balance_worker(rank: int, port: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.txt").write_text(
         f"{[out.prompt_index[g * G] for g in range(out.num_groups)]};{len(out)};{ctx.metrics['dapo/kept_frac']}"
     )
+
+
+def _two_rank_worker(rank: int, port: int, out_dir: str) -> None:
+    """The cross-rank checks on 2 gloo ranks, in one spawn (each spawned process imports this module again:
+    seconds of start-up per check otherwise): dapo's balance into OUT/balance, gpg's counts into OUT/gpg."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for name, check in (("balance", _balance_on), ("gpg", _gpg_on)):
+        Path(out_dir, name).mkdir(exist_ok=True)
+        check(rank, Path(out_dir, name))
     shutdown()  # a barrier first: a rank torn down mid-collective aborted its peer (SIGABRT)
 
 
-def spawn2(worker, tmp_path) -> None:
-    """Run ``worker(rank, port, out_dir)`` on 2 gloo ranks."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """Runs ``_two_rank_worker`` on 2 gloo ranks; its output folder."""
     import torch.multiprocessing as mp
 
+    out = tmp_path_factory.mktemp("two_ranks")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(port, str(out)), nprocs=2, join=True)
+    return out
 
 
-def test_dapo_dynamic_sampling_balances_groups_across_ranks(tmp_path):
-    spawn2(_balance_worker, tmp_path)
-    r0 = (tmp_path / "rank0.txt").read_text().split(";")
-    r1 = (tmp_path / "rank1.txt").read_text().split(";")
+def test_dapo_dynamic_sampling_balances_groups_across_ranks(two_ranks):
+    r0 = (two_ranks / "balance" / "rank0.txt").read_text().split(";")
+    r1 = (two_ranks / "balance" / "rank1.txt").read_text().split(";")
     assert r0[0] == "[0, 1]" and r1[0] == "[10, 11]"  # rank 0 keeps its first two, rank 1 gets the next two
     assert r0[1] == r1[1] == "4"
     assert float(r0[2]) == float(r1[2]) == pytest.approx(4 / 8)
@@ -377,10 +388,8 @@ def test_gpg_threshold_resampling_replaces_uniform_groups():
     assert ctx.metrics["gpg/valid_group_frac"] == 1.0 and algo.alpha == 1.0
 
 
-def _gpg_worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as tdist
-
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _gpg_on(rank: int, out_dir: Path) -> None:
+    """gpg's alpha and skip on 2 ranks (``_two_rank_worker``)."""
     cfg = make_cfg("gpg", "rollout.num_generations=2")
     results = []
     cases = {  # rank -> rewards of its 3 groups of 2
@@ -394,12 +403,10 @@ def _gpg_worker(rank: int, port: int, out_dir: str) -> None:
         algo.process_batch(make_batch(rewards[rank], [2] * 6, 2), ctx)
         results.append(f"{name}:{ctx.skip_update}:{algo.alpha}")
     Path(out_dir, f"rank{rank}.txt").write_text("|".join(results))
-    shutdown()  # a barrier first: a rank torn down mid-collective aborted its peer (SIGABRT)
 
 
-def test_gpg_alpha_and_skip_count_groups_over_all_ranks(tmp_path):
-    spawn2(_gpg_worker, tmp_path)
-    r0, r1 = ((tmp_path / f"rank{k}.txt").read_text().split("|") for k in range(2))
+def test_gpg_alpha_and_skip_count_groups_over_all_ranks(two_ranks):
+    r0, r1 = ((two_ranks / "gpg" / f"rank{k}.txt").read_text().split("|") for k in range(2))
     assert r0 == r1
     assert r0[0] == "mixed:False:3.0" and r0[1] == "one rank uniform:False:6.0"
     assert r0[2].startswith("all uniform:True:")
