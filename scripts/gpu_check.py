@@ -231,6 +231,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
             "optimizer_states": states, "params": n_params, "overrides": list(overrides),
             "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(
                 "cuda") else "process RSS", "memory_parts": parts, "kv_cache_bytes": kv, "kv_cache_in_peak": kv_held,
+            "phase_peaks": phases,
             "outliers": [list(o) for o in trainer.step_watch.outliers if o[0] > spec["warmup"]],
             "max_over_median": max(s["time/step"] for s in kept) / max(med["time/step"], 1e-12)}
 
@@ -364,10 +365,9 @@ def table(rows: list[dict]) -> str:
                    + ("" if r.get("kv_cache_in_peak", True) else
                       f"; the KV cache, {r['kv_cache_bytes'] / 2**30:.2f}, was freed before the passes that set it")
                    + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
-            phases = sorted({k for st in r["steps"] for k in st if k.startswith("memory/")})
+            phases = r.get("phase_peaks") or {}
             if phases:  # CUDA: which phase of a step sets the peak (the most over the steps)
-                res += "; phase peaks " + ", ".join(
-                    f"{k[7:-4]} {max(st.get(k, 0.0) for st in r['steps']):.2f}" for k in phases) + " GiB"
+                res += "; phase peaks " + ", ".join(f"{k[7:-4]} {v:.2f}" for k, v in sorted(phases.items())) + " GiB"
             if r.get("overrides"):
                 res += "; " + " ".join(r["overrides"])
             if "reward/rm/latency" in md:
