@@ -38,6 +38,7 @@ anything with ``reset(row) -> observation`` and ``step(action_text) -> StepResul
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import traceback
@@ -259,6 +260,58 @@ class _Trajectory:
     failed: bool = False  # its environment raised or returned a bad value: no score of it counts
 
 
+class CallWatchdog:
+    """One thread of the process that logs a warning for each watched call still running past its limit (once).
+
+    ``watch`` and ``done`` are a dict insert and pop under a lock: an environment call costs no thread start (a
+    ``threading.Timer`` per call did, three calls per trajectory turn). The thread sleeps until the earliest
+    deadline, or until a call is watched while none is."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked child has no thread: it starts its own
+
+    def _reset(self) -> None:
+        self._calls: dict[int, tuple[float, tuple]] = {}  # key -> (deadline, log.warning's arguments)
+        self._cond = threading.Condition()
+        self._next = 0
+        self._wake_at = math.inf  # the deadline the thread sleeps until (inf: none watched)
+        self._thread: Optional[threading.Thread] = None
+
+    def watch(self, seconds: float, message: tuple) -> int:
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            key, self._next = self._next, self._next + 1
+            self._calls[key] = (deadline, message)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="env-watchdog", daemon=True)
+                self._thread.start()
+            elif deadline < self._wake_at:
+                self._cond.notify()
+        return key
+
+    def done(self, key: int) -> None:
+        with self._cond:
+            self._calls.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            late = []
+            with self._cond:
+                now = time.monotonic()
+                for key in [k for k, (d, _) in self._calls.items() if d <= now]:
+                    late.append(self._calls.pop(key)[1])
+                if not late:
+                    self._wake_at = min((d for d, _ in self._calls.values()), default=math.inf)
+                    self._cond.wait(None if self._wake_at == math.inf else self._wake_at - now)
+                    self._wake_at = -math.inf  # awake: a new call need not wake it
+            for message in late:
+                log.warning(*message)
+
+
+WATCHDOG = CallWatchdog()
+
+
 class MultiTurnRollout:
     """Drives the rollout service turn by turn; ``rollout`` returns the step's scored :class:`RolloutBatch`."""
 
@@ -316,14 +369,12 @@ class MultiTurnRollout:
         t0 = time.perf_counter()
         # an environment runs in this process and cannot be interrupted: a blocking one hangs every rank, so a
         # watchdog names it (once per call, after watchdog_s) while it blocks
-        timer = None
+        key = None
         if self.watchdog_s:
             name = getattr(fn, "__qualname__", repr(fn))
-            timer = threading.Timer(self.watchdog_s, log.warning, (
+            key = WATCHDOG.watch(self.watchdog_s, (
                 "%s has been running for %g s on rank %d (env.watchdog_s): an environment runs in the trainer and "
                 "cannot be interrupted, so every rank waits for it", name, self.watchdog_s, dist.rank()))
-            timer.daemon = True
-            timer.start()
         try:
             return fn(*args), True
         except Exception:  # noqa: BLE001 - an environment's failure costs its trajectory, not the run
@@ -335,8 +386,8 @@ class MultiTurnRollout:
                             traceback.format_exc())
             return None, False
         finally:
-            if timer is not None:
-                timer.cancel()
+            if key is not None:
+                WATCHDOG.done(key)
             if timed:
                 self.env_time += time.perf_counter() - t0
 
