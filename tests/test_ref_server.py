@@ -300,48 +300,18 @@ def test_reload_swaps_weights_and_info_reports_the_new_version(server, dirs, inp
 # --------------------------------------------------------------------------- shutdown (stops the server)
 
 
-def test_sigterm_lets_the_in_flight_request_finish(server, inproc):
-    p = ragged_batch(3, rows=24, vocab=93, max_prompt=250, max_completion=240, width=240)
-    body = encode_request(p, 1.0, rows_per_pass=1)
-    assert len(body) < MAX_REQUEST_MB * 2**20
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.update(r=post(server, body)))
-    worker.start()
-    running = False
-    deadline = time.monotonic() + WAIT_S
-    while worker.is_alive() and time.monotonic() < deadline:  # /health answers while the forward pass runs
-        h = requests.get(server.url + "/health", headers=auth, timeout=10).json()
-        if h["running"]:
-            running = True
-            break
-        time.sleep(0.005)
-    assert running, "the slow request finished before it was seen running; make it bigger"
-    server.proc.send_signal(15)
-    worker.join(SERVER_S)
-    assert result["r"].status_code == 200
-    inproc.cfg.train.micro_batch_size = 1
-    lp, _, _ = decode_response(result["r"].content, p.length, p.width)
-    assert_same(lp, inproc.logprobs(p, 1.0))
-    assert server.proc.wait(WAIT_S) == 0
-    events = [e["event"] for e in log_events(server.log_path, event="shutting down")]
-    assert events == ["shutting down"] and log_events(server.log_path, event="stopped")
-
-
-def test_sigterm_does_not_wait_for_idle_or_stalled_connections(tmp_path):
-    """An idle connection, a kept one, trickled headers and a stalled body: SIGTERM still exits within seconds.
-    Was: the server joined every connection thread, each blocked up to 120 s per read (trickling: forever)."""
-    srv = ServerProcess(["--model", "builtin:tiny-char"], port=free_port(), log_path=tmp_path / "server.log",
-                        env={"OMP_NUM_THREADS": "1"}).start(timeout=SERVER_S)
-    socks = [socket.create_connection((srv.host, srv.port), timeout=10) for _ in range(4)]
+def stalled_connections(host: str, port: int, stop: threading.Event) -> tuple[list[socket.socket], threading.Thread]:
+    """An idle connection, a kept one (answered, then waiting for a next request), trickled headers (a byte
+    every 0.2 s until ``stop``, at most 200 s) and a stalled body, each accepted by the server."""
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(4)]
     idle, trickle, stalled, kept = socks
-    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then kept open, waiting for a next request
+    kept.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
     assert kept.recv(65536).startswith(b"HTTP/1.1 200")
     trickle.sendall(b"GET /health HTTP/1.0\r\n")
-    stalled.sendall(b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n0123456789")
-    stop = threading.Event()
+    stalled.sendall(f"POST /v1/logprobs HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 1000\r\n\r\n"
+                    "0123456789".encode())
 
-    def trickling() -> None:  # a header byte every 0.2 s, for at most 200 s (beyond the 100 s wait below)
+    def trickling() -> None:
         for _ in range(1000):
             if stop.wait(0.2):
                 return
@@ -352,18 +322,47 @@ def test_sigterm_does_not_wait_for_idle_or_stalled_connections(tmp_path):
 
     sender = threading.Thread(target=trickling)
     sender.start()
+    return socks, sender
+
+
+def test_sigterm_lets_the_in_flight_request_finish_and_does_not_wait_for_stalled_connections(server, inproc):
+    """SIGTERM while a forward pass runs: that request is answered, then the server exits, although an idle
+    connection, a kept one, trickled headers and a stalled body are open. Was: the server joined every
+    connection thread, each blocked up to 120 s per read (trickling: forever)."""
+    p = ragged_batch(3, rows=24, vocab=93, max_prompt=250, max_completion=240, width=240)
+    body = encode_request(p, 1.0, rows_per_pass=1)
+    assert len(body) < MAX_REQUEST_MB * 2**20
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    stop = threading.Event()
+    socks, sender = stalled_connections(server.host, server.port, stop)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(r=post(server, body)))
     try:
-        time.sleep(0.5)  # every connection accepted and waiting in its own thread
-        t0 = time.monotonic()
-        srv.proc.send_signal(15)
+        worker.start()
+        running = False
+        deadline = time.monotonic() + WAIT_S
+        while worker.is_alive() and time.monotonic() < deadline:  # /health answers while the forward pass runs
+            h = requests.get(server.url + "/health", headers=auth, timeout=10).json()
+            if h["running"]:
+                running = True
+                break
+            time.sleep(0.005)
+        assert running, "the slow request finished before it was seen running; make it bigger"
+        server.proc.send_signal(15)
+        worker.join(SERVER_S)
+        assert result["r"].status_code == 200
+        inproc.cfg.train.micro_batch_size = 1
+        lp, _, _ = decode_response(result["r"].content, p.length, p.width)
+        assert_same(lp, inproc.logprobs(p, 1.0))
         try:
-            code = srv.proc.wait(100)  # the old wait: 120 s per blocked read, forever while trickled
+            code = server.proc.wait(100)  # the old wait: 120 s per blocked read, forever while trickled
         except subprocess.TimeoutExpired:
-            pytest.fail("the server was still waiting for idle connections 100 s after SIGTERM")
-        assert code == 0, code  # about 1-3 s alone; 11 s seen on a loaded 2-core machine
+            pytest.fail("the server was still waiting for idle or stalled connections 100 s after SIGTERM")
+        assert code == 0, code
     finally:
         stop.set()
         sender.join(10)
         for s in socks:
             s.close()
-        srv.kill()
+    events = [e["event"] for e in log_events(server.log_path, event="shutting down")]
+    assert events == ["shutting down"] and log_events(server.log_path, event="stopped")
