@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
     p.add_argument("--case", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
                    help="the runs of this one launch (--out then holds {NAME: results})")
+    p.add_argument("--zero3-checks", nargs=2, metavar=("MODEL", "JSON"), help="then tests/zero3_generate_worker.py's "
+                   "checks on the HF folder MODEL (in this launch: one rank start-up less), written to JSON")
     args = p.parse_args()
     # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
     # (models without adapters are unchanged)
@@ -142,6 +144,10 @@ def main() -> None:
                                 out.parent / f"run-{name}")
     if dist.is_main():
         torch.save(results, out)
+    if args.zero3_checks:
+        from tests.zero3_generate_worker import write_checks_and_exit
+
+        write_checks_and_exit(args.zero3_checks[0], Path(args.zero3_checks[1]))  # does not return
 
 
 if __name__ == "__main__":

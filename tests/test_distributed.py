@@ -39,9 +39,10 @@ def grads(tmp_path_factory, tiny_dir):
                   "tests/dist_grad_worker.py")
     runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}",
             "w2-mb3-z2+lora:3:2"]
-    run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--case", r)]], 2,
-                  "tests/dist_grad_worker.py", launcher="torchrun")
-    return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt")}
+    # then tests/zero3_generate_worker.py's checks, in the same 2-rank launch (test_zero3_generation_...)
+    run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--case", r)],
+                   "--zero3-checks", str(tiny_dir), str(out / "zero3_checks.json")], 2, "tests/dist_grad_worker.py", launcher="torchrun")
+    return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt"), "zero3_checks": out / "zero3_checks.json"}
 
 
 @pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-tok12-z3", "w2-mb5-z3-built-partitioned",
@@ -70,13 +71,11 @@ def test_step_gradient_independent_of_ranks_and_micro_batches(grads, other):
         assert o["loss"] == pytest.approx(r["loss"], rel=1e-4, abs=1e-6)
 
 
-def test_zero3_generation_and_evaluation_stay_in_step(tmp_path, tiny_dir):
+def test_zero3_generation_and_evaluation_stay_in_step(grads):
     """Under ZeRO-3 (weights partitioned) ranks with unequal generation work neither hang nor differ; models
     built partitioned hold the whole model's weights, the partitioned reference answers like it, and it is
-    synced (mixed, reloaded) by the formula."""
-    out = tmp_path / "checks.json"
-    run_deepspeed(["--out", str(out), "--model", str(tiny_dir)], 2, "tests/zero3_generate_worker.py", launcher="torchrun")
-    checks = json.loads(out.read_text())
+    synced (mixed, reloaded) by the formula (tests/zero3_generate_worker.py, run after the gradient cases)."""
+    checks = json.loads(grads["zero3_checks"].read_text())
     assert len(checks) == 18, checks
     assert all(checks.values()), [k for k, ok in checks.items() if not ok]
 

@@ -41,6 +41,25 @@ def main() -> None:
     p.add_argument("--model", required=True, help="the tiny model as an HF folder")
     args = p.parse_args()
     init_distributed()  # the trainer's (without DeepSpeed's CPU shm all-reduce op)
+    write_checks_and_exit(args.model, Path(args.out))
+
+
+def write_checks_and_exit(model: str, out: Path) -> None:
+    """Every check of this file (rank 0 writes them all to ``out``), then the exit without teardown (below).
+    tests/dist_grad_worker.py calls it after its gradient runs: one launch for both."""
+    merged = run_checks(model)
+    if dist.rank() == 0:
+        out.write_text(json.dumps(merged, indent=1))
+    dist.shutdown()
+    # About one exit in five, a C++ thread left by the ZeRO-3 engine aborted the interpreter's teardown
+    # ("terminate called without an active exception") after all of the above had finished; skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_checks(model_folder: str) -> dict[str, bool]:
+    """The checks of both ranks, merged (every rank gets them)."""
     rank = dist.rank()
     cfg = load_config(overrides=["train.zero_stage=3", "data.eval_holdout=5", "eval.batch_size=2",
                                  "reward_pool.num_workers=0", "rollout.max_completion_length=8"])
@@ -80,16 +99,8 @@ def main() -> None:
     checks["evaluation counted 5 problems"] = on_engine["eval/num_problems"] == 5
     for ev in (ev_zero3, ev_plain):
         ev.close()
-    checks.update(partitioned_checks(args.model, rank))
-    merged = {k: v for part in dist.all_gather_object(checks) for k, v in part.items()}
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(merged, indent=1))
-    dist.shutdown()
-    # About one exit in five, a C++ thread left by the ZeRO-3 engine aborted the interpreter's teardown
-    # ("terminate called without an active exception") after all of the above had finished; skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    checks.update(partitioned_checks(model_folder, rank))
+    return {k: v for part in dist.all_gather_object(checks) for k, v in part.items()}
 
 
 def partitioned_checks(folder: str, rank: int) -> dict[str, bool]:
