@@ -3,6 +3,8 @@ run after train.max_nonfinite_steps in a row; every exit of train.py tears the p
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -82,12 +84,12 @@ def test_stop_when_needs_a_target_and_a_window():
     assert (sw.metric, sw.at_least, sw.window, sw.min_steps) == ("reward/mean", 0.5, 5, 0)
 
 
-def stop_when_run(tmp_path, stop_when: str):
+def stop_when_run(tmp_path, stop_when: str, steps: int = 6):
     from grpo.training.trainer import Trainer
 
     cfg = load_config(DEMO, "grpo", [f"train.output_dir={tmp_path}", "logging.progress_bar=false", "algo.beta=0",
                                      "logging.plot=false", "rollout.prompts_per_step=2", "rollout.num_generations=4",
-                                     "reward_pool.num_workers=0", "train.max_steps=6", f"train.stop_when={stop_when}",
+                                     "reward_pool.num_workers=0", f"train.max_steps={steps}", f"train.stop_when={stop_when}",
                                      "train.export_final=false"])
     return Trainer(cfg)
 
@@ -105,6 +107,20 @@ def test_stop_when_ends_the_run_at_the_target_with_its_final_checkpoint(single_r
     assert len(stop_when_run(tmp_path / "b", "{at_least: 100, window: 2}").train()) == 6
     # not before min_steps
     assert len(stop_when_run(tmp_path / "c", "{at_least: -1, window: 2, min_steps: 4}").train()) == 4
+
+
+def test_a_finished_trainer_is_freed_and_the_next_does_not_walk_the_libraries_again(single_rank_env, tmp_path):
+    """The libraries are frozen out of the collector once per process; a Trainer's own objects are not frozen."""
+    runs = [stop_when_run(tmp_path / "a", "{at_least: 100, window: 1}", steps=1)]
+    frozen = gc.get_freeze_count()
+    assert frozen > 100_000  # torch, transformers, DeepSpeed...
+    model = weakref.ref(runs[0].model)
+    runs.pop().train()
+    gc.collect()
+    assert model() is None, "the finished Trainer's model is still alive"
+    runs.append(stop_when_run(tmp_path / "b", "{at_least: 100, window: 1}", steps=1))
+    assert gc.get_freeze_count() == frozen  # nothing of the first run was frozen by the second
+    assert len(runs.pop().train()) == 1
 
 
 def test_stop_when_on_a_metric_the_steps_do_not_log_names_the_ones_they_do(single_rank_env, tmp_path):

@@ -12,7 +12,6 @@ Algorithms see none of this class: their hooks get a StepContext (algos/base.py)
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 import sys
@@ -41,7 +40,7 @@ from grpo.training.evaluation import Evaluator
 from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
 from grpo.training.partitioned import frozen_partitioned, load_partitioned
-from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch
+from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_what_came_before
 from rewards import CombinedReward
 
 
@@ -61,6 +60,7 @@ def make_env_setup(cfg: Config):
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False):
         self.cfg = cfg
+        freeze_what_came_before()  # the libraries, once per process: out of the collector's full passes
         ds.init_distributed()
         self.rank, self.world = dist.rank(), dist.world_size()
         ds.share_cpu_threads()
@@ -485,7 +485,6 @@ class Trainer:
     def close(self) -> None:
         """Stop the reward and evaluation worker pools and the generation engine's resources (idempotent)."""
         self.gc_timer.close()
-        gc.unfreeze()
         self.rollout.close()
         if self.rewards is not None:
             self.rewards.close()
@@ -522,10 +521,6 @@ class Trainer:
         last_saved = None
         if self.evaluator is not None and self.step == 0:  # the starting point, logged as step 0
             self.logger.log(0, self.evaluate(), advance=False)
-        # the objects built so far (model, data, tokenizer) live to the end: out of the collector's full
-        # passes, which otherwise walk them all inside some steps (a step-time outlier)
-        gc.collect()
-        gc.freeze()
         while self.step < cfg.train.max_steps:
             metrics = self.train_step()
             self.step += 1
