@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rewards.pool import Outcome, WorkerPool, clip_text
+from rewards.pool import Outcome, WarmUp, WorkerPool, clip_text
 
 log = logging.getLogger("tools")
 
@@ -46,23 +46,6 @@ class ToolCall:
 
 
 @dataclass
-class WarmUp:
-    """Imports the run's tools in a worker before its first real call (not counted against any deadline)."""
-
-    fns: list[str]
-
-    def run(self) -> Outcome:
-        from envs import resolve_tool
-
-        for fn in self.fns:
-            try:
-                resolve_tool(fn)
-            except Exception:  # noqa: BLE001 - the real call will report it
-                pass
-        return Outcome("ok")
-
-
-@dataclass
 class ToolResult:
     ok: bool
     output: Optional[str] = None  # the tool's answer when ok
@@ -85,7 +68,7 @@ class ToolBox:
     def __post_init__(self) -> None:
         # every new worker imports the tools' modules first (a replaced one too), under the pool's start-up
         # allowance, so that importing a tool never counts against a call's timeout
-        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}))
+        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}), resolver="envs:resolve_tool")
         self.pool = WorkerPool(self.num_workers, self.timeout, self.limits, warm_up=warm) if self.tools else None
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # environments of a turn may call tools from several threads

@@ -32,7 +32,7 @@ from rewards.digits import digits_match, digits_step_match
 from rewards.format import format_soft, format_strict
 from rewards.math_answer import math_correct
 from rewards.calls import FunctionCall, Rows, StepInfo, binding_problem, call_style, fix_hint, run_inline
-from rewards.pool import Outcome, WorkerPool
+from rewards.pool import Outcome, WarmUp, WorkerPool
 
 log = logging.getLogger("rewards")
 
@@ -173,7 +173,10 @@ class CombinedReward:
         self.terms: list[Any] = [_term(name, spec, self.pool_cfg, device, ref, sandbox)
                                  for name, spec in zip(term_names(specs), specs)]
         pooled = any(t.kind == "fn" and not t.inline for t in self.terms)
-        self.pool = WorkerPool(self.pool_cfg.num_workers if pooled else 0, self.pool_cfg.timeout, self.pool_cfg.limits)
+        # a new worker imports the pooled functions' modules (and their slow_imports) before its first call
+        warm = WarmUp(sorted({t.spec.fn for t in self.terms if t.kind == "fn" and not t.inline}))
+        self.pool = WorkerPool(self.pool_cfg.num_workers if pooled else 0, self.pool_cfg.timeout, self.pool_cfg.limits,
+                               warm_up=warm)
         self.state = StepInfo()
         self.counts = {t.name: dict.fromkeys(COUNTS, 0) for t in self.terms}
         self.seconds = {t.name: 0.0 for t in self.terms}

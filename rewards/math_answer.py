@@ -15,6 +15,10 @@ is), ``auto`` (whichever of these the text shows). Equivalent forms count as equ
 math-verify's own timeouts use SIGALRM, which neither works off the main thread nor
 interrupts a hang inside one C call; they are off here, and the reward worker pool
 (rewards/pool.py) enforces a hard per-call timeout instead.
+
+math-verify (with sympy and its LaTeX parser: 0.3-0.4 s) is imported at the first comparison, not with the
+registry, so a run that does not score math never loads it; a reward worker imports it before its first
+call (``math_correct.slow_imports``, rewards/pool.py's ``WarmUp``), outside any call's deadline.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import logging
 import re
 from typing import Any, Optional, Sequence, Union
 
-from math_verify import parse, verify
+import importlib
 
 EXTRACT_MODES = ("boxed", "answer_tag", "gsm8k", "last_number")
 GOLD_MODES = ("auto", "gsm8k", "boxed", "plain")
@@ -130,8 +134,12 @@ def gold_answer(solution: Any, gold: str = "auto") -> str:
 # --------------------------------------------------------------------------- comparison
 
 
+def _math_verify():
+    return importlib.import_module("math_verify")
+
+
 def _parse(text: str) -> list:
-    return parse(text, parsing_timeout=None)
+    return _math_verify().parse(text, parsing_timeout=None)
 
 
 def is_equivalent(gold: str, predicted: str) -> bool:
@@ -139,7 +147,7 @@ def is_equivalent(gold: str, predicted: str) -> bool:
     g, p = _parse(gold), _parse(predicted)
     if not g:
         raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")
-    return bool(p) and verify(g, p, timeout_seconds=None)
+    return bool(p) and _math_verify().verify(g, p, timeout_seconds=None)
 
 
 def math_correct(
@@ -166,3 +174,6 @@ def math_correct(
         else:
             scores.append(correct if is_equivalent(target, got) else wrong)
     return scores
+
+
+math_correct.slow_imports = ("math_verify",)  # imported by a reward worker before its first call

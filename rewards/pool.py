@@ -27,6 +27,7 @@ length prefix, a stray or late message) is that call's error and its worker is r
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import logging
 import math
@@ -92,6 +93,28 @@ class Outcome:
     def __post_init__(self) -> None:
         if isinstance(self.error, str) and len(self.error) > MAX_ERROR_CHARS:
             self.error = clip_text(self.error, MAX_ERROR_CHARS)
+
+
+@dataclass
+class WarmUp:
+    """A new worker's first call, before any deadline (the pool's start-up allowance): resolves the run's
+    functions by name with ``resolver`` (``module:function``), which imports their modules, and imports what
+    each lists in its ``slow_imports`` (math_correct: math-verify), so that no call's timeout pays for an
+    import. A function that cannot be resolved is left to its real call to report."""
+
+    fns: list[str]
+    resolver: str = "rewards:resolve"
+
+    def run(self) -> Outcome:
+        module, _, attr = self.resolver.partition(":")
+        resolve = getattr(importlib.import_module(module), attr)
+        for fn in self.fns:
+            try:
+                for name in getattr(resolve(fn), "slow_imports", ()):
+                    importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the real call will report it
+                pass
+        return Outcome("ok")
 
 
 def dispatch(call: Any) -> Outcome:

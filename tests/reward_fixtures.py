@@ -155,3 +155,18 @@ def uses_isclose(prompts, completions, **_):
     import math
 
     return [1.0 if math.isclose(float(c), 2.0) else 0.0 for c in completions]
+
+
+def sees_math_verify(prompts, completions, **_):
+    """1.0 per row when math-verify was loaded in this process before the call, else 0.0."""
+    import sys
+
+    return [float("math_verify" in sys.modules)] * len(completions)
+
+
+def sees_its_slow_imports(prompts, completions, **_):
+    """The same, for a function that lists math-verify in ``slow_imports`` (a worker imports it first)."""
+    return sees_math_verify(prompts, completions)
+
+
+sees_its_slow_imports.slow_imports = ("math_verify",)

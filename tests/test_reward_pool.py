@@ -159,6 +159,17 @@ def test_a_call_that_patches_its_worker_does_not_change_later_calls(caplog):
         r.close()
 
 
+def test_a_worker_imports_its_functions_slow_imports_before_their_first_call():
+    """The registry does not load math-verify (0.3-0.4 s; only math_correct needs it); a worker imports what its
+    functions list in ``slow_imports`` before their first call, outside the call's timeout."""
+    for fn, loaded in (("sees_math_verify", 0.0), ("sees_its_slow_imports", 1.0)):
+        r = combined([{"fn": f"tests.reward_fixtures:{fn}"}], workers=1, timeout=30.0)
+        try:
+            assert r(["p", "q"], ["a", "b"], {})[1][fn] == [loaded, loaded], fn
+        finally:
+            r.close()
+
+
 def test_a_worker_that_cannot_start_gives_its_slot_back():
     """run() raises when a worker cannot start even after a replacement; its slot must return to the pool, or
     threads waiting for a worker (a turn's environments stepping at once) would wait forever."""
