@@ -2,21 +2,43 @@
 
 One launch serves every algorithm (starting the launcher costs more than the steps), and
 each algorithm gets a fresh Trainer and engine. Rank 0 writes OUT/NAME/status.json with
-"ok" or the error, which the parametrised test reads. A plan entry may also name the run's
-``algo`` (default: its key, so one algorithm can run twice under two keys) and ``resume``
-(``--resume`` from the run's output folder); its overrides come last and win (output folder,
-checkpoints, plots).
+"ok" or the error and the step the run started at, which the parametrised test reads. A plan entry may also name the run's
+``algo`` (default: its key, so one algorithm can run twice under two keys), ``resume``
+(``--resume`` from the run's output folder) and ``crash_of`` ({"run": an earlier run's output folder,
+"step": N, "text_latest": bool}: the output folder starts as a copy of that run as if it had crashed
+right after its step-N checkpoint, made by rank 0 before the run); its overrides come last and win
+(output folder, checkpoints, plots).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def crash_after(full: Path, crashed: Path, step: int, text_latest: bool = False) -> Path:
+    """A copy of the run in ``full`` as if it had crashed right after its step-``step`` checkpoint: the later step
+    folders gone, ``latest`` naming step-``step`` (a symlink, or with ``text_latest`` the text file runs wrote
+    before the symlink)."""
+    from grpo.training.checkpoint import LATEST
+
+    shutil.copytree(full, crashed, symlinks=True)
+    for later in (crashed / "checkpoints").glob("step-*"):
+        if int(later.name.split("-")[1]) > step:
+            shutil.rmtree(later)
+    (crashed / "checkpoints" / LATEST).unlink()
+    if text_latest:
+        (crashed / "checkpoints" / LATEST).write_text(f"step-{step}")
+    else:
+        (crashed / "checkpoints" / LATEST).symlink_to(f"step-{step}")
+    return crashed
 
 
 def main() -> None:
@@ -43,12 +65,22 @@ def main() -> None:
             config, overrides, algo, resume = "configs/demo.yaml", entry, name, False
         out = Path(args.out) / name
         status: dict = {"algo": name, "config": config}
+        crash = entry.get("crash_of") if isinstance(entry, dict) else None
+        if crash:  # the run's output folder (the last override names it), made before the run by rank 0
+            if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise SystemExit(f"{name}: crash_of needs an earlier run in the plan (the ranks wait for the copy)")
+            if dist.is_main():
+                folder = Path(next(o for o in reversed(overrides) if o.startswith("train.output_dir=")).partition("=")[2])
+                crash_after(Path(crash["run"]), folder, crash["step"], crash.get("text_latest", False))
+            dist.barrier()
         try:
             cfg = load_config(root / config, algo=algo, overrides=[
                 f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.save_every=0",
                 "logging.progress_bar=false", "logging.plot=false", *overrides,
             ])
-            Trainer(cfg, resume=resume).train()
+            trainer = Trainer(cfg, resume=resume)
+            status["start_step"] = trainer.step  # where --resume picked the run up (0: a new run)
+            trainer.train()
             status["ok"] = True
         except Exception as e:  # recorded for the test to report; the next algorithm still runs
             status.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())

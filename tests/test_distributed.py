@@ -2,8 +2,8 @@
 
 - the gradient of one step does not depend on ranks, micro-batch size or ZeRO stage;
 - the trainer on 2 launched ranks (full fine-tuning, and LoRA under ZeRO-2) writes metrics and a loadable
-  checkpoint; --resume continues exactly as the uninterrupted run (both runs share one launch, their resumes
-  another: tests/algo_smoke_worker.py); --resume without a checkpoint is refused at start;
+  checkpoint; --resume continues exactly as the uninterrupted run (the runs and their resumes share one launch:
+  tests/algo_smoke_worker.py, ``crash_of``); --resume without a checkpoint is refused at start;
 - reward rises on the built-in task.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -89,42 +89,47 @@ STATIC_RUN = ["algo.beta=0", "rollout.engine=static", "algo.tis_cap=2.0", "train
               "train.max_steps=2"]
 
 
-def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, bool]]) -> None:
-    """One 2-rank launch of tests/algo_smoke_worker.py for several train runs: name -> (overrides on
-    TINY_RUN's, output folder, --resume). Each run's status is checked."""
-    plan = {name: {"algo": None, "resume": resume, "overrides": [*TINY_RUN[2:], "logging.plot=true", *over,
-                                                                 f"train.output_dir={folder}"]}
-            for name, (over, folder, resume) in runs.items()}
+def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, Optional[dict]]]) -> dict[str, dict]:
+    """One 2-rank launch of tests/algo_smoke_worker.py for several train runs, in order: name -> (overrides on
+    TINY_RUN's, output folder, None or how it starts as an earlier run crashed: ``crash_of``, resumed with
+    --resume). Each run's status is checked."""
+    plan = {name: {"algo": None, "resume": crash is not None, "overrides": [*TINY_RUN[2:], "logging.plot=true", *over,
+                                                                            f"train.output_dir={folder}"]}
+            for name, (over, folder, crash) in runs.items()}
+    for name, (_, _, crash) in runs.items():
+        if crash is not None:
+            plan[name]["crash_of"] = crash
     (out / "plan.json").write_text(json.dumps(plan))
     run_deepspeed(["--plan", str(out / "plan.json"), "--out", str(out / "status")], 2, "tests/algo_smoke_worker.py",
                   launcher="torchrun")
-    for name in runs:
-        status = json.loads((out / "status" / name / "status.json").read_text())
+    statuses = {name: json.loads((out / "status" / name / "status.json").read_text()) for name in runs}
+    for status in statuses.values():
         assert status["ok"], status.get("traceback", status)
-
-
-def crash_after_step_2(full: Path, crashed: Path, text_latest: bool) -> Path:
-    """A copy of a 4-step run as if it had crashed right after its step-2 checkpoint; ``latest`` a symlink, or
-    (``text_latest``) the text-file form runs wrote before the symlink."""
-    shutil.copytree(full, crashed, symlinks=True)
-    shutil.rmtree(crashed / "checkpoints" / "step-4")
-    (crashed / "checkpoints" / LATEST).unlink()
-    if text_latest:
-        (crashed / "checkpoints" / LATEST).write_text("step-2")
-    else:
-        (crashed / "checkpoints" / LATEST).symlink_to("step-2")
-    return crashed
+    return statuses
 
 
 @pytest.fixture(scope="module")
-def full_runs(tmp_path_factory) -> dict[str, Path]:
-    """The uninterrupted runs, in one launch: 4 steps on 2 ranks with a checkpoint every 2 steps, full
-    fine-tuning (``full``) and LoRA under ZeRO-2 (``lora``); and 2 steps with the static engine under ZeRO-3
-    (``static``)."""
+def launched(tmp_path_factory) -> dict[str, Path]:
+    """One launch: the uninterrupted runs, 4 steps on 2 ranks with a checkpoint every 2 steps, full fine-tuning
+    (``full``) and LoRA under ZeRO-2 (``lora``), and 2 steps with the static engine under ZeRO-3 (``static``);
+    then ``full`` and ``lora`` as if each had crashed right after its step-2 checkpoint (``full`` with the
+    text-file ``latest`` runs wrote before the symlink), resumed with --resume (``resumed-full``, ``resumed-lora``)."""
     out = tmp_path_factory.mktemp("full")
-    runs = {"full": (FULL_RUN, out / "run"), "lora": (LORA_RUN, out / "lora"), "static": (STATIC_RUN, out / "static")}
-    launch_runs(out, {k: (over, folder, False) for k, (over, folder) in runs.items()})
-    return {k: folder for k, (_, folder) in runs.items()}
+    runs = {"full": (FULL_RUN, out / "run", None), "lora": (LORA_RUN, out / "lora", None),
+            "static": (STATIC_RUN, out / "static", None)}
+    for k in ("full", "lora"):
+        runs[f"resumed-{k}"] = (runs[k][0], out / "resumed" / k,
+                                {"run": str(runs[k][1]), "step": 2, "text_latest": k == "full"})
+    statuses = launch_runs(out, runs)
+    # the crashed copies were picked up at their step-2 checkpoint, the others started anew
+    assert {k: s["start_step"] for k, s in statuses.items()} == {"full": 0, "lora": 0, "static": 0,
+                                                                 "resumed-full": 2, "resumed-lora": 2}
+    return {k: folder for k, (_, folder, _) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def full_runs(launched) -> dict[str, Path]:
+    return {k: launched[k] for k in ("full", "lora", "static")}
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +138,9 @@ def full_run(full_runs) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resumed_runs(full_runs, tmp_path_factory) -> dict[str, Path]:
-    """Each full run crashed after step 2 and resumed with --resume, in one launch."""
-    out = tmp_path_factory.mktemp("resumed")
-    crashed = {k: crash_after_step_2(full_runs[k], out / k, text_latest=k == "full") for k in ("full", "lora")}
-    launch_runs(out, {k: (FULL_RUN if k == "full" else LORA_RUN, folder, True) for k, folder in crashed.items()})
-    return crashed
+def resumed_runs(launched) -> dict[str, Path]:
+    """Each full run crashed after step 2 and resumed with --resume (in the same launch)."""
+    return {k: launched[f"resumed-{k}"] for k in ("full", "lora")}
 
 
 def test_two_ranks_write_metrics_and_checkpoint(full_run):
