@@ -154,6 +154,26 @@ def test_chat_template_with_r1_system_prompt_and_prefill():
     assert tok.decode(prompt_ids(tok, {"prompt": "2+2?"}, cfg)) == text
 
 
+def test_dataset_ids_are_each_prompts_own_encoding(monkeypatch):
+    """The dataset tokenizes in batches (grpo.data.sources.encode_texts): each prompt's ids equal its own
+    encoding, BOS added to plain text and not to a rendered chat template, across batch boundaries."""
+    from tokenizers import processors
+
+    import grpo.data.sources as sources
+
+    tok = make_char_tokenizer()
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    monkeypatch.setattr(sources, "ENCODE_BATCH", 3)
+    items = [{"prompt": [{"role": "user", "content": f"{i}+1?"}]} if i % 3 == 0 else {"prompt": f"q{i}?" * (i % 4 + 1)}
+             for i in range(11)]
+    cfg = data(system_prompt="Hi")
+    ds = PromptDataset.build(items, tok, cfg, max_prompt_length=14)
+    assert ds.ids == [prompt_ids(tok, item, cfg) for item in ds.items] and ds.dropped > 0
+    assert any(isinstance(it["prompt"], list) for it in ds.items)  # chat prompts kept too
+    assert sum(ids[0] == bos for ids in ds.ids) == sum(isinstance(it["prompt"], str) for it in ds.items) > 0
+
+
 def test_plain_text_prompt_for_base_models():
     tok = make_char_tokenizer()
     cfg = data(system_prompt="Be brief.", prefill="A:")

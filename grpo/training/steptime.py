@@ -60,10 +60,15 @@ def freeze_what_came_before() -> None:
     Once per process: the objects are collected first (what is garbage now is freed, not frozen), then frozen and
     never unfrozen. A Trainer's own objects are never frozen, so a closed Trainer's memory, cycles included, is
     freed by the collector as usual, and a second Trainer in the process (a notebook, a test) starts without
-    walking the libraries again. A process that froze objects itself (``gc.freeze``) is left as it is."""
-    if gc.get_freeze_count() == 0:
+    walking the libraries again. (A flag, not ``gc.get_freeze_count()``, which walks the frozen list: 33 ms.)"""
+    global _FROZEN
+    if not _FROZEN:
         gc.collect()
         gc.freeze()
+        _FROZEN = True
+
+
+_FROZEN = False  # freeze_what_came_before has run in this process
 
 
 class GcTimer:
