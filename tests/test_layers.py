@@ -133,8 +133,8 @@ def _package_self_edge(cycle: str) -> bool:
 
 # Imports every module alone, each in a fresh child of an interpreter that has loaded only third-party
 # libraries, and prints which project modules each one pulled in. The third-party modules are the ones the
-# whole project loads (found by a first child that imports every module): loaded once in the parent, before
-# the forks, each child runs only project code.
+# whole project loads: the parent imports every module, then forgets the project's (sys.modules), so each
+# child, forked on the libraries alone, runs only project code.
 _PROBE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
@@ -163,20 +163,13 @@ def in_child(fn):
     return json.loads(data)
 
 
-def third_party():
-    for m in mods:
-        try:
-            __import__(m)
-        except BaseException:
-            pass  # reported by its own child below
-    return [k for k in sys.modules if k.split(".")[0] not in PROJECT]
-
-
-for name in in_child(third_party).get("value", []):
+for m in mods:
     try:
-        __import__(name)
+        __import__(m)
     except BaseException:
-        pass  # a name that is not importable alone (an alias another module set): its owner loaded it
+        pass  # reported by its own child below
+for name in [k for k in sys.modules if k.split(".")[0] in PROJECT]:
+    del sys.modules[name]  # the children import the project afresh, on the libraries it loaded
 result = {}
 for m in mods:
     r = in_child(lambda: (__import__(m), sorted(k for k in sys.modules if k.split(".")[0] in PROJECT))[1])
