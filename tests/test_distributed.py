@@ -4,6 +4,8 @@
 - the trainer on 2 launched ranks (full fine-tuning, and LoRA under ZeRO-2) writes metrics and a loadable
   checkpoint; --resume continues exactly as the uninterrupted run (the runs and their resumes share one launch:
   tests/algo_smoke_worker.py, ``crash_of``); --resume without a checkpoint is refused at start;
+- two simulated nodes of one rank each (the deepspeed launcher with a hostfile, no ssh) give the metrics of one
+  node with two ranks, bit for bit;
 - reward rises on the built-in task.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -19,8 +23,10 @@ import torch
 
 from grpo.training.checkpoint import LATEST
 from grpo.training.metrics import read_metrics
-from tests.conftest import run_deepspeed
+from grpo.foundation.dist import free_port
+from tests.conftest import ROOT, run_deepspeed
 from tests.dist_grad_worker import per_aggregation
+from tests.patience import LAUNCH_S
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +95,21 @@ STATIC_RUN = ["algo.beta=0", "rollout.engine=static", "algo.tis_cap=2.0", "train
               "train.max_steps=2"]
 
 
+# two nodes against one node with two ranks (test_two_nodes_equal_two_ranks_on_one_node): the same overrides
+MULTINODE_RUN = ["algo.beta=0", "train.max_steps=3", "reward_pool.num_workers=0", "train.save_every=0",
+                 "logging.plot=false"]
+
+
+def run_overrides(over: list[str], folder: Path) -> list[str]:
+    """A run's overrides on configs/demo.yaml: TINY_RUN's, then ``over``, which win."""
+    return [*TINY_RUN[2:], "logging.plot=true", *over, f"train.output_dir={folder}"]
+
+
 def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, Optional[dict]]]) -> dict[str, dict]:
     """One 2-rank launch of tests/algo_smoke_worker.py for several train runs, in order: name -> (overrides on
     TINY_RUN's, output folder, None or how it starts as an earlier run crashed: ``crash_of``, resumed with
     --resume). Each run's status is checked."""
-    plan = {name: {"algo": None, "resume": crash is not None, "overrides": [*TINY_RUN[2:], "logging.plot=true", *over,
-                                                                            f"train.output_dir={folder}"]}
+    plan = {name: {"algo": None, "resume": crash is not None, "overrides": run_overrides(over, folder)}
             for name, (over, folder, crash) in runs.items()}
     for name, (_, _, crash) in runs.items():
         if crash is not None:
@@ -110,19 +125,20 @@ def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, Optional[dict]
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict[str, Path]:
-    """One launch: the uninterrupted runs, 4 steps on 2 ranks with a checkpoint every 2 steps, full fine-tuning
+    """One launch: the two-rank side of the two-node comparison (``one-node``, first: a fresh process, as
+    train.py's); the uninterrupted runs, 4 steps on 2 ranks with a checkpoint every 2 steps, full fine-tuning
     (``full``) and LoRA under ZeRO-2 (``lora``), and 2 steps with the static engine under ZeRO-3 (``static``);
     then ``full`` and ``lora`` as if each had crashed right after its step-2 checkpoint (``full`` with the
     text-file ``latest`` runs wrote before the symlink), resumed with --resume (``resumed-full``, ``resumed-lora``)."""
     out = tmp_path_factory.mktemp("full")
-    runs = {"full": (FULL_RUN, out / "run", None), "lora": (LORA_RUN, out / "lora", None),
-            "static": (STATIC_RUN, out / "static", None)}
+    runs = {"one-node": (MULTINODE_RUN, out / "one-node", None), "full": (FULL_RUN, out / "run", None),
+            "lora": (LORA_RUN, out / "lora", None), "static": (STATIC_RUN, out / "static", None)}
     for k in ("full", "lora"):
         runs[f"resumed-{k}"] = (runs[k][0], out / "resumed" / k,
                                 {"run": str(runs[k][1]), "step": 2, "text_latest": k == "full"})
     statuses = launch_runs(out, runs)
     # the crashed copies were picked up at their step-2 checkpoint, the others started anew
-    assert {k: s["start_step"] for k, s in statuses.items()} == {"full": 0, "lora": 0, "static": 0,
+    assert {k: s["start_step"] for k, s in statuses.items()} == {"one-node": 0, "full": 0, "lora": 0, "static": 0,
                                                                  "resumed-full": 2, "resumed-lora": 2}
     return {k: folder for k, (_, folder, _) in runs.items()}
 
@@ -206,3 +222,42 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert train.main(TINY_RUN + [f"train.output_dir={tmp_path / 'empty'}", "--resume"]) == 2
     err = capsys.readouterr().err
     assert "--resume: no checkpoint in" in err and "start without --resume" in err, err
+
+
+def is_timing(key: str) -> bool:
+    """Wall-clock metrics differ between any two runs: the time/* phases, throughput, reward latencies."""
+    return key.startswith(("time/", "tokens_per_sec")) or key.endswith("/latency")
+
+
+def run_two_nodes(args: list[str], script: str, tmp: Path) -> None:
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")  # two names for this machine: two "nodes"
+    exe = Path(sys.executable).with_name("deepspeed")
+    port = str(free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # torchrun's default for the one-node side
+    procs = [subprocess.Popen([str(exe), "--hostfile", str(hostfile), "--no_ssh", "--num_nodes", "2", "--node_rank",
+                               str(node), "--master_addr", "127.0.0.1", "--master_port", port, script, *args],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=LAUNCH_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {node} exited {p.returncode}\n{out[-5000:]}"
+
+
+def test_two_nodes_equal_two_ranks_on_one_node(launched, tmp_path):
+    """More than one node: two simulated nodes of one CPU rank each on loopback, launched the way a cluster without
+    ssh is (`deepspeed --hostfile H --no_ssh --num_nodes 2 --node_rank N --master_addr A`), give the same metrics
+    as one node with two ranks (the ``one-node`` run of the shared launch, the same overrides), bit for bit (loss
+    and grad_norm included, so the same step gradient)."""
+    run_two_nodes(["--config", "configs/demo.yaml", *run_overrides(MULTINODE_RUN, tmp_path / "nodes")], "train.py",
+                  tmp_path)
+    nodes, ranks = read_metrics(tmp_path / "nodes" / "metrics.jsonl"), read_metrics(launched["one-node"] / "metrics.jsonl")
+    assert len(nodes) == len(ranks) == 3
+    for a, b in zip(nodes, ranks):
+        assert {k: v for k, v in a.items() if not is_timing(k)} == {k: v for k, v in b.items() if not is_timing(k)}
+    # one writer: rank 0 of node 0 wrote the checkpoint and the metrics, once
+    assert (tmp_path / "nodes" / "checkpoints" / "step-3" / "config.json").is_file()
