@@ -291,6 +291,7 @@ def child_ours(spec: dict) -> dict:
         steps.append({
             "total": total, "generation": m["time/generation"], "reference": m.get("time/reference", 0.0),
             "old_logprobs": m.get("time/old_logprobs", 0.0), "update": m.get("time/train", 0.0),
+            "gc": m.get("time/gc", 0.0),  # the garbage collector's pauses inside the step
             "completion_tokens": int(b.mask.sum()), "prompt_tokens": sum(len(p) for p in b.prompt_ids),
             "loss": m["loss"], **{k: v for k, v in m.items() if k.startswith("memory/")},
         })

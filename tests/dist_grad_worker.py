@@ -1,4 +1,5 @@
-"""Run on 1 or 2 ranks (tests.conftest.run_deepspeed): the full gradient of one step on a fixed global batch.
+"""Run on 2 ranks (tests.conftest.run_deepspeed), or in a test process (``run_cases``: a world of one): the full
+gradient of one step on a fixed global batch.
 
 Every rank builds the same 16-row batch, takes its own groups, and accumulates gradients
 through the real Trainer/DeepSpeed path; rank 0 writes the gathered gradient for each
@@ -112,18 +113,10 @@ def per_aggregation(results: dict) -> dict:
     return {k: v for k, v in results.items() if isinstance(v, dict)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
-    p.add_argument("--case", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
-                   help="the runs of this one launch (--out then holds {NAME: results})")
-    p.add_argument("--zero3-checks", nargs=2, metavar=("MODEL", "JSON"), help="then tests/zero3_generate_worker.py's "
-                   "checks on the HF folder MODEL (in this launch: one rank start-up less), written to JSON")
-    args = p.parse_args()
-    # LoRA starts at B = 0 (A's gradient would be 0): a seeded non-zero B, before the engine copies it
-    # (models without adapters are unchanged)
+def run_cases(cases: list[str], default_model: str, out_dir: Path) -> dict:
+    """{NAME: one_run's results} for each ``NAME:MICRO:ZERO[:MODEL]`` in turn (also called in a test process: a
+    world of one). LoRA starts at B = 0 (A's gradient would be 0): here with a seeded non-zero B, before the engine
+    copies it (models without adapters are unchanged)."""
     load_policy = trainer_module.load_policy
 
     def with_b(cfg_model):
@@ -136,12 +129,29 @@ def main() -> None:
         return model
 
     trainer_module.load_policy = with_b
+    try:
+        results = {}
+        for spec in cases:
+            name, micro, zero, *model = spec.split(":", 3)
+            results[name] = one_run(micro, int(zero), model[0] if model else default_model, name.endswith("+lora"),
+                                    out_dir / f"run-{name}")
+        return results
+    finally:
+        trainer_module.load_policy = load_policy
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
+    p.add_argument("--case", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
+                   help="the runs of this one launch (--out then holds {NAME: results})")
+    p.add_argument("--zero3-checks", nargs=2, metavar=("MODEL", "JSON"), help="then tests/zero3_generate_worker.py's "
+                   "checks on the HF folder MODEL (in this launch: one rank start-up less), written to JSON")
+    args = p.parse_args()
     out = Path(args.out)
-    results = {}
-    for spec in args.case:
-        name, micro, zero, *model = spec.split(":", 3)
-        results[name] = one_run(micro, int(zero), model[0] if model else args.model, name.endswith("+lora"),
-                                out.parent / f"run-{name}")
+    results = run_cases(args.case, args.model, out.parent)
     if dist.is_main():
         torch.save(results, out)
     if args.zero3_checks:

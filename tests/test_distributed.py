@@ -25,7 +25,7 @@ from grpo.training.checkpoint import LATEST
 from grpo.training.metrics import read_metrics
 from grpo.foundation.dist import free_port
 from tests.conftest import ROOT, run_deepspeed
-from tests.dist_grad_worker import per_aggregation
+from tests.dist_grad_worker import per_aggregation, run_cases
 from tests.patience import LAUNCH_S
 
 pytestmark = pytest.mark.slow
@@ -35,20 +35,19 @@ TINY_RUN = ["--config", "configs/demo.yaml", "logging.progress_bar=false", "roll
 
 
 @pytest.fixture(scope="module")
-def grads(tmp_path_factory, tiny_dir):
+def grads(tmp_path_factory, tiny_dir, single_rank_env):
     out = tmp_path_factory.mktemp("grads")
     builtin = "builtin:tiny-char"
-    # one launch per world size (each launch costs the ranks' start-up): 1 rank, then the four 2-rank runs;
-    # the last: the same weights from an HF folder, built partitioned from the start (zero.Init)
-    # the LoRA adapters' gradient (NAME+lora) rides in the same two launches
-    run_deepspeed(["--out", str(out / "w1.pt"), "--case", f"w1-mb16-z0:16:0:{builtin}", "--case", "w1-mb16-z0+lora:16:0"], 1,
-                  "tests/dist_grad_worker.py")
+    # one rank in this process (a world of one: no launch), then the 2-rank runs in one launch (each launch costs
+    # the ranks' start-up); the 2-rank run named built-partitioned: the same weights from an HF folder, built
+    # partitioned from the start (zero.Init); the LoRA adapters' gradient (NAME+lora) rides along on both sides
+    w1 = run_cases([f"w1-mb16-z0:16:0:{builtin}", "w1-mb16-z0+lora:16:0"], builtin, out)
     runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}",
             "w2-mb3-z2+lora:3:2"]
     # then tests/zero3_generate_worker.py's checks, in the same 2-rank launch (test_zero3_generation_...)
     run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--case", r)],
                    "--zero3-checks", str(tiny_dir), str(out / "zero3_checks.json")], 2, "tests/dist_grad_worker.py", launcher="torchrun")
-    return {**torch.load(out / "w1.pt"), **torch.load(out / "w2.pt"), "zero3_checks": out / "zero3_checks.json"}
+    return {**w1, **torch.load(out / "w2.pt"), "zero3_checks": out / "zero3_checks.json"}
 
 
 @pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-tok12-z3", "w2-mb5-z3-built-partitioned",
