@@ -17,7 +17,6 @@ from grpo.foundation.config import ConfigError
 from grpo.training.configure import load_config
 from tests.test_algos_losses import (LENGTHS, REWARDS, WIDTH, assert_split_invariant, make_batch, policy_logp,
                                      ref_group_adv, run_algo)
-from tests.patience import LAUNCH_S
 
 N = len(LENGTHS)
 TOL = 1e-6
@@ -957,18 +956,14 @@ def test_loss_options_are_validated(algo, override, match):
         load_config(None, algo, [override])
 
 
-def test_list_algos_names_every_algorithm_with_its_paper_and_one_line():
-    """``python train.py --list-algos``: one block per registered algorithm, headed by its name, its paper
-    and its tag, then its one-line summary."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_list_algos_names_every_algorithm_with_its_paper_and_one_line(capsys):
+    """``python train.py --list-algos`` (its entry, in this process: it returns before anything starts): one block
+    per registered algorithm, headed by its name, its paper and its tag, then its one-line summary."""
+    import train
     from algos import ALGORITHMS
 
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "train.py", "--list-algos"], cwd=root, capture_output=True, text=True,
-                         check=True, timeout=LAUNCH_S).stdout.splitlines()
+    assert train.main(["--list-algos"]) == 0
+    out = capsys.readouterr().out.splitlines()
     heads = {line.split()[0]: k for k, line in enumerate(out) if line and not line[0].isspace()}
     assert sorted(heads) == sorted(ALGORITHMS)
     for name, cls in ALGORITHMS.items():
