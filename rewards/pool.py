@@ -282,7 +282,8 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
 
 def _context():
     """The forkserver context whose server has imported the registry (set before the server starts: the preload
-    of a server already running stays as it was)."""
+    of a server already running stays as it was). Like a spawned process, each worker still runs the main
+    script's top level again (multiprocessing's preparation; train.py imports nothing heavy there)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rewards"])
     return ctx

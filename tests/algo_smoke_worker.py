@@ -41,29 +41,22 @@ def crash_after(full: Path, crashed: Path, step: int, text_latest: bool = False)
     return crashed
 
 
-def main() -> None:
-    # imported here, not at the top: each reward worker (spawned) runs this file's top level again, and the
-    # trainer's imports (torch, transformers, DeepSpeed) cost each of them ~3 s of CPU for nothing
+def run_plan(plan: dict, out_dir: Path, steps: int = 3) -> None:
+    """Train each run of ``plan`` in turn (also called by tests/dist_grad_worker.py's launch)."""
+    # imported here, not at the top: the trainer's imports (torch, transformers, DeepSpeed) cost seconds of CPU,
+    # which a process importing this file for crash_after or run_plan's signature need not pay
     from grpo.foundation import dist
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--plan", required=True, help="JSON file: {algorithm name: [key=value overrides]} (on "
-                   "configs/demo.yaml), or {algorithm name: {\"config\": YAML file, \"overrides\": [...]}}")
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--local_rank", type=int, default=0)
-    args = p.parse_args()
     root = Path(__file__).resolve().parent.parent
-    plan: dict[str, list[str] | dict] = json.loads(Path(args.plan).read_text())
     for name, entry in plan.items():
         if isinstance(entry, dict):
             config, overrides = entry.get("config", "configs/demo.yaml"), entry["overrides"]
             algo, resume = entry.get("algo", name), bool(entry.get("resume", False))
         else:
             config, overrides, algo, resume = "configs/demo.yaml", entry, name, False
-        out = Path(args.out) / name
+        out = out_dir / name
         status: dict = {"algo": name, "config": config}
         crash = entry.get("crash_of") if isinstance(entry, dict) else None
         if crash:  # the run's output folder (the last override names it), made before the run by rank 0
@@ -75,7 +68,7 @@ def main() -> None:
             dist.barrier()
         try:
             cfg = load_config(root / config, algo=algo, overrides=[
-                f"train.max_steps={args.steps}", f"train.output_dir={out}", "train.save_every=0",
+                f"train.max_steps={steps}", f"train.output_dir={out}", "train.save_every=0",
                 "logging.progress_bar=false", "logging.plot=false", *overrides,
             ])
             trainer = Trainer(cfg, resume=resume)
@@ -88,6 +81,17 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "status.json").write_text(json.dumps(status))
         dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plan", required=True, help="JSON file: {algorithm name: [key=value overrides]} (on "
+                   "configs/demo.yaml), or {algorithm name: {\"config\": YAML file, \"overrides\": [...]}}")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--local_rank", type=int, default=0)
+    args = p.parse_args()
+    run_plan(json.loads(Path(args.plan).read_text()), Path(args.out), args.steps)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,14 @@ policy has LoRA adapters (B made non-zero, the same on every rank) and the gradi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deepspeed.utils import safe_get_full_grad  # noqa: E402
-
-from grpo.foundation import core, dist  # noqa: E402
-from grpo.foundation.batch import RolloutBatch, micro_batches  # noqa: E402
-from grpo.training.configure import load_config  # noqa: E402
-import grpo.training.deepspeed_engine as ds_module  # noqa: E402
-import grpo.training.trainer as trainer_module  # noqa: E402
-from grpo.training.trainer import Trainer  # noqa: E402
+# torch, DeepSpeed and the trainer are imported inside the functions: each reward worker of a train run in this
+# launch (run_plan) runs this script's top level again (multiprocessing's preparation), ~4 s of imports each
 
 LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, k_proj, v_proj, o_proj, up_proj, down_proj]}"
 
@@ -33,7 +26,11 @@ GROUPS, G, WIDTH = 4, 4, 6
 CHUNK_Z3 = 7  # rank 0 needs 2 and 3 chunks for its micro-batches, rank 1 needs 2 and 2
 
 
-def global_batch(vocab: int) -> RolloutBatch:
+def global_batch(vocab: int):
+    import torch
+
+    from grpo.foundation.batch import RolloutBatch
+
     g = torch.Generator().manual_seed(1234)
     rows = GROUPS * G
     lengths = torch.randint(1, WIDTH + 1, (rows,), generator=g).tolist()
@@ -54,6 +51,15 @@ def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dic
     """The gathered gradient and loss of the fixed batch for every aggregation, and with an entropy bonus (on
     rank 0; {} elsewhere).
     ``micro``: rows per micro-batch, or ROWS/TOKENS for a token budget (train.micro_batch_tokens) too."""
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from grpo.foundation import core, dist
+    from grpo.foundation.batch import micro_batches
+    from grpo.training.configure import load_config
+    import grpo.training.deepspeed_engine as ds_module
+    from grpo.training.trainer import Trainer
+
     rows_per, _, tokens = str(micro).partition("/")
     cfg = load_config(overrides=[*([LORA] if lora else []),
         "algo.beta=0", "train.lr=0", f"train.micro_batch_size={rows_per}", f"train.zero_stage={zero}",
@@ -117,6 +123,10 @@ def run_cases(cases: list[str], default_model: str, out_dir: Path) -> dict:
     """{NAME: one_run's results} for each ``NAME:MICRO:ZERO[:MODEL]`` in turn (also called in a test process: a
     world of one). LoRA starts at B = 0 (A's gradient would be 0): here with a seeded non-zero B, before the engine
     copies it (models without adapters are unchanged)."""
+    import torch
+
+    import grpo.training.trainer as trainer_module
+
     load_policy = trainer_module.load_policy
 
     def with_b(cfg_model):
@@ -147,9 +157,19 @@ def main() -> None:
     p.add_argument("--model", default="builtin:tiny-char", help="under ZeRO-3 an HF folder is built partitioned")
     p.add_argument("--case", action="append", required=True, metavar="NAME:MICRO:ZERO[:MODEL]",  # MICRO: ROWS or ROWS/TOKENS; NAME+lora: with LoRA
                    help="the runs of this one launch (--out then holds {NAME: results})")
+    p.add_argument("--plan", nargs=2, metavar=("PLAN", "OUT"), help="first, the train runs of a "
+                   "tests/algo_smoke_worker.py plan (JSON file PLAN; statuses under OUT): one rank start-up less")
     p.add_argument("--zero3-checks", nargs=2, metavar=("MODEL", "JSON"), help="then tests/zero3_generate_worker.py's "
                    "checks on the HF folder MODEL (in this launch: one rank start-up less), written to JSON")
     args = p.parse_args()
+    import torch
+
+    from grpo.foundation import dist
+
+    if args.plan:
+        from tests.algo_smoke_worker import run_plan
+
+        run_plan(json.loads(Path(args.plan[0]).read_text()), Path(args.plan[1]))
     out = Path(args.out)
     results = run_cases(args.case, args.model, out.parent)
     if dist.is_main():

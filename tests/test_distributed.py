@@ -34,22 +34,6 @@ TINY_RUN = ["--config", "configs/demo.yaml", "logging.progress_bar=false", "roll
             "rollout.num_generations=4", "train.micro_batch_size=5", "logging.log_every=1"]
 
 
-@pytest.fixture(scope="module")
-def grads(tmp_path_factory, tiny_dir, single_rank_env):
-    out = tmp_path_factory.mktemp("grads")
-    builtin = "builtin:tiny-char"
-    # one rank in this process (a world of one: no launch), then the 2-rank runs in one launch (each launch costs
-    # the ranks' start-up); the 2-rank run named built-partitioned: the same weights from an HF folder, built
-    # partitioned from the start (zero.Init); the LoRA adapters' gradient (NAME+lora) rides along on both sides
-    w1 = run_cases([f"w1-mb16-z0:16:0:{builtin}", "w1-mb16-z0+lora:16:0"], builtin, out)
-    runs = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", f"w2-mb5-z3-built-partitioned:5:3:{tiny_dir}",
-            "w2-mb3-z2+lora:3:2"]
-    # then tests/zero3_generate_worker.py's checks, in the same 2-rank launch (test_zero3_generation_...)
-    run_deepspeed(["--out", str(out / "w2.pt"), *[a for r in runs for a in ("--case", r)],
-                   "--zero3-checks", str(tiny_dir), str(out / "zero3_checks.json")], 2, "tests/dist_grad_worker.py", launcher="torchrun")
-    return {**w1, **torch.load(out / "w2.pt"), "zero3_checks": out / "zero3_checks.json"}
-
-
 @pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-tok12-z3", "w2-mb5-z3-built-partitioned",
                                    "w2-mb3-z2+lora"])
 def test_step_gradient_independent_of_ranks_and_micro_batches(grads, other):
@@ -104,42 +88,66 @@ def run_overrides(over: list[str], folder: Path) -> list[str]:
     return [*TINY_RUN[2:], "logging.plot=true", *over, f"train.output_dir={folder}"]
 
 
-def launch_runs(out: Path, runs: dict[str, tuple[list[str], Path, Optional[dict]]]) -> dict[str, dict]:
-    """One 2-rank launch of tests/algo_smoke_worker.py for several train runs, in order: name -> (overrides on
-    TINY_RUN's, output folder, None or how it starts as an earlier run crashed: ``crash_of``, resumed with
-    --resume). Each run's status is checked."""
+def write_plan(path: Path, runs: dict[str, tuple[list[str], Path, Optional[dict]]]) -> Path:
+    """A tests/algo_smoke_worker.py plan of several train runs, in order: name -> (overrides on TINY_RUN's, output
+    folder, None or how it starts as an earlier run crashed: ``crash_of``, resumed with --resume)."""
     plan = {name: {"algo": None, "resume": crash is not None, "overrides": run_overrides(over, folder)}
             for name, (over, folder, crash) in runs.items()}
     for name, (_, _, crash) in runs.items():
         if crash is not None:
             plan[name]["crash_of"] = crash
-    (out / "plan.json").write_text(json.dumps(plan))
-    run_deepspeed(["--plan", str(out / "plan.json"), "--out", str(out / "status")], 2, "tests/algo_smoke_worker.py",
-                  launcher="torchrun")
-    statuses = {name: json.loads((out / "status" / name / "status.json").read_text()) for name in runs}
-    for status in statuses.values():
-        assert status["ok"], status.get("traceback", status)
-    return statuses
+    path.write_text(json.dumps(plan))
+    return path
+
+
+GRAD_CASES = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", "w2-mb5-z3-built-partitioned:5:3",
+              "w2-mb3-z2+lora:3:2"]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict[str, Path]:
-    """One launch: the two-rank side of the two-node comparison (``one-node``, first: a fresh process, as
-    train.py's); the uninterrupted runs, 4 steps on 2 ranks with a checkpoint every 2 steps, full fine-tuning
-    (``full``) and LoRA under ZeRO-2 (``lora``), and 2 steps with the static engine under ZeRO-3 (``static``);
-    then ``full`` and ``lora`` as if each had crashed right after its step-2 checkpoint (``full`` with the
-    text-file ``latest`` runs wrote before the symlink), resumed with --resume (``resumed-full``, ``resumed-lora``)."""
-    out = tmp_path_factory.mktemp("full")
+def launch(tmp_path_factory, tiny_dir, single_rank_env) -> dict:
+    """The file's one 2-rank launch (tests/dist_grad_worker.py; each launch costs the ranks' start-up), in order:
+
+    - the train runs: the two-rank side of the two-node comparison (``one-node``, first: a fresh process, as
+      train.py's); the uninterrupted runs, 4 steps with a checkpoint every 2 steps, full fine-tuning (``full``)
+      and LoRA under ZeRO-2 (``lora``), and 2 steps with the static engine under ZeRO-3 (``static``); then
+      ``full`` and ``lora`` as if each had crashed right after its step-2 checkpoint (``full`` with the text-file
+      ``latest`` runs wrote before the symlink), resumed with --resume (``resumed-full``, ``resumed-lora``);
+    - the step-gradient cases (GRAD_CASES; built-partitioned: the same weights from an HF folder, built
+      partitioned from the start with zero.Init; NAME+lora: the LoRA adapters' gradient);
+    - tests/zero3_generate_worker.py's checks (test_zero3_generation_...).
+
+    The one-rank reference gradients are computed in this process (a world of one: no launch)."""
+    out = tmp_path_factory.mktemp("dist")
+    builtin = "builtin:tiny-char"
+    w1 = run_cases([f"w1-mb16-z0:16:0:{builtin}", "w1-mb16-z0+lora:16:0"], builtin, out)
     runs = {"one-node": (MULTINODE_RUN, out / "one-node", None), "full": (FULL_RUN, out / "run", None),
             "lora": (LORA_RUN, out / "lora", None), "static": (STATIC_RUN, out / "static", None)}
     for k in ("full", "lora"):
         runs[f"resumed-{k}"] = (runs[k][0], out / "resumed" / k,
                                 {"run": str(runs[k][1]), "step": 2, "text_latest": k == "full"})
-    statuses = launch_runs(out, runs)
+    cases = [c if "built-partitioned" not in c else f"{c}:{tiny_dir}" for c in GRAD_CASES]
+    run_deepspeed(["--plan", str(write_plan(out / "plan.json", runs)), str(out / "status"), "--out", str(out / "w2.pt"),
+                   *[a for c in cases for a in ("--case", c)], "--zero3-checks", str(tiny_dir), str(out / "zero3_checks.json")],
+                  2, "tests/dist_grad_worker.py", launcher="torchrun")
+    statuses = {name: json.loads((out / "status" / name / "status.json").read_text()) for name in runs}
+    for status in statuses.values():
+        assert status["ok"], status.get("traceback", status)
     # the crashed copies were picked up at their step-2 checkpoint, the others started anew
     assert {k: s["start_step"] for k, s in statuses.items()} == {"one-node": 0, "full": 0, "lora": 0, "static": 0,
                                                                  "resumed-full": 2, "resumed-lora": 2}
-    return {k: folder for k, (_, folder, _) in runs.items()}
+    return {"runs": {k: folder for k, (_, folder, _) in runs.items()},
+            "grads": {**w1, **torch.load(out / "w2.pt"), "zero3_checks": out / "zero3_checks.json"}}
+
+
+@pytest.fixture(scope="module")
+def grads(launch) -> dict:
+    return launch["grads"]
+
+
+@pytest.fixture(scope="module")
+def launched(launch) -> dict[str, Path]:
+    return launch["runs"]
 
 
 @pytest.fixture(scope="module")
