@@ -15,9 +15,10 @@ the memory limit raises MemoryError in the call (an error; the worker is replace
 CPU seconds is killed by the kernel (SIGXCPU; the worker is replaced); both are counted in ``kills``.
 
 Workers are forked by multiprocessing's ``forkserver``: a clean process started once (a fork of a process holding
-torch's thread pools can deadlock), which has imported the registry, so a new or replaced worker starts in
-milliseconds instead of a fresh interpreter's import (0.3-0.5 s of CPU each). Workers resolve functions by
-name themselves, so only names, kwargs and texts cross the process boundary.
+torch's thread pools can deadlock), which has imported the registry, so a new or replaced worker skips a fresh
+interpreter's start and the registry's import (0.3-0.5 s of CPU each); like a spawned one it still runs the main
+script's top level (see ``_context``). Workers resolve functions by name themselves, so only names, kwargs and
+texts cross the process boundary.
 
 What comes back is data, never a pickle: code running in a worker (a reward or tool that runs model-written
 code) can write into the pipe, so an answer is JSON of at most MAX_ANSWER_BYTES carrying the number of the call
