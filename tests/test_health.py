@@ -155,3 +155,17 @@ def test_every_exit_of_train_py_shuts_the_process_group_down(monkeypatch):
         monkeypatch.setattr(trainer_module, "Trainer", cls)
         assert train.main(["--config", str(DEMO)]) == code
         assert calls.pop() is wait
+
+
+def test_a_second_run_in_the_same_process_trains(single_rank_env, tmp_path):
+    """A notebook runs train.main twice: the first run's exit tears its process group down, DeepSpeed's cached
+    groups with it (they were kept, and the second run's engine failed on "Group ... is not registered")."""
+    import train
+    from grpo.foundation import dist
+
+    args = ["--config", str(DEMO), "train.max_steps=1", "rollout.prompts_per_step=2", "rollout.num_generations=2",
+            "logging.progress_bar=false", "logging.plot=false", "reward_pool.num_workers=0"]
+    for run in ("first", "second"):
+        assert train.main([*args, f"train.output_dir={tmp_path / run}"]) == 0, run
+        assert not dist.is_initialized()
+        assert (tmp_path / run / "metrics.jsonl").read_text().count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as tdist
@@ -115,8 +116,15 @@ def shutdown(wait: bool = True) -> None:
     """Wait for every rank (``wait``), then tear the process group down while the interpreter is still whole.
 
     Left to interpreter exit, the communication threads of a ZeRO-3 run sometimes died unjoined
-    ("terminate called without an active exception", SIGABRT) after all the work had finished."""
+    ("terminate called without an active exception", SIGABRT) after all the work had finished.
+
+    Through DeepSpeed when it set the group up: it also drops the groups it cached (its clone of the world),
+    which a later run in this process (a notebook's second ``train.main``) would otherwise use, destroyed."""
     if is_initialized():
         if wait:
             barrier()
-        tdist.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm.comm")  # loaded only where DeepSpeed runs; this layer never imports it
+        if getattr(ds_comm, "cdb", None) is not None:
+            ds_comm.destroy_process_group()
+        else:
+            tdist.destroy_process_group()
