@@ -46,7 +46,7 @@ demo: $(STAMP)
 # whole): much of it is single-threaded process start-up (the 2-rank launches, servers, workers).
 test: $(STAMP)
 	{ $(MAKE) --no-print-directory install-vllm > $(VVENV).log 2>&1; echo $$? > $(VVENV).rc; } & \
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15 tests; main=$$?; wait; \
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests; main=$$?; wait; \
 	if [ "$$(cat $(VVENV).rc)" != 0 ]; then cat $(VVENV).log; echo "building $(VVENV) failed"; exit 1; fi; \
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -m vllm tests; vllm=$$?; \
 	exit $$(( main || vllm ))

@@ -50,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_algos:
         print(list_algos())
         return 0
-    import yaml
-
-    from grpo.foundation.config import ConfigError, config_warnings, to_dict
+    from grpo.foundation.config import ConfigError, config_warnings, dump_yaml, to_dict
     from grpo.training.configure import check_run, load_config, probe_services
 
     try:  # one validation, before any model loads, for --print-config and the run alike
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         for warning in config_warnings(cfg):
             print(f"config warning: {warning}", file=sys.stderr)
     if args.print_config:
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(dump_yaml(to_dict(cfg)), end="")
         return 0
     from grpo.foundation import dist
     from grpo.reference.base import ReferenceServerError

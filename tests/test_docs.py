@@ -177,3 +177,14 @@ def test_readme_names_the_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "## Tests" in readme and "make test" in readme.split("## Tests", 1)[1]
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_slowest_first_order_names_test_files_that_exist():
+    """tests/conftest.py starts the slowest files first (make test keeps that order: --no-loadscope-reorder);
+    a renamed file would silently drop back to the end."""
+    from tests.conftest import SLOWEST_FIRST
+
+    missing = [name for name in SLOWEST_FIRST if not (ROOT / "tests" / name).is_file()]
+    assert not missing, f"tests/conftest.py SLOWEST_FIRST names files that do not exist: {missing}"
+    assert len(set(SLOWEST_FIRST)) == len(SLOWEST_FIRST)
+    assert "--no-loadscope-reorder" in (ROOT / "Makefile").read_text()
