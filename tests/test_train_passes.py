@@ -110,6 +110,34 @@ def test_bf16_optimizer_states_build_and_step(single_rank_env, tmp_path, zero):
             assert finite and grad_norm > 0
         finally:
             tr.close()
+    assert_muon_skipped()
+
+
+def assert_muon_skipped():
+    """The engine was built and stepped with DeepSpeed's Muon modules as stand-ins (skip_deepspeed_muon)."""
+    import sys
+
+    from grpo.training.deepspeed_engine import MUON_MODULES
+
+    for name in MUON_MODULES:
+        assert "stand-in" in (sys.modules[name].__doc__ or ""), f"{name} was loaded: torch's compiler stack with it"
+
+
+def test_deepspeeds_muon_is_a_stand_in_nothing_is_an_instance_of():
+    import sys
+
+    from grpo.training.deepspeed_engine import MUON_MODULES, make_adamw, skip_deepspeed_muon
+
+    skip_deepspeed_muon()
+    assert_muon_skipped()
+    muon = sys.modules["deepspeed.runtime.zero.muon.muon_optimizer"].MuonWithAuxAdam
+    adamw = make_adamw([torch.nn.Parameter(torch.ones(2))], lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    assert not isinstance(adamw, muon)
+    with pytest.raises(RuntimeError, match="trains with AdamW"):
+        muon([])
+    with pytest.raises(RuntimeError, match="trains with AdamW"):
+        sys.modules["deepspeed.runtime.zero.muon.original_muon"].muon_update(torch.ones(2), torch.ones(2))
+    assert set(MUON_MODULES["deepspeed.runtime.zero.muon.original_muon"]) == {"muon_update", "adam_update"}
 
 
 class _OurSyncs(torch.utils._python_dispatch.TorchDispatchMode):

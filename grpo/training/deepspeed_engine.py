@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import types
 from typing import Optional
 
 import torch
@@ -99,10 +101,38 @@ def share_cpu_threads() -> None:
     dist.host_threads(torch.cuda.is_available(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size())))
 
 
+# DeepSpeed's Muon modules and the names it imports from them in a run with another optimizer
+MUON_MODULES = {"deepspeed.runtime.zero.muon.muon_optimizer": ("MuonWithAuxAdam",),
+                "deepspeed.runtime.zero.muon.original_muon": ("muon_update", "adam_update")}
+
+
+def skip_deepspeed_muon() -> None:
+    """DeepSpeed asks whether the optimizer is its Muon (the ZeRO optimizer check, ZeRO's gradient reduction, the
+    bf16 optimizer) and ZeRO-1/2 fetch its update function at every gradient partition, by importing its Muon
+    modules, whose ``@torch.compile`` kernels load torch's compiler stack: 550 modules (networkx, inductor),
+    0.9-1.8 s of a CPU core in every process that builds such an engine. The optimizer here is always AdamW
+    (make_adamw), never Muon: the modules are stand-ins whose class nothing is an instance of (as nothing is of
+    the real one here) and whose functions are never called. Left alone where the real ones are loaded."""
+    if any(name in sys.modules for name in MUON_MODULES):
+        return
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("DeepSpeed's Muon is not loaded in a process that runs the trainer (it trains with AdamW: "
+                           "grpo.training.deepspeed_engine.skip_deepspeed_muon)")
+
+    for name, attrs in MUON_MODULES.items():
+        stub = types.ModuleType(name, "A stand-in for DeepSpeed's Muon (grpo.training.deepspeed_engine."
+                                      "skip_deepspeed_muon): the trainer's optimizer is AdamW.")
+        for attr in attrs:
+            setattr(stub, attr, type(attr, (), {"__init__": unavailable}) if attr[0].isupper() else unavailable)
+        sys.modules[name] = stub
+
+
 def build_engine(cfg: Config, model: torch.nn.Module):
     """(engine, lr scheduler) for ``model`` with AdamW and the configured schedule."""
     import deepspeed
 
+    skip_deepspeed_muon()
     t = cfg.train
     # Only what trains reaches the optimizer (LoRA: the adapters; frozen layers have no state to keep).
     trainable = [p for p in model.parameters() if p.requires_grad]
