@@ -1,4 +1,5 @@
-"""Every registered algorithm trains the demo task for 3 steps on 2 DeepSpeed CPU ranks.
+"""Every registered algorithm trains the demo task for 2 steps on 2 DeepSpeed CPU ranks (the second from the
+policy the first updated, with the state the first left; prorl 3: its reference reset after step 2 is used at 3).
 
 One 2-rank launch (torchrun) runs them all in turn (tests/algo_smoke_worker.py, with the algorithm's
 preset ``configs/NAME.yaml`` (``configs/demo.yaml`` for one without) + ``--algo NAME`` + the
@@ -22,6 +23,7 @@ from tests.conftest import run_deepspeed
 
 pytestmark = pytest.mark.slow
 NAMES = sorted(ALGORITHMS)
+STEPS = 2
 SMALL = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "train.micro_batch_size=6",
          "reward_pool.num_workers=0"]  # the pool has its own tests; 20 trainers need not spawn 40 workers
 CLIP = ["clip_frac_low", "clip_frac_high", "ratio_mean"]
@@ -46,7 +48,7 @@ ALGOS: dict[str, tuple[list[str], list[str]]] = {
     "gpg": (["algo.threshold=0.6", "algo.max_gen_batches=3"], ["gpg/valid_group_frac", "gpg/gen_batches"]),
     "2-grpo": (["rollout.num_generations=2", "rollout.prompts_per_step=8"], CLIP),
     "cppo": (["algo.beta=0.04", "algo.allocation=true"], CLIP + ["cppo/kept_frac", "cppo/prompts", "kl"]),
-    "prorl": (["algo.beta=0.001", "algo.reset_every=2", "algo.max_gen_batches=0"],
+    "prorl": (["algo.beta=0.001", "algo.reset_every=2", "algo.max_gen_batches=0", "train.max_steps=3"],
               CLIP + ["prorl/ref_version", "prorl/reset", "kl", "dapo/kept_frac"]),
     "dcpo": ([], CLIP + ["dcpo/times_sampled_mean"]),
     # multi-turn: the built-in environments instead of the digits task (rewards are the environment's); mt-grpo
@@ -108,7 +110,8 @@ def smoke_runs(tmp_path_factory):
     plan = out / "plan.json"
     plan.write_text(json.dumps({name: {"config": preset(name), "overrides": SMALL + ALGOS.get(name, ([], []))[0]}
                                 for name in NAMES}))
-    run_deepspeed(["--plan", str(plan), "--out", str(out)], 2, "tests/algo_smoke_worker.py", launcher="torchrun")
+    run_deepspeed(["--plan", str(plan), "--out", str(out), "--steps", str(STEPS)], 2, "tests/algo_smoke_worker.py",
+                  launcher="torchrun")
     return out
 
 
@@ -118,7 +121,7 @@ def test_algorithm_trains_on_two_ranks(smoke_runs, name):
     status = json.loads((run / "status.json").read_text())
     assert status["ok"], status.get("traceback", status)
     rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == list(range(1, (3 if name == "prorl" else STEPS) + 1))
     own = ALGOS[name][1]
     for r in rows:
         update = [] if r.get("update_skipped") else UPDATE + own
@@ -136,10 +139,10 @@ def test_algorithm_trains_on_two_ranks(smoke_runs, name):
     if name == "cppo":
         assert all(r["cppo/kept_frac"] == 0.5 and r["cppo/prompts"] == 8 for r in rows)
     if name == "dcpo":  # the per-prompt statistics are in the checkpoint, identical on both ranks
-        states = [torch.load(run / "checkpoints" / "step-3" / "trainer" / f"rank{k}.pt", weights_only=False)
+        states = [torch.load(run / "checkpoints" / f"step-{STEPS}" / "trainer" / f"rank{k}.pt", weights_only=False)
                   for k in range(2)]
         stats = states[0]["algo"]["prompt_stats"]
-        assert len(stats) == 12 and stats == states[1]["algo"]["prompt_stats"]  # 3 steps x 4 prompts
+        assert len(stats) == 4 * STEPS and stats == states[1]["algo"]["prompt_stats"]  # 4 prompts a step
     if name == "gpg":
         assert all(r.get("gpg/alpha") is not None or r.get("update_skipped") for r in rows)
     if name in ("mt-grpo", "gigpo"):
