@@ -6,9 +6,6 @@ function skipped the row). A reward that fails on most rows stops a real trainin
 """
 
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +15,6 @@ from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.training.configure import load_config
 from grpo.training.health import LearningHealth, RewardFailureGuard, RewardsFailing
 from rewards import CombinedReward
-from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
 F = "tests.reward_fixtures:"
@@ -139,24 +135,26 @@ def test_the_health_warning_tells_reward_errors_from_a_hard_task(capsys):
     assert len(given) == 1 and "task is too hard" in given[0]
 
 
-def test_a_real_run_with_a_reward_that_always_fails_exits_nonzero_within_two_steps(tmp_path):
-    cmd = [sys.executable, "train.py", "--config", "configs/demo.yaml", "train.max_steps=50",
-           "rollout.prompts_per_step=2", "rollout.num_generations=2", "algo.beta=0", "logging.progress_bar=false",
-           "logging.plot=false", "reward_pool.num_workers=1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = lambda fn, out: subprocess.run(cmd + [f"train.output_dir={tmp_path / out}", f"rewards=[{{fn: {F}{fn}}}]"],
-                                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
-    proc = run("trl_always_raises", "raises")
-    assert proc.returncode == 3, proc.stderr[-3000:]  # "within two steps": the message below names step 2
-    assert "training stopped: step 2: reward 'trl_always_raises' failed on 100% of its rows" in proc.stderr
-    assert "ValueError: this judge is misconfigured" in proc.stderr
+def test_a_real_run_with_a_reward_that_always_fails_exits_nonzero_within_two_steps(single_rank_env, tmp_path, capsys):
+    """train.py's entry (train.main, in this process: what `python train.py` runs and exits with), reward workers
+    and all."""
+    import train
+
+    args = ["--config", str(ROOT / "configs" / "demo.yaml"), "train.max_steps=50", "rollout.prompts_per_step=2",
+            "rollout.num_generations=2", "algo.beta=0", "logging.progress_bar=false", "logging.plot=false",
+            "reward_pool.num_workers=1"]
+    run = lambda fn, out: train.main([*args, f"train.output_dir={tmp_path / out}", f"rewards=[{{fn: {F}{fn}}}]"])
+    rc, (out, err) = run("trl_always_raises", "raises"), capsys.readouterr()
+    assert rc == 3, err[-3000:]  # "within two steps": the message below names step 2
+    assert "training stopped: step 2: reward 'trl_always_raises' failed on 100% of its rows" in err
+    assert "ValueError: this judge is misconfigured" in err
     # a function the dataset's columns cannot call is refused at start, before the model loads (issue 30,
     # item 20: it used to fail on every row until the guard above stopped the run)
-    proc = run("trl_needs_solution", "columns")
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    rc, (out, err) = run("trl_needs_solution", "columns"), capsys.readouterr()
+    assert rc == 2, err[-3000:]
     assert ("config error: rewards[0].fn='tests.reward_fixtures:trl_needs_solution' cannot be called with this "
-            "dataset's columns ['answer'] (trl style): missing a required argument: 'solution'") in proc.stderr
-    assert "policy " not in proc.stdout  # the trainer prints the policy it loaded: it loaded none
+            "dataset's columns ['answer'] (trl style): missing a required argument: 'solution'") in err
+    assert "policy " not in out  # the trainer prints the policy it loaded: it loaded none
 
 
 def test_reward_columns_are_checked_against_each_functions_parameters():
