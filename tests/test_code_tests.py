@@ -8,7 +8,8 @@ from rewards import CombinedReward
 from rewards.code_tests import code_tests, extract_program, run_tests
 
 # a generous wall clock (a loaded 2-core CI machine starts two interpreters per test), one CPU second: a busy
-# loop ends at 1 s of CPU; the hanging programs get a 1 s row limit of their own (score_hang)
+# loop ends at 1 s of CPU; the hanging programs get a 0.3 s row limit of their own (score_hang: a program that
+# never finishes scores its timeouts however slow the machine, so the limit can be short)
 FAST = {"timeout": 10.0, "cpu_seconds": 1}
 
 
@@ -39,8 +40,8 @@ def score(completions, tests, **kw):
 
 
 def score_hang(completion, tests, **kw):
-    """A hanging program under a 1 s row limit: its first test times out there, the others are not started."""
-    s = code_tests([""], [completion], [tests], sandbox=FAST, row_timeout=1.0, **kw)
+    """A hanging program under a 0.3 s row limit: its first test times out there, the others are not started."""
+    s = code_tests([""], [completion], [tests], sandbox=FAST, row_timeout=0.3, **kw)
     assert list(s) == [0.0] and s.metrics["timeout"] == 4 and s.metrics["passed"] == 0
     return s
 
@@ -83,7 +84,7 @@ def test_exits_and_fake_passes_do_not_pass():
 
 
 def test_row_time_limit_stops_the_rest():
-    out = run_tests(extract_program(ADD_HANG), ASSERTS, test_timeout=1.0, row_timeout=1.5, limits=FAST)
+    out = run_tests(extract_program(ADD_HANG), ASSERTS, test_timeout=0.4, row_timeout=0.6, limits=FAST)
     assert out == ["timeout"] * 4  # two run and time out, the other two are not started
 
 
