@@ -85,17 +85,16 @@ def single_rank_env():
             os.environ[k] = v
 
 
-# The suite's slowest files, slowest first (their time in `make test` on the 2-core machine, 2026-11-26: 47 s
-# down to 4.5 s; the other files take under 3 s each). pytest-xdist gives a file to whichever worker is free,
+# The suite's slowest files, slowest first (their time in `make test` on the 2-core machine, 2026-11-26: 46 s
+# down to 3.6 s; the other files take under 3 s each). pytest-xdist gives a file to whichever worker is free,
 # in the order of the collection: the long ones started first leave the short ones to even out the two workers'
 # ends (longest first). `make test` passes --no-loadscope-reorder, or xdist would order the files by their
 # number of tests instead.
 SLOWEST_FIRST = ["test_distributed.py", "test_algos_train.py", "test_ref_server.py", "test_algos_losses_train.py",
-                 "test_ref_fault.py", "test_agents_train.py", "test_code_tests.py", "test_recipes.py", "test_layers.py",
-                 "test_rewards_trl.py", "test_reward_pool.py", "test_ref_client.py", "test_reward_learning.py",
-                 "test_gpu_check.py", "test_multiturn.py", "test_eval_script.py", "test_sandbox.py",
-                 "test_algos_hooks.py", "test_static_engine.py", "test_reward_server.py", "test_lora.py",
-                 "test_bench_ref_http.py", "test_reward_remote.py"]
+                 "test_ref_fault.py", "test_agents_train.py", "test_recipes.py", "test_layers.py", "test_reward_pool.py",
+                 "test_gpu_check.py", "test_reward_learning.py", "test_code_tests.py", "test_multiturn.py",
+                 "test_ref_client.py", "test_eval_script.py", "test_sandbox.py", "test_reward_server.py",
+                 "test_algos_hooks.py", "test_reward_remote.py", "test_bench_ref_http.py", "test_lora.py"]
 
 
 def pytest_collection_modifyitems(config, items):
