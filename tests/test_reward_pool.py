@@ -128,7 +128,8 @@ def test_what_a_worker_writes_into_its_pipe_is_never_unpickled_or_waited_for(tmp
     call's deadline; anything else is that call's error and the worker is replaced."""
     marker = tmp_path / "code-ran"
     r = combined([{"fn": "tests.reward_fixtures:pipe_writer", "kwargs": {"mode": mode, "marker": str(marker)}},
-                  {"fn": "tests.reward_fixtures:length_bonus"}], workers=1, timeout=3.0)
+                  {"fn": "tests.reward_fixtures:length_bonus"}], workers=1,
+                 timeout=3.0 if mode == "pickle" else 1.0)  # partial, huge: pipe_writer never answers (600 s)
     try:
         t0 = time.monotonic()
         total, per_fn = r(["p"], ["abc"], {})
