@@ -60,6 +60,9 @@ class EnvSetup:
                 limits = dict(vars(sandbox)) if sandbox is not None else {"timeout": 5.0}
                 limits["timeout"] = min(limits["timeout"], max(0.5, env_cfg.tool_timeout - 1.0))
                 kwargs["sandbox"] = limits
+                from rewards.sandbox import announce
+
+                announce(limits)  # what holds on this machine, and what does not, said at start
             tools[s.name or s.fn.split(":")[-1]] = (s.fn, kwargs)
         self.toolbox = ToolBox(tools, env_cfg.tool_workers, env_cfg.tool_timeout, env_cfg.max_tool_output_chars,
                                env_cfg.tool_limits)

@@ -29,18 +29,21 @@ def format_number(value: Fraction) -> str:
 def python(code: str, sandbox: Any = None, max_chars: int = 1000, **_: object) -> str:
     """Run ``code`` (Python source) in the sandbox (rewards/sandbox.py, the run's ``sandbox:`` limits) and answer
     its stdout; when it fails, its stdout and the last line of its error (or why it was stopped). Whatever the
-    code does ends with this call: the answer is text for the policy, never an error of the tool."""
-    from rewards.sandbox import run_python
+    code does ends with this call: the answer is text for the policy, not an error of the tool. A program the
+    sandbox could not run (a namespace or a fork refused) is: SandboxError, counted as the tool's error."""
+    from rewards.sandbox import SandboxError, run_python
 
     r = run_python(code, sandbox)
+    if r.reason == "error":
+        raise SandboxError(f"the sandbox could not run the program: {r.error}")
     out = r.stdout.rstrip()
     if len(out) > max_chars:
         out = out[:max_chars] + "\n[output cut]"
     if not r.ok:
         last = (r.stderr.strip().splitlines() or [""])[-1][:max_chars]
         why = {"timeout": "timed out", "cpu": "used up its CPU time", "memory": "ran out of memory",
-               "output_limit": "wrote too much output", "signal": f"was killed (signal {-(r.returncode or 0)})",
-               "error": "could not start"}.get(r.reason, f"exited with code {r.returncode}")
+               "output_limit": "wrote too much output", "signal": f"was killed (signal {-(r.returncode or 0)})"
+               }.get(r.reason, f"exited with code {r.returncode}")
         out = "\n".join(part for part in (out, last, f"[the program {why}]") if part)
     return out
 

@@ -100,6 +100,9 @@ class FunctionTerm:
         self.kwargs = dict(spec.kwargs)
         if getattr(fn, "uses_sandbox", False) and "sandbox" not in self.kwargs:  # runs untrusted code: the run's limits
             self.kwargs["sandbox"] = dict(vars(sandbox)) if sandbox is not None else None
+            from rewards.sandbox import announce
+
+            announce(self.kwargs["sandbox"])  # what holds on this machine, and what does not, said at start
         self.metric_keys: tuple[str, ...] = tuple(getattr(fn, "metric_keys", ()))
         self.style = call_style(fn, spec.style, spec.fn in REGISTRY)
         self.inline = spec.isolation == "inline" or pool.num_workers == 0

@@ -94,6 +94,11 @@ def binding_problem(fn: Callable, style: str, columns: list[str], kwargs: dict[s
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check
         return None
+    for name in columns:  # a list where it takes one value: every row would fail (or be misread)
+        p = sig.parameters.get(name)
+        if p is not None and p.default is not inspect.Parameter.empty and p.default is not None:
+            return (f"the column {name!r} would be passed as its setting {name!r} (default {p.default!r}), a list "
+                    f"of the rows' values where it takes one value")
     cols = {c: [] for c in columns}
     try:
         if style == "plain":

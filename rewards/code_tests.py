@@ -7,7 +7,8 @@ line on. Each test runs in its own sandboxed process (rewards/sandbox.py) within
 cut there; the rest count as timeouts). The reward is the fraction of tests passed (``mode: fraction``) or
 1 only when all pass (``mode: all``). The row's ``tests`` column is one of (``format: auto`` tells them apart):
 
-  assert  a list of statements, or one text of them (MBPP's ``test_list``: ``assert f(1) == 2``); with an
+  assert  a list of statements, or one text of them (MBPP's ``test_list``: ``assert f(1) == 2``; in a text, each
+          top-level assert is a test, run after the imports and helpers above it); with an
           ``entry_point`` column, a text defining ``check(candidate)`` (HumanEval's ``test``) is one test
   stdio   ``{"inputs": [...], "outputs": [...]}`` (APPS / CodeContests) or ``[{"input": .., "output": ..}]``:
           the program reads stdin; its stdout must equal the output (trailing spaces and blank lines aside)
@@ -25,6 +26,7 @@ frames could still forge one (docs/sandbox.md, non-guarantees).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -97,6 +99,25 @@ def extract_program(text: str, entry_point: Optional[str] = None) -> str:
     return text[m.start():] if m else text
 
 
+def split_asserts(text: str) -> list[str]:
+    """Tests given as one text: a test per top-level ``assert`` (however many lines it spans), each run after
+    every other statement above it (imports, helpers, constants); a text that does not parse is one test."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return [text]
+    lines = text.splitlines(keepends=True)
+    setup, tests = "", []
+    for node in tree.body:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        source = "".join(lines[first - 1:node.end_lineno])
+        if isinstance(node, ast.Assert):
+            tests.append(setup + source)
+        else:
+            setup += source
+    return tests or [text]
+
+
 def _jobs(tests: Any, entry_point: Optional[str], fmt: str) -> list[tuple[dict, Optional[str], Optional[str]]]:
     """(job, stdin, expected stdout) per test."""
     if isinstance(tests, str) and tests.strip()[:1] in "[{":
@@ -115,7 +136,7 @@ def _jobs(tests: Any, entry_point: Optional[str], fmt: str) -> list[tuple[dict, 
         if isinstance(tests, str):
             if "def check(" in tests:
                 return [({"kind": "assert", "test": tests, "entry_point": entry_point}, None, None)]
-            tests = [line for line in tests.splitlines() if line.strip().startswith("assert")]
+            tests = split_asserts(tests)
         return [({"kind": "assert", "test": str(t)}, None, None) for t in tests]
     if fmt == "stdio":
         pairs = (list(zip(tests["inputs"], tests["outputs"])) if isinstance(tests, dict)
@@ -159,6 +180,8 @@ def run_tests(program: str, tests: Any, entry_point: Optional[str] = None, fmt: 
         # a test never runs past the row's own time limit
         r = sandbox.run(["python", "harness.py"], dataclasses.replace(lim, timeout=min(per_test, left)), stdin=stdin,
                         files={"harness.py": HARNESS, "job.json": json.dumps(job)})
+        if r.reason == "error":  # not the program's failure: the reward's, counted and logged as its error
+            raise sandbox.SandboxError(f"code_tests: the sandbox could not run the program: {r.error}")
         marks = re.findall(rf"^{nonce}:(\w+)$", r.stderr, re.M)
         if marks:
             what = marks[-1]

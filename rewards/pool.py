@@ -208,7 +208,10 @@ def encode_answer(seq: int, out: Outcome, tainted: Optional[str] = None) -> byte
 
 def decode_answer(raw: bytes, seq: int) -> Outcome:
     """The Outcome in ``raw``; ValueError unless it is JSON answering call ``seq`` in the expected shape."""
-    d = json.loads(raw)
+    try:
+        d = json.loads(raw)
+    except RecursionError as e:  # not a ValueError: it would leave the step
+        raise ValueError(f"not the answer to call {seq}: JSON nested too deeply") from e
     if not isinstance(d, dict) or d.get("seq") != seq or d.get("status") not in ("ok", "error", "timeout"):
         raise ValueError(f"not the answer to call {seq}: {raw[:80]!r}")
     values, error = d.get("values"), d.get("error")

@@ -1,30 +1,43 @@
-"""Running untrusted (model-written) code: one execution, one locked-down process group (docs/sandbox.md).
+"""Running untrusted (model-written) code: one execution, isolated from the trainer and from every other run
+(docs/sandbox.md).
 
 Used by the ``code_tests`` reward (rewards/code_tests.py) and the ``python`` tool (envs/tools.py). Each
-:func:`run` starts a small launcher (rewards/_launch.py) with ``start_new_session`` (its own process group),
-in a fresh temporary directory, with an empty environment and stdin closed (or given). The launcher, before
-it ``exec`` s the program:
+:func:`run` starts a small launcher (rewards/_launch.py) in a session of its own, in a fresh folder, with an
+empty environment and stdin closed (or given), under the run's own cgroup where one can be made. Where the
+kernel allows it (probed once, :func:`capabilities`):
 
-  - enters a new network namespace (``unshare(CLONE_NEWNET)``): no interface but a down loopback, so no
-    connection anywhere, loopback included. Where the kernel or the container refuses, it is logged once
-    and the program has the trainer's network (``sandbox.network: required`` makes that an error instead);
-  - sets RLIMIT_AS (memory), RLIMIT_CPU (CPU seconds), RLIMIT_FSIZE (largest file), RLIMIT_NOFILE (open
-    files), RLIMIT_NPROC (processes: no fork bomb), RLIMIT_CORE 0;
-  - when running as root, drops to the unprivileged user ``sandbox.user`` (default ``nobody``): root is
-    exempt from RLIMIT_NPROC and may write anywhere. It stays root only when that user does not exist or
-    cannot execute the interpreter (a Python under /root): logged once, see :func:`capabilities`.
+  - its own PID namespace: the program's init reaps every orphan, and when the program ends or is killed,
+    every process it started dies with it (``setsid`` daemons included); no zombie is left to the trainer;
+  - its own mount namespace: a private root holding the system folders and the interpreter read-only, its own
+    /proc, /dev, a private /tmp and /dev/shm (``tmp_mb`` each, gone with the run), and its run folder, the only
+    writable path of the host; the trainer's run folder, data and code are not there;
+  - its own network namespace: no interface but a down loopback (``network: auto``; ``allowed`` keeps the
+    trainer's network; ``required`` refuses to run without one);
+  - as root: a uid of its own per concurrent run (``uid_base`` + slot; ``user`` names one user for all
+    instead), so RLIMIT_NPROC and file ownership are per run; as a plain user: a user namespace (the program
+    has the trainer's uid outside, 65534 inside, and no capability), and RLIMIT_NPROC only where the kernel
+    counts it per user namespace (Linux >= 5.14), never on the trainer's own uid;
+  - a cgroup (v1 ``memory`` + ``pids`` or v2) with ``memory_mb`` and ``processes`` on the whole run;
+  - per-process rlimits: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE 0.
 
-The parent reads stdout and stderr as they come, keeps at most ``max_output_bytes`` of each (a program that
-writes more is killed: ``output_limit``), and kills the whole group (``os.killpg``) at the wall-clock
-``timeout`` and after the program ends (stray children). The reason the run ended is one of
-``ok | exit | timeout | cpu | memory | output_limit | signal | error`` (:class:`Result`).
+Where a protection cannot be had it is said once, in :func:`describe`, which the trainer logs at start;
+``isolation: required`` refuses to run without the namespaces instead. A run that cannot start (a namespace,
+a mount, the fork or the exec refused) ends with reason ``error`` and the launcher's line in
+:attr:`Result.error`: an infrastructure error, never the program's; callers raise :class:`SandboxError`.
+
+The parent feeds stdin and reads stdout and stderr as they come, keeps at most ``max_output_bytes`` of each
+(a program that writes more is killed: ``output_limit``), and kills the launcher's group at the wall-clock
+``timeout``. The reason the run ended is one of ``ok | exit | timeout | cpu | memory | output_limit | signal |
+error`` (:class:`Result`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import platform
 import pwd
 import selectors
 import shutil
@@ -32,16 +45,24 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 log = logging.getLogger("sandbox")
 
 LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 _logged: set[str] = set()
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc")
+SLOTS = 4096  # concurrent runs on one machine, as root: uids uid_base .. uid_base + SLOTS - 1
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not run the program (an infrastructure error, not the program's)."""
 
 
 @dataclass
@@ -53,10 +74,13 @@ class Limits:
     memory_mb: int = 512
     file_size_mb: int = 16
     open_files: int = 64
-    processes: int = 64
+    processes: int = 256
     max_output_bytes: int = 65536
+    tmp_mb: int = 64
     network: str = "auto"
-    user: str = "nobody"
+    isolation: str = "auto"
+    user: str = "auto"
+    uid_base: int = 2_100_000_000
     python: str = ""
 
     @classmethod
@@ -78,8 +102,9 @@ class Limits:
 @dataclass
 class Result:
     """How one execution ended. ``reason``: ok (exit 0) | exit (another exit code) | timeout (wall clock) |
-    cpu (RLIMIT_CPU) | memory (MemoryError or a failed allocation) | output_limit | signal (killed by another
-    signal: a segfault, a kill) | error (the sandbox could not start it)."""
+    cpu (RLIMIT_CPU) | memory (MemoryError, a failed allocation, the run's cgroup out of memory) | output_limit |
+    signal (killed by another signal: a segfault, a kill) | error (the sandbox could not run it: ``error`` says
+    why)."""
 
     reason: str
     returncode: Optional[int]
@@ -88,6 +113,7 @@ class Result:
     seconds: float
     truncated: bool = False
     notes: list[str] = field(default_factory=list)
+    error: str = ""
 
     @property
     def ok(self) -> bool:
@@ -111,102 +137,417 @@ def _world_executable(path: str) -> bool:
         return False
 
 
-@lru_cache(maxsize=None)
-def _interpreter(python: str, user: str) -> tuple[str, Optional[tuple[int, int]]]:
-    """(the interpreter to run, (uid, gid) to drop to or None)."""
-    if os.geteuid() != 0 or not user:
-        return python or sys.executable, None
+@dataclass(frozen=True)
+class Plan:
+    """How runs are isolated on this machine, for one (python, user, network, isolation): probed once."""
+
+    python: str
+    namespaces: bool  # own PID, mount, IPC and UTS namespaces, a private root
+    userns: bool  # ... inside a user namespace (not root)
+    network: str  # what the launcher is asked: auto/required (own namespace) or allowed
+    ids: Optional[tuple[int, int]]  # one user for every run (sandbox.user names one)
+    slots: bool  # a uid of its own per concurrent run (root, user auto)
+    nproc: bool  # RLIMIT_NPROC is per run (own uid, or counted per user namespace)
+    read_only: tuple[str, ...]
+    cgroup: Optional[dict]
+    why_not: str = ""  # why the namespaces could not be had
+
+
+def _kernel_counts_nproc_per_userns() -> bool:
     try:
-        pw = pwd.getpwnam(user)
-    except KeyError:
-        _log_once("user", f"sandbox: user {user!r} does not exist: untrusted code runs as root (no RLIMIT_NPROC, "
-                          f"writes anywhere root can); create it or set sandbox.user")
-        return python or sys.executable, None
-    candidates = [python] if python else [sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]
-    for c in candidates:
-        if c and _world_executable(c):
-            return c, (pw.pw_uid, pw.pw_gid)
-    _log_once("python", f"sandbox: user {user!r} cannot execute {candidates[0]!r} (a directory above it is private): "
-                        f"untrusted code runs as root; set sandbox.python to an interpreter others can run")
-    return python or sys.executable, None
+        major, minor = (int(x) for x in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
 
 
 @lru_cache(maxsize=None)
-def network_isolation() -> bool:
-    """Whether this kernel/container lets a process enter a new network namespace (probed once)."""
-    probe = subprocess.run([sys.executable, "-I", "-S", LAUNCHER, json.dumps({"network": "required"}), "--",
-                            sys.executable, "-I", "-S", "-c", "pass"], capture_output=True, timeout=30)
-    return probe.returncode == 0
+def _prefixes(python: str) -> tuple[str, ...]:
+    """The folders an interpreter needs (its prefixes, a venv's and its base), real paths."""
+    try:
+        out = subprocess.run([python, "-I", "-c", "import sys, json; print(json.dumps([sys.prefix, "
+                              "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))"],
+                             capture_output=True, text=True, timeout=30, env={})
+        dirs = json.loads(out.stdout)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        dirs = []
+    dirs += [os.path.dirname(os.path.abspath(python)), os.path.dirname(os.path.realpath(python))]
+    found: list[str] = []
+    for d in sorted({os.path.realpath(x) for x in dirs} | {os.path.abspath(x) for x in dirs}):
+        if d != "/" and not any(d == s or d.startswith(s + "/") for s in (*SYSTEM_DIRS, *found)):
+            found.append(d)
+    return tuple(found)
+
+
+def _own_cgroup(controller: str) -> Optional[str]:
+    """This process's cgroup folder for ``controller`` ("" = the v2 hierarchy), where it can be written."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if controller in names.split(",") if controller else names == "":
+            mounts = [f"/sys/fs/cgroup/{controller}"] if controller else ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            for m in mounts:
+                d = m + path.rstrip("/")
+                if os.path.isfile(os.path.join(d, "cgroup.procs")) and os.access(d, os.W_OK):
+                    return d
+    return None
+
+
+@lru_cache(maxsize=None)
+def _cgroup_layout() -> Optional[dict]:
+    """Where a run's cgroup can be made: {"memory": folder, "pids": folder}, v1 or v2, or None."""
+    v1 = {c: _own_cgroup(c) for c in ("memory", "pids")}
+    if all(v1.values()):
+        return v1
+    v2 = _own_cgroup("")
+    if v2:
+        probe = os.path.join(v2, f"grpo-sandbox-probe-{os.getpid()}")
+        try:
+            os.mkdir(probe)
+            try:
+                have = Path(probe, "cgroup.controllers").read_text().split()
+            finally:
+                os.rmdir(probe)
+        except OSError:
+            have = []
+        if "memory" in have and "pids" in have:
+            return {"memory": v2, "pids": v2}
+    return None
+
+
+class _Cgroup:
+    """One run's cgroup(s): ``memory_mb`` and ``processes`` on the run as a whole."""
+
+    _count = 0
+    _lock = threading.Lock()
+
+    def __init__(self, layout: dict, lim: Limits):
+        with self._lock:
+            _Cgroup._count += 1
+            name = f"grpo-sandbox-{os.getpid()}-{_Cgroup._count}"
+        self.dirs = sorted({os.path.join(parent, name) for parent in layout.values()})
+        self.v2 = len(self.dirs) == 1
+        for d in self.dirs:
+            os.mkdir(d)
+        mem, pids = os.path.join(layout["memory"], name), os.path.join(layout["pids"], name)
+        if lim.memory_mb:
+            size = str(lim.memory_mb * 1024 * 1024)
+            self._write(mem, "memory.max" if self.v2 else "memory.limit_in_bytes", size)
+            if self.v2 and os.path.exists(os.path.join(mem, "memory.swap.max")):
+                self._write(mem, "memory.swap.max", "0")
+        if lim.processes:
+            self._write(pids, "pids.max", str(lim.processes + 2))  # + the launcher and the namespace's init
+        self.mem = mem
+
+    @staticmethod
+    def _write(d: str, name: str, value: str) -> None:
+        Path(d, name).write_text(value)
+
+    @property
+    def procs(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    def out_of_memory(self) -> bool:
+        try:
+            text = Path(self.mem, "memory.events" if self.v2 else "memory.oom_control").read_text()
+        except OSError:
+            return False
+        counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+        return int(counts.get("oom_kill", 0)) > 0
+
+    def close(self) -> None:
+        """Kill what is left in it (nothing, normally) and remove it."""
+        end = time.monotonic() + 5
+        for d in self.dirs:
+            while True:
+                try:
+                    pids = [int(p) for p in Path(d, "cgroup.procs").read_text().split()]
+                except OSError:
+                    pids = []
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                try:
+                    os.rmdir(d)
+                    break
+                except OSError:
+                    if time.monotonic() > end:
+                        _log_once("cgroup-rmdir", f"sandbox: could not remove the cgroup {d}")
+                        break
+                    time.sleep(0.01)
+
+
+def _slot_dir() -> str:
+    d = os.path.join(tempfile.gettempdir(), "grpo-sandbox-slots")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+@contextmanager
+def _slot(plan: Plan, lim: Limits) -> Iterator[Optional[tuple[int, int]]]:
+    """The (uid, gid) of this run: a slot of its own (held by a lock until the run ends), the named user, or
+    None (keep the trainer's uid)."""
+    if not plan.slots:
+        yield plan.ids
+        return
+    d = _slot_dir()
+    for n in range(SLOTS):
+        fd = os.open(os.path.join(d, f"{n}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        try:
+            yield lim.uid_base + n, lim.uid_base + n
+        finally:
+            os.close(fd)
+        return
+    raise SandboxError(f"sandbox: all {SLOTS} uid slots are taken (concurrent runs on this machine)")
+
+
+def _launch(spec: dict, argv: list[str], work: str, timeout: float = 30) -> tuple[int, str]:
+    """Run the launcher with ``spec`` and wait: (exit code, the launcher's error line)."""
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, json.dumps(dict(spec, status_fd=write_end)),
+                                 "--", *argv], cwd=work, env={}, start_new_session=True, pass_fds=(write_end,),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, _read_status(read_end) or err.decode(errors="replace").strip()
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
+        return -9, "the probe did not finish"
+    finally:
+        os.close(read_end)
+
+
+def _read_status(fd: int) -> str:
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 4096).decode(errors="replace").strip()
+    except BlockingIOError:
+        return ""
+
+
+@lru_cache(maxsize=None)
+def _plan(python: str, user: str, network: str, isolation: str, uid_base: int) -> Plan:
+    root = os.geteuid() == 0
+    ids: Optional[tuple[int, int]] = None
+    slots = False
+    if root and user == "auto":
+        slots = True
+    elif root and user:
+        try:
+            pw = pwd.getpwnam(user)
+            ids = (pw.pw_uid, pw.pw_gid)
+        except KeyError:
+            raise SandboxError(f"sandbox.user={user!r} does not exist on this machine: create it, or give 'auto' "
+                               f"(a uid of its own per run, from sandbox.uid_base) or '' (stay root: not advised)")
+    python = python or sys.executable
+    read_only = tuple(d for d in SYSTEM_DIRS if os.path.lexists(d)) + _prefixes(python)
+    userns = not root
+    probe_uid = (uid_base, uid_base) if slots else ids
+    spec = {"namespaces": True, "userns": userns, "network": "auto" if network != "allowed" else "allowed",
+            "read_only": list(read_only), "uid": probe_uid[0] if probe_uid else None,
+            "gid": probe_uid[1] if probe_uid else None}
+    work = tempfile.mkdtemp(prefix="sandbox-probe-")
+    try:
+        os.mkdir(os.path.join(work, "work"))
+        os.mkdir(os.path.join(work, "root"))
+        if probe_uid:
+            os.chown(os.path.join(work, "work"), *probe_uid)
+        os.chmod(work, 0o755)
+        if isolation == "none":
+            namespaces, why = False, "sandbox.isolation is none"
+        else:
+            rc, why = _launch(dict(spec, work=os.path.join(work, "work"), root=os.path.join(work, "root")),
+                              [python, "-I", "-S", "-c", "pass"], work)
+            # an interpreter that cannot be run is every run's error (SandboxError), not a reason to run weaker
+            namespaces = rc == 0 or why.startswith("sandbox launcher: exec ")
+        net = network
+        if not namespaces:
+            # without namespaces: a network namespace alone, as before
+            net_rc, _ = _launch({"network": "required"}, [sys.executable, "-I", "-S", "-c", "pass"], work)
+            if net_rc != 0 and network == "auto":
+                net = "allowed"
+            if (probe_uid or ids) and not _world_executable(python):  # no private root: the uid must reach it
+                python = next((c for c in ("/usr/bin/python3", "/usr/local/bin/python3") if _world_executable(c)),
+                              python)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    nproc = bool(slots or ids) or (namespaces and userns and _kernel_counts_nproc_per_userns())
+    return Plan(python=python, namespaces=namespaces, userns=userns and namespaces,
+                network=net if not namespaces else ("allowed" if network == "allowed" else "auto"),
+                ids=ids, slots=slots, nproc=nproc, read_only=read_only, cgroup=_cgroup_layout(),
+                why_not="" if namespaces else why)
+
+
+def plan_of(lim: Limits) -> Plan:
+    return _plan(lim.python, lim.user, lim.network, lim.isolation, lim.uid_base)
+
+
+def network_isolation(limits: Any = None) -> bool:
+    """Whether a run gets a network namespace of its own here (probed once)."""
+    lim = Limits.of(limits)
+    return plan_of(Limits.of(dict(asdict(lim), network="auto"))).network == "auto"
 
 
 def capabilities(limits: Any = None) -> dict[str, Any]:
-    """What the sandbox can enforce here: ``network`` (own namespace), ``unprivileged`` (runs as a user other
-    than the trainer's: it cannot write the trainer's files or read its private ones), ``python``."""
+    """What the sandbox enforces here, probed once: ``namespaces`` (own PID and mount namespaces: every process
+    ends with the run, only its folder is writable, private /tmp), ``network`` (own namespace), ``own_uid``
+    (a uid per run), ``drops_user`` (runs as a user other than root), ``unprivileged`` (cannot write the
+    trainer's files or read its private ones), ``processes`` (how fork bombs are capped, or None),
+    ``cgroup`` (memory and processes bounded on the whole run), ``python``."""
     lim = Limits.of(limits)
-    python, ids = _interpreter(lim.python, lim.user)
-    return {"network": network_isolation() if lim.network != "allowed" else False,
-            "unprivileged": ids is not None or os.geteuid() != 0, "drops_user": ids is not None, "python": python}
+    plan = plan_of(lim)
+    return {"namespaces": plan.namespaces, "network": plan.network == "auto" and lim.network != "allowed",
+            "own_uid": plan.slots, "drops_user": bool(plan.slots or plan.ids), "userns": plan.userns,
+            "unprivileged": bool(plan.slots or plan.ids) or plan.namespaces,
+            "processes": ("cgroup" if plan.cgroup and lim.processes else "rlimit" if plan.nproc else None),
+            "cgroup": plan.cgroup is not None, "python": plan.python, "why_not": plan.why_not}
+
+
+def describe(limits: Any = None) -> str:
+    """One line: which protections hold on this machine and which do not (the trainer logs it at start)."""
+    caps = capabilities(limits)
+    holds, lacks = [], []
+    (holds if caps["namespaces"] else lacks).append("own PID namespace and private root (nothing outlives a run; "
+                                                    "only its folder writable; private /tmp and /dev/shm)")
+    (holds if caps["network"] else lacks).append("no network")
+    if caps["own_uid"]:
+        holds.append("a uid of its own per run")
+    elif caps["userns"]:
+        holds.append("a user namespace (the trainer's uid, no capability)")
+    elif caps["drops_user"]:
+        holds.append("one unprivileged user for every run")
+    else:
+        lacks.append("another user than the trainer's")
+    (holds if caps["cgroup"] else lacks).append("a cgroup on the whole run (memory, processes)")
+    (holds if caps["processes"] else lacks).append("a process cap (fork bombs)")
+    text = f"sandbox ({caps['python']}): holds {'; '.join(holds) or 'rlimits only'}"
+    if lacks:
+        text += f"; does NOT hold {'; '.join(lacks)}"
+        if caps["why_not"]:
+            text += f" (namespaces refused: {caps['why_not']})"
+    return text
+
+
+def announce(limits: Any = None) -> None:
+    """Log :func:`describe` once per process (a warning when something does not hold): a reward or a tool that
+    runs model code calls it when the run builds it."""
+    text = describe(limits)
+    if text not in _logged:
+        _logged.add(text)
+        (log.warning if "does NOT hold" in text else log.info)(text)
+
+
+def check(limits: Any = None) -> None:
+    """Raise SandboxError when the config asks for what this machine cannot give (``network: required``,
+    ``isolation: required``); the trainer and ``--print-config`` call it."""
+    lim = Limits.of(limits)
+    caps = capabilities(lim)
+    if lim.network == "required" and not caps["network"]:
+        raise SandboxError("sandbox.network=required, but this machine refuses a network namespace (unshare "
+                           "CLONE_NEWNET needs CAP_SYS_ADMIN or a user namespace): run the trainer as root, or with "
+                           f"--cap-add SYS_ADMIN in a container, or set sandbox.network: auto ({caps['why_not']})")
+    if lim.isolation == "required" and not caps["namespaces"]:
+        raise SandboxError("sandbox.isolation=required, but this machine refuses the sandbox's PID and mount "
+                           f"namespaces ({caps['why_not']}): allow user namespaces or CAP_SYS_ADMIN, or set "
+                           "sandbox.isolation: auto to run with rlimits only")
 
 
 def python_command(lim: Limits) -> list[str]:
     """The interpreter and its flags: isolated mode (no PYTHON* variables, no user site, no cwd on sys.path)."""
-    return [_interpreter(lim.python, lim.user)[0], "-I", "-B"]
+    return [plan_of(lim).python, "-I", "-B"]
 
 
 def run(argv: list[str], limits: Any = None, stdin: Optional[str] = None,
         files: Optional[dict[str, str]] = None) -> Result:
-    """Run ``argv`` (``argv[0]`` = ``"python"`` means the sandbox's interpreter) in a fresh temporary directory
-    holding ``files`` (name -> text), under ``limits``; ``stdin`` is its input (None: closed)."""
+    """Run ``argv`` (``argv[0]`` = ``"python"`` means the sandbox's interpreter) in a fresh folder holding
+    ``files`` (name -> text), under ``limits``; ``stdin`` is its input (None: closed)."""
     lim = Limits.of(limits)
-    python, ids = _interpreter(lim.python, lim.user)
-    if argv and argv[0] == "python":
-        argv = python_command(lim) + list(argv[1:])
-    network = lim.network
-    if network == "auto" and not network_isolation():
+    plan = plan_of(lim)
+    if lim.isolation == "required" and not plan.namespaces:
+        check(lim)
+    if lim.network == "auto" and plan.network == "allowed":
         _log_once("network", "sandbox: this kernel/container refuses a new network namespace (unshare "
                              "CLONE_NEWNET): untrusted code has the trainer's network (docs/sandbox.md)")
-        network = "allowed"
-    spec = {"memory_mb": lim.memory_mb, "cpu_seconds": lim.cpu_seconds, "file_size_mb": lim.file_size_mb,
-            "open_files": lim.open_files, "processes": lim.processes, "network": network,
-            "uid": ids[0] if ids else None, "gid": ids[1] if ids else None}
-    work = tempfile.mkdtemp(prefix="sandbox-")
-    try:
-        for name, text in (files or {}).items():
-            Path(work, name).write_text(text)
-        if ids:
-            for p in [work, *(str(Path(work, n)) for n in files or {})]:
-                os.chown(p, *ids)
-        cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(spec), "--", *argv]
-        for attempt in range(4):
-            result = _execute(cmd, work, lim, stdin)
-            # the sandbox user's processes of a run just killed (a fork bomb) wait for init to reap them
-            if not (result.reason == "error" and "Resource temporarily unavailable" in result.stderr):
-                break
-            time.sleep(0.5 * (attempt + 1))
-        return result
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    if argv and argv[0] == "python":
+        argv = python_command(lim) + list(argv[1:])
+    with _slot(plan, lim) as ids:
+        base = tempfile.mkdtemp(prefix="sandbox-")
+        work = os.path.join(base, "work")
+        cgroup = None
+        try:
+            os.chmod(base, 0o755)
+            os.mkdir(work)
+            if plan.namespaces:
+                os.mkdir(os.path.join(base, "root"))
+            for name, text in (files or {}).items():
+                Path(work, name).write_text(text)
+            if ids:
+                for p in [work, *(str(Path(work, n)) for n in files or {})]:
+                    os.chown(p, *ids)
+            if plan.cgroup:
+                cgroup = _Cgroup(plan.cgroup, lim)
+            spec = {"memory_mb": lim.memory_mb, "cpu_seconds": lim.cpu_seconds, "file_size_mb": lim.file_size_mb,
+                    "open_files": lim.open_files, "nproc": lim.processes if plan.nproc else 0,
+                    "network": plan.network if lim.network != "required" else "required",
+                    "uid": ids[0] if ids else None, "gid": ids[1] if ids else None, "work": work,
+                    "namespaces": plan.namespaces, "userns": plan.userns, "read_only": list(plan.read_only),
+                    "root": os.path.join(base, "root") if plan.namespaces else None, "tmp_mb": lim.tmp_mb,
+                    "cgroups": cgroup.procs if cgroup else []}
+            result = _execute(spec, argv, base, lim, stdin)
+            if cgroup and result.reason in ("signal", "exit") and cgroup.out_of_memory():
+                result.reason = "memory"
+            if ids and not plan.namespaces and result.reason in ("timeout", "output_limit"):
+                _kill_uid(ids[0])  # the launcher was killed before it could end the uid's processes
+            return result
+        finally:
+            if cgroup:
+                cgroup.close()
+            shutil.rmtree(base, ignore_errors=True)
 
 
-def _execute(cmd: list[str], cwd: str, lim: Limits, stdin: Optional[str]) -> Result:
+def _kill_uid(uid: int) -> None:
+    subprocess.run([sys.executable, "-I", "-S", "-c", f"import os; os.setuid({uid}); os.kill(-1, 9)"],
+                   env={}, capture_output=True, timeout=30)
+
+
+def _execute(spec: dict, argv: list[str], cwd: str, lim: Limits, stdin: Optional[str]) -> Result:
     t0 = time.monotonic()
+    read_end, write_end = os.pipe()
+    cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(dict(spec, status_fd=write_end)), "--", *argv]
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env={}, start_new_session=True, close_fds=True,
+        proc = subprocess.Popen(cmd, cwd=cwd, env={}, start_new_session=True, close_fds=True, pass_fds=(write_end,),
                                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as e:
-        return Result("error", None, "", f"sandbox could not start: {e}", 0.0)
-    if stdin is not None:
-        try:  # small inputs fit the pipe; a program that never reads does not block us past the pipe size
-            os.set_blocking(proc.stdin.fileno(), False)
-            os.write(proc.stdin.fileno(), stdin.encode()[:65536])
-        except (BlockingIOError, BrokenPipeError, OSError):
-            pass
-        proc.stdin.close()
+        os.close(read_end)
+        return Result("error", None, "", "", 0.0, error=f"sandbox could not start its launcher: {e}")
+    finally:
+        os.close(write_end)
     out = {"stdout": bytearray(), "stderr": bytearray()}
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
     sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    pending = memoryview(stdin.encode()) if stdin is not None else None
+    if pending is not None:  # fed as the program reads it: any size, and a program that never reads blocks nothing
+        os.set_blocking(proc.stdin.fileno(), False)
+        if len(pending):
+            sel.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+        else:
+            proc.stdin.close()
     deadline = t0 + lim.timeout
     reason = None
     open_streams = 2
@@ -216,6 +557,17 @@ def _execute(cmd: list[str], cwd: str, lim: Limits, stdin: Optional[str]) -> Res
             reason = "timeout"
             break
         for key, _ in sel.select(timeout=min(left, 0.5)):
+            if key.data == "stdin":
+                try:
+                    pending = pending[os.write(proc.stdin.fileno(), pending[:65536]):]
+                except BlockingIOError:
+                    continue
+                except OSError:  # it closed its stdin: the rest is not read
+                    pending = pending[:0]
+                if not len(pending):
+                    sel.unregister(proc.stdin)
+                    proc.stdin.close()
+                continue
             chunk = os.read(key.fileobj.fileno(), 65536)
             if not chunk:
                 sel.unregister(key.fileobj)
@@ -227,24 +579,44 @@ def _execute(cmd: list[str], cwd: str, lim: Limits, stdin: Optional[str]) -> Res
                 reason = "output_limit"
         if reason:
             break
-    _kill_group(proc.pid)
+    if reason is not None:
+        _stop(proc)
     try:
         rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()) if reason is None else 5)
     except subprocess.TimeoutExpired:  # stdout closed but still running (it closed its own streams)
         reason = "timeout"
-        _kill_group(proc.pid)
+        _stop(proc)
         rc = proc.wait(timeout=5)
     _kill_group(proc.pid, wait=2.0)  # anything it left behind in its group, gone before the next run
     sel.close()
-    proc.stdout.close()
-    proc.stderr.close()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass
+    error = _read_status(read_end)
+    os.close(read_end)
     seconds = time.monotonic() - t0
     stdout = bytes(out["stdout"][:lim.max_output_bytes]).decode(errors="replace")
     stderr = bytes(out["stderr"][:lim.max_output_bytes]).decode(errors="replace")
     truncated = any(len(b) > lim.max_output_bytes for b in out.values())
-    if reason is None:
+    if error:
+        reason = "error"
+    elif reason is None:
         reason = _reason(rc, stderr)
-    return Result(reason, rc, stdout, stderr, seconds, truncated)
+    return Result(reason, rc, stdout, stderr, seconds, truncated, error=error)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a run: the launcher kills and reaps its child (so no zombie is left to the machine's init), then
+    exits; a launcher that does not within 2 s is killed with its group."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=2)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    _kill_group(proc.pid)
 
 
 def _reason(rc: int, stderr: str) -> str:
@@ -254,8 +626,6 @@ def _reason(rc: int, stderr: str) -> str:
         return "cpu"
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory"
-    if rc == 121:  # the launcher's own failure (see rewards/_launch.py)
-        return "error"
     return "signal" if rc < 0 else "exit"
 
 

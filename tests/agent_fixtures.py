@@ -68,16 +68,18 @@ class BadValueEnv:
 
 
 class HugeObservationEnv:
-    """Answers every step with a 16 MiB observation."""
+    """Answers every step with a 16 MiB observation: text, or (``shape``) one message or a list of them."""
 
-    def __init__(self, **_):
-        pass
+    def __init__(self, shape="text", **_):
+        self.shape = shape
 
     def reset(self, row):
         return row["prompt"]
 
     def step(self, action):
-        return StepResult("x" * (16 << 20), 0.0, False)
+        text = "x" * (16 << 20)
+        message = {"role": "tool", "content": text}
+        return StepResult({"text": text, "message": message, "messages": [message]}[self.shape], 0.0, False)
 
 
 class SlowEnv:

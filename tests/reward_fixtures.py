@@ -133,6 +133,8 @@ def pipe_writer(prompts, completions, mode="pickle", marker="", **_):
     conn = _worker_pipe()
     if mode == "pickle":
         conn.send(_Payload(marker))  # a crafted pickle before the real answer
+    elif mode == "nested":
+        conn.send_bytes(b"[" * 100_000 + b"]" * 100_000)  # JSON nested past the parser's recursion limit
     elif mode == "huge":
         os.write(conn.fileno(), struct.pack("!i", 2**31 - 1))  # a length prefix of 2 GiB, then nothing
         time.sleep(600)

@@ -66,6 +66,16 @@ def test_stdio_formats(tests):
     score_hang(ECHO_HANG, tests)
 
 
+def test_tests_in_one_text_keep_their_imports_helpers_and_multi_line_asserts():
+    """Issue 42, item 11: only the lines starting with ``assert`` were kept, so a test needing an import or
+    spanning lines failed a correct solution."""
+    text = ("import math\nfrom fractions import Fraction\n\ndef close(a, b):\n    return math.isclose(a, b)\n\n"
+            "assert close(add(0.1, 0.2), 0.3)\nassert add(Fraction(1, 3),\n           Fraction(2, 3)) == 1\n"
+            "assert add(\n    1,\n    2,\n) == 3\nassert add(1, 1) == 3\n")
+    assert run_tests(extract_program(ADD_OK), text, limits=FAST) == ["passed", "passed", "passed", "wrong"]
+    assert score([ADD_OK], text) == [0.75]
+
+
 def test_all_or_nothing_and_humaneval_check():
     assert list(score([ADD_OK, ADD_HALF], ASSERTS, mode="all")) == [1.0, 0.0]
     check = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 5) == 5\n"

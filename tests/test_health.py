@@ -84,14 +84,24 @@ def test_stop_when_needs_a_target_and_a_window():
     assert (sw.metric, sw.at_least, sw.window, sw.min_steps) == ("reward/mean", 0.5, 5, 0)
 
 
-def stop_when_run(tmp_path, stop_when: str, steps: int = 6):
+def stop_when_run(tmp_path, stop_when: str, steps: int = 6, more: tuple = ()):
     from grpo.training.trainer import Trainer
 
     cfg = load_config(DEMO, "grpo", [f"train.output_dir={tmp_path}", "logging.progress_bar=false", "algo.beta=0",
                                      "logging.plot=false", "rollout.prompts_per_step=2", "rollout.num_generations=4",
                                      "reward_pool.num_workers=0", f"train.max_steps={steps}", f"train.stop_when={stop_when}",
-                                     "train.export_final=false"])
+                                     "train.export_final=false", *more])
     return Trainer(cfg)
+
+
+def test_stop_when_on_an_evaluation_metric_is_decided_at_the_evaluations(single_rank_env, tmp_path):
+    """Issue 42, item 15: ``eval/accuracy`` with ``eval.every: 2`` stopped the run at step 1 ("not logged")."""
+    evals = ["eval.every=2", "eval.limit=4", "data.eval_holdout=8"]
+    history = stop_when_run(tmp_path, "{metric: eval/accuracy, at_least: -1, window: 2}", more=evals).train()
+    assert [h["step"] for h in history] == [1, 2, 3, 4]  # the mean of the last 2 evaluations: after step 4
+    assert "eval/accuracy" not in history[0] and "eval/accuracy" in history[1]
+    with pytest.raises(ConfigError, match=r"train.stop_when.metric='eval/acuracy' is not logged"):
+        stop_when_run(tmp_path / "b", "{metric: eval/acuracy, at_least: 0.5}", more=evals).train()
 
 
 def test_stop_when_ends_the_run_at_the_target_with_its_final_checkpoint(single_rank_env, tmp_path, capsys):

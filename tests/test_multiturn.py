@@ -138,11 +138,13 @@ def test_the_stop_search_decodes_log_n_prefixes_and_cuts_where_a_scan_would():
         TOK.decode = real
 
 
-def test_a_huge_observation_ends_its_trajectory_without_being_tokenized():
-    """Issue 30, item 25: a 16 MiB observation was tokenized whole (~15 s, 2.7 GB per trajectory)."""
+@pytest.mark.parametrize("shape", ["text", "message", "messages"])
+def test_a_huge_observation_ends_its_trajectory_without_being_tokenized(shape):
+    """Issue 30, item 25: a 16 MiB observation was tokenized whole (~15 s, 2.7 GB per trajectory). Issue 42,
+    item 13: one message (a dict) was counted as 0 characters, and tokenized whole."""
     from tests.agent_fixtures import HugeObservationEnv
 
-    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: HugeObservationEnv(), max_turns=3,
+    mt = MultiTurnRollout(service(lambda t, r: "a"), lambda row: HugeObservationEnv(shape), max_turns=3,
                           max_trajectory_tokens=40)
     seen = []
     real = mt.render.later

@@ -22,14 +22,20 @@ def test_the_python_tool_answers_output_or_the_reason_and_survives_hostile_code(
         me = os.getpid()
         hostile = {"while True: pass": "[the program used up its CPU time]",
                    "x = bytearray(1 << 33)": "[the program ran out of memory]",
-                   "import os; os.kill(os.getppid(), 9)": "[the program was killed (signal 9)]",
+                   "import os; os.kill(os.getpid(), 9)": "[the program was killed (signal 9)]",
                    "while True: print('y' * 100)": "[the program wrote too much output]",
                    "import ctypes; ctypes.string_at(0)": "[the program was killed (signal 11)]",
                    "1/0": "ZeroDivisionError: division by zero\n[the program exited with code 1]"}
         for code, end in hostile.items():
             res = box.call("python", code)
             assert res.ok and res.output.endswith(end), (code, res)
-        if sandbox.capabilities(LIMITS)["drops_user"]:  # as another user it cannot signal the trainer at all
+        caps = sandbox.capabilities(LIMITS)
+        if caps["namespaces"]:  # its own PID namespace: neither its parent nor the trainer can be signalled
+            res = box.call("python", f"import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept PermissionError:\n"
+                                     f"    pass\nprint('alive', os.getppid())\nos.kill({me}, 9)")
+            assert res.output.startswith("alive 1\n") and res.output.endswith(
+                "ProcessLookupError: [Errno 3] No such process\n[the program exited with code 1]"), res
+        elif caps["drops_user"]:  # as another user it cannot signal the trainer at all
             res = box.call("python", f"import os; os.kill({me}, 9)")
             assert res.output.endswith("PermissionError: [Errno 1] Operation not permitted\n"
                                        "[the program exited with code 1]")
@@ -42,10 +48,10 @@ def test_the_python_tool_answers_output_or_the_reason_and_survives_hostile_code(
 
 
 def script(text: str, r: int) -> str:
-    """Row 0: an endless loop through the tool, then a right function; row 1: kills its parent, then a function
+    """Row 0: an endless loop through the tool, then a right function; row 1: kills itself, then a function
     right on one test of two."""
     if "t:" not in text:
-        return "<python>while True: pass</python>" if r == 0 else "<python>import os; os.kill(os.getppid(), 9)</python>"
+        return "<python>while True: pass</python>" if r == 0 else "<python>import os; os.kill(os.getpid(), 9)</python>"
     return "def add_2(x):\n    return 3" if "signal 9" in text else "def add_2(x):\n    return x + 2"
 
 

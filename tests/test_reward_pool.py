@@ -120,16 +120,17 @@ def test_nan_and_inf_rewards_are_errors_scored_zero_and_counted(workers, caplog)
         r.close()
 
 
-@pytest.mark.parametrize("mode", ["pickle", "huge", "partial"])
+@pytest.mark.parametrize("mode", ["pickle", "nested", "huge", "partial"])
 def test_what_a_worker_writes_into_its_pipe_is_never_unpickled_or_waited_for(tmp_path, mode):
     """Issue 30, item 3: answers were unpickled, so code in a worker (a reward running model-written code) ran a
     crafted pickle in the trainer and shifted that worker's later answers by one call; a huge length prefix
     blocked the trainer in recv past every deadline. Now an answer is JSON naming its call, read against the
-    call's deadline; anything else is that call's error and the worker is replaced."""
+    call's deadline; anything else is that call's error and the worker is replaced. Issue 42, item 10: a message
+    nested deeper than the JSON parser's recursion raised RecursionError out of the step."""
     marker = tmp_path / "code-ran"
     r = combined([{"fn": "tests.reward_fixtures:pipe_writer", "kwargs": {"mode": mode, "marker": str(marker)}},
                   {"fn": "tests.reward_fixtures:length_bonus"}], workers=1,
-                 timeout=3.0 if mode == "pickle" else 1.0)  # partial, huge: pipe_writer never answers (600 s)
+                 timeout=3.0 if mode in ("pickle", "nested") else 1.0)  # partial, huge: pipe_writer never answers (600 s)
     try:
         t0 = time.monotonic()
         total, per_fn = r(["p"], ["abc"], {})

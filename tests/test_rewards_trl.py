@@ -164,3 +164,9 @@ def test_reward_columns_are_checked_against_each_functions_parameters():
         r.check_columns(["answer"])
     with pytest.raises(ConfigError, match=r"rewards\[1\].fn='digits_match'.*multiple values for argument 'completions'"):
         r.check_columns(["answer", "solution", "completions"])  # a column named like a parameter
+    # issue 42, item 12: a column named like a setting (gold, tag, correct) bound, then every row failed
+    m = combined([{"fn": "math_correct"}], workers=0)
+    for column in ("gold", "tag", "correct", "extract"):
+        with pytest.raises(ConfigError, match=rf"rewards\[0\].fn='math_correct'.*the column '{column}' would be "
+                                              rf"passed as its setting '{column}'"):
+            m.check_columns(["answer", column])

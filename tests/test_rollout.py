@@ -244,3 +244,16 @@ def test_tokens_do_not_depend_on_how_often_finished_rows_are_checked():
             for (k1, v1), (k2, v2) in zip(kv, by_row[tuple(r)]):
                 torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-6)  # other batch sizes: float rounding
                 torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+
+
+def test_generation_passes_the_kv_cache_without_a_deprecation_warning():
+    """Issue 42, item 25: every run printed transformers' ``past_key_values`` FutureWarning (5.24 renamed the
+    argument ``cache``); the engine passes the name the installed transformers takes."""
+    import warnings
+
+    model, tok = build_tiny(seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        comp = generate(model, [tok("12=").input_ids], SamplingParams(max_tokens=3), [tok.eos_token_id],
+                        tok.pad_token_id, n=2)
+    assert len(comp.tokens) == 2

@@ -27,6 +27,18 @@ def test_outlier_names_the_phase_that_grew(capsys):
     assert w.check(6, _step(2.9, 0.5)) == "time/generation"
 
 
+def test_outlier_lines_are_rate_limited_and_count_what_they_left_out(capsys):
+    """Issue 42, item 25: 33 outlier lines in a 150-step CPU run, each breaking the progress bar."""
+    w = OutlierWatch(factor=1.5, warmup=3, quiet_steps=50)
+    flagged = 0
+    for i in range(150):
+        flagged += w.check(i, _step(1.0, 0.5) if i % 4 else _step(1.0, 5.0)) is not None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert flagged == len(w.outliers) > 30  # every outlier is still flagged in the metrics
+    assert len(lines) == 3 and lines[0].startswith("step 4:"), lines  # steps 4, 56 and 108
+    assert lines[1].startswith("step 56:") and "(12 more outlier steps since step 4" in lines[1]
+
+
 def test_first_steps_are_warm_up():
     w = OutlierWatch(factor=1.5, warmup=3)
     assert w.check(0, _step(1.0, 0.5)) is None

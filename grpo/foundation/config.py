@@ -482,17 +482,26 @@ class SandboxConfig:
     """Limits of untrusted, model-written code: the ``code_tests`` reward and the ``python`` tool run each
     program through rewards/sandbox.py under these (docs/sandbox.md). 0 = no limit for the numeric ones."""
 
-    timeout: float = 5.0  # wall-clock seconds per execution; then its whole process group is killed
+    timeout: float = 5.0  # wall-clock seconds per execution; then the run is killed, every process of it
     cpu_seconds: int = 5  # RLIMIT_CPU per process (killed past it: reason cpu)
-    memory_mb: int = 512  # RLIMIT_AS per process, in MiB (allocations fail past it: reason memory)
+    memory_mb: int = 512  # RLIMIT_AS per process, and the run's cgroup memory limit where one can be made, in MiB
+    # (allocations fail past it, or the run's cgroup kills: reason memory)
     file_size_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write, in MiB
     open_files: int = 64  # RLIMIT_NOFILE: open file descriptors per process
-    processes: int = 64  # RLIMIT_NPROC of the sandbox user (all its processes at once): no fork bomb
+    processes: int = 256  # processes and threads of one run at once (cgroup pids.max and/or RLIMIT_NPROC of the
+    # run's own uid or user namespace; never the trainer's uid): no fork bomb
     max_output_bytes: int = 65536  # stdout and stderr are each kept up to this; a program writing more is killed
+    tmp_mb: int = 64  # size of the run's private /tmp and of its /dev/shm (each; in memory; gone with the run)
     network: Literal["auto", "required", "allowed"] = "auto"  # auto: own network namespace where the kernel
-    # allows it, else logged once; required: fail instead; allowed: keep the trainer's network
-    user: str = "nobody"  # as root, run the code as this unprivileged user ("" = stay root: not advised)
-    # interpreter for Python code ("" = the trainer's, or /usr/bin/python3 when the sandbox user cannot run it)
+    # allows it, else logged once; required: refuse to start instead; allowed: keep the trainer's network
+    isolation: Literal["auto", "required", "none"] = "auto"  # own PID and mount namespaces (every process ends
+    # with its run; only its folder writable): auto: where the kernel allows (what holds is logged at start);
+    # required: refuse to start without them; none: never (rlimits, a uid and a process group only)
+    user: str = "auto"  # as root: auto = a uid of its own per concurrent run (uid_base + slot, no account
+    # needed); a user name = that user for every run; "" = stay root (not advised). Not root: ignored (the
+    # trainer's uid, inside a user namespace where the kernel allows one)
+    uid_base: int = 2_100_000_000  # the first of the per-run uids of user: auto (4096 of them)
+    # interpreter for Python code ("" = the trainer's; its folders are mounted read-only in the run's root)
     python: str = ""
 
 
@@ -827,6 +836,10 @@ def _validate_limits(cfg: Config) -> None:
                           f">= 64 (or 0 = no limit)")
     if 0 < sb.open_files < 16:
         raise ConfigError(f"sandbox.open_files={sb.open_files} is invalid: give >= 16 (or 0 = no limit)")
+    _positive("sandbox.tmp_mb", sb.tmp_mb)
+    if not 1 <= sb.uid_base <= 2**31 - 1 - 4096:
+        raise ConfigError(f"sandbox.uid_base={sb.uid_base} is invalid: give a uid from 1 to {2**31 - 1 - 4096} with "
+                          f"the 4096 after it unused by any account on the machine")
     if 0 < sb.processes < 4:
         raise ConfigError(f"sandbox.processes={sb.processes} is invalid: the launcher and the program need 2 of the "
                           f"sandbox user's processes; give >= 4 (or 0 = no limit)")

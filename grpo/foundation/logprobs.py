@@ -305,6 +305,8 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
     """
     from transformers import DynamicCache
 
+    from grpo.foundation.modeling import CACHE_ARG, cache_of
+
     U, Lp = len(prompts), max(len(p) for p in prompts)
     p_ids = torch.zeros((U, Lp), dtype=torch.long)  # right padding, masked: any id will do
     p_att = torch.zeros((U, Lp), dtype=torch.long)
@@ -313,8 +315,8 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
         p_att[i, : len(p)] = 1
     p_ids, p_att = p_ids.to(device), p_att.to(device)
     p_len = p_att.sum(-1)
-    out = model.base_model(input_ids=p_ids, attention_mask=p_att, past_key_values=DynamicCache(), use_cache=True)
-    cache = out.past_key_values
+    out = model.base_model(input_ids=p_ids, attention_mask=p_att, **{CACHE_ARG: DynamicCache()}, use_cache=True)
+    cache = cache_of(out)
     h_last = out.last_hidden_state[torch.arange(U, device=device), p_len - 1]  # predicts completion token 0
     idx = torch.tensor(which, dtype=torch.long, device=device)
     cache.batch_select_indices(idx)  # differentiable: the rows' gradients add up in the shared prompt
@@ -329,7 +331,7 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
         full_ids = packed.input_ids.to(device)
         c_ids = full_ids.gather(1, c_pos.clamp(max=full_ids.shape[1] - 1))
         att = torch.cat([p_att[idx], c_att], dim=1)
-        h_c = model.base_model(input_ids=c_ids, attention_mask=att, position_ids=c_pos, past_key_values=cache,
+        h_c = model.base_model(input_ids=c_ids, attention_mask=att, position_ids=c_pos, **{CACHE_ARG: cache},
                                use_cache=True).last_hidden_state
         return torch.cat([h_last[idx].unsqueeze(1), h_c], dim=1)
     return h_last[idx].unsqueeze(1)

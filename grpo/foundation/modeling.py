@@ -12,6 +12,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.foundation.config import ConfigError, ModelConfig, auto_dtype
+
+try:  # transformers 5.24 renamed the forward's KV-cache argument and output (the old name warns on every call)
+    from transformers.modeling_outputs import BaseModelOutputWithPast as _Out
+
+    CACHE_ARG = "cache" if "cache" in _Out.__dataclass_fields__ else "past_key_values"
+except ImportError:  # pragma: no cover
+    CACHE_ARG = "past_key_values"
+
+
+def cache_of(out) -> object:
+    """The KV cache a forward with ``use_cache=True`` returned (``out.cache`` or, before 5.24,
+    ``out.past_key_values``)."""
+    return getattr(out, CACHE_ARG)
 from grpo.foundation.tiny import BUILTIN_NAME, build_builtin, is_builtin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

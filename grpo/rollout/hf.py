@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpo.foundation import dist
+from grpo.foundation.modeling import CACHE_ARG, cache_of
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
 
 
@@ -207,9 +208,9 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, devi
                     keys[i, :, C - c:] = kv[layer][0][:, :c]
                     values[i, :, C - c:] = kv[layer][1][:, :c]
             cache.update(keys, values, layer)
-    out = model(input_ids=ids, attention_mask=att, position_ids=pos[:, C:], past_key_values=cache, use_cache=True,
+    out = model(input_ids=ids, attention_mask=att, position_ids=pos[:, C:], **{CACHE_ARG: cache}, use_cache=True,
                 logits_to_keep=1)
-    return out.past_key_values, out.logits[:, -1], att, pos[:, -1], sum(c for _, c in matches)
+    return cache_of(out), out.logits[:, -1], att, pos[:, -1], sum(c for _, c in matches)
 
 
 def _keep_rows(cache: DynamicCache, rows: torch.Tensor, att: Optional[torch.Tensor], prompt_width: int,
@@ -331,7 +332,7 @@ def generate(
             continue
         out = model(
             input_ids=tok.unsqueeze(1), attention_mask=None if att_all is None else att_all[:, : Lp + t],
-            position_ids=next_pos.unsqueeze(1), past_key_values=cache, use_cache=True,
+            position_ids=next_pos.unsqueeze(1), **{CACHE_ARG: cache}, use_cache=True,
         )
         logits = out.logits[:, -1]
         next_pos = next_pos + 1

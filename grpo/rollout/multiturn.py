@@ -97,6 +97,8 @@ def observation_chars(obs: Any) -> int:
     """The characters of an observation's text (its messages' contents)."""
     if isinstance(obs, str):
         return len(obs)
+    if isinstance(obs, dict):  # one message
+        obs = [obs]
     if isinstance(obs, list):
         return sum(len(str(m.get("content", ""))) for m in obs if isinstance(m, dict))
     return 0

@@ -84,6 +84,13 @@ def check_run(cfg: Config, resume: bool = False) -> None:
         spec = getattr(cfg.eval, key)
         if spec is not None and spec.kind == "fn":
             resolve(spec.fn, key=f"eval.{key}.fn")
+    if "required" in (cfg.sandbox.network, cfg.sandbox.isolation):  # asked for what the machine may not give
+        from rewards import sandbox
+
+        try:
+            sandbox.check(cfg.sandbox)
+        except sandbox.SandboxError as e:
+            raise ConfigError(str(e)) from e
     check_model_path("model.name_or_path", cfg.model.name_or_path)
     if cfg.model.attn_implementation == "flash_attention_2":
         try:

@@ -99,10 +99,16 @@ class OutlierWatch:
     """Keeps the last ``window`` steps' ``time/*`` metrics; ``check`` flags a step whose ``time/step`` passes
     ``factor`` x the median of those before it (after ``warmup`` steps: the first ones compile and warm up)."""
 
-    def __init__(self, factor: float = 1.5, window: int = 50, warmup: int = 3, verbose: bool = True):
+    def __init__(self, factor: float = 1.5, window: int = 50, warmup: int = 3, verbose: bool = True,
+                 quiet_steps: int = 50):
         self.factor, self.warmup, self.verbose = factor, warmup, verbose
         self.history: deque[dict[str, float]] = deque(maxlen=window)
         self.outliers: list[tuple[int, str, float]] = []  # (step, phase, step time / median)
+        # at most one line per ``quiet_steps`` steps (each breaks the progress bar); the next line counts the
+        # outliers not printed; every one is in the metrics (time/outlier)
+        self.quiet_steps = quiet_steps
+        self._printed_at: Optional[int] = None
+        self._unprinted = 0
 
     def check(self, step: int, metrics: dict[str, float]) -> Optional[str]:
         """Returns the phase that made this step an outlier (and sets ``metrics['time/outlier']``), else None."""
@@ -116,10 +122,15 @@ class OutlierWatch:
                 phase = max(excess, key=excess.get) if excess else "time/step"
                 ratio = times["time/step"] / max(median, 1e-12)
                 self.outliers.append((step, phase, ratio))
-                if self.verbose:
+                if self.verbose and (self._printed_at is None or step - self._printed_at >= self.quiet_steps):
+                    more = (f" ({self._unprinted} more outlier steps since step {self._printed_at}: "
+                            f"time/outlier in the metrics)" if self._unprinted else "")
                     print(f"step {step}: {times['time/step']:.2f} s is {ratio:.1f}x the running median "
-                          f"({median:.2f} s); {phase} grew the most (+{excess.get(phase, 0.0):.2f} s)",
+                          f"({median:.2f} s); {phase} grew the most (+{excess.get(phase, 0.0):.2f} s){more}",
                           file=sys.stderr, flush=True)
+                    self._printed_at, self._unprinted = step, 0
+                else:
+                    self._unprinted += 1
         metrics["time/outlier"] = 1.0 if phase else 0.0
         self.history.append(times)
         return phase

@@ -502,10 +502,12 @@ class Trainer:
         the steps do not log stops the run with the names they do log."""
         sw = self.cfg.train.stop_when
         if dist.any_rank(sw.metric not in history[-1]):
+            if self.evaluator is not None and sw.metric.startswith("eval/") and not self.evaluator.due(self.step):
+                return False  # an evaluation's metric: decided at the steps that evaluate (eval.every)
             known = sorted(k for k, v in history[-1].items() if isinstance(v, (int, float)) and k != "step")
             raise ConfigError(f"train.stop_when.metric={sw.metric!r} is not logged by this run's steps; choose "
                               f"from {known}")
-        window = [h[sw.metric] for h in history[-sw.window:] if sw.metric in h]
+        window = [h[sw.metric] for h in history if sw.metric in h][-sw.window:]  # the last `window` times logged
         mean = sum(window) / len(window)
         reached = dist.any_rank(dist.is_main() and len(window) == sw.window and self.step >= sw.min_steps
                                 and mean >= sw.at_least)

@@ -1,0 +1,335 @@
+"""The sandbox in the deployments where it used to fail silently (issue 42, items 1-9 and 17): a daemon that
+leaves the process group, a trainer that is not root or has many threads, a PID 1 that never reaps, runs that
+overlap, large inputs, /tmp and /dev/shm, memory over many processes, and a run that cannot start.
+
+Each test failed on the sandbox before namespaces (bdd5501). What a machine cannot give is asserted through
+``sandbox.capabilities()``: the test then checks that the sandbox says so.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from rewards import sandbox
+from rewards.code_tests import code_tests, run_tests
+
+LIMITS = {"timeout": 20.0, "cpu_seconds": 5, "memory_mb": 256, "processes": 32}
+CAPS = sandbox.capabilities(LIMITS)
+ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parents[1]
+PLAIN_UID = 31337  # the uid a root test process drops to, to be a plain user
+
+
+def alive_with(token: str) -> list[int]:
+    """The live processes whose command line holds ``token``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path("/proc", entry, "cmdline").read_bytes()
+                state = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if token.encode() in cmd and state not in "ZX":
+                found.append(int(entry))
+    return found
+
+
+DAEMON = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", "{token}"])
+    os._exit(0)
+time.sleep(0.3)
+print("left a daemon")
+"""
+
+
+@pytest.mark.parametrize("isolation", ["auto", "none"])
+def test_a_setsid_daemon_does_not_outlive_its_run(isolation):
+    """Item 1: a grandchild that called setsid() left the group kill and held the shared process budget."""
+    token = f"i42-daemon-{os.getpid()}-{isolation}"
+    lim = dict(LIMITS, isolation=isolation)
+    r = sandbox.run_python(DAEMON.format(token=token), lim)
+    assert r.stdout == "left a daemon\n", r
+    time.sleep(0.2)
+    survivors = alive_with(token)
+    caps = sandbox.capabilities(lim)
+    if caps["namespaces"] or caps["own_uid"]:  # the namespace's end, or the kill of the run's own uid
+        assert survivors == []
+    else:  # a plain user without namespaces: said at start
+        assert "does NOT hold own PID namespace" in sandbox.describe(lim)
+        for pid in survivors:
+            os.kill(pid, 9)
+    assert sandbox.run_python("print(6 * 7)", lim).stdout == "42\n"
+
+
+def test_overlapping_runs_have_their_own_process_budget_and_folder():
+    """Items 5 and 6: one uid and one process budget for every run: a fork-holding row zeroed its neighbours,
+    and a daemon rewrote a later run's job.json."""
+    hog = ("import os, time\nfor i in range(28):\n    if os.fork() == 0:\n        time.sleep(3)\n        os._exit(0)\n"
+           "time.sleep(3)\nprint('hog')")
+    fine = ("import os\nkids = []\nfor i in range(20):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
+            "    kids.append(pid)\nfor k in kids:\n    os.waitpid(k, 0)\nprint(open('job.json').read())")
+    rewriter = ("import glob, os, time\nif os.fork() == 0:\n    os.setsid()\n    end = time.time() + 4\n"
+                "    while time.time() < end:\n        for p in glob.glob('/tmp/sandbox-*/work/job.json'):\n"
+                "            try:\n                open(p, 'w').write('forged')\n            except OSError:\n"
+                "                pass\n        time.sleep(0.01)\n    os._exit(0)\nprint('started')")
+    lim = dict(LIMITS, processes=32)
+    assert sandbox.run_python(rewriter, lim).stdout == "started\n"
+
+    def one(i):
+        if i % 2:
+            return sandbox.run_python(hog, lim).stdout
+        return sandbox.run(["python", "main.py"], lim, files={"main.py": fine, "job.json": f"mine-{i}"}).stdout
+
+    with ThreadPoolExecutor(6) as ex:
+        outs = list(ex.map(one, range(6)))
+    assert [outs[i] for i in (0, 2, 4)] == ["mine-0\n", "mine-2\n", "mine-4\n"], outs
+
+
+def test_stdin_larger_than_a_pipe_reaches_the_program():
+    """Item 7: stdin was one non-blocking write of its first 64 KiB."""
+    data = "".join(f"{i}\n" for i in range(200_000))  # 1.3 MB, CodeContests-size
+    r = sandbox.run_python("import sys\nlines = sys.stdin.read().split()\nprint(len(lines), sum(map(int, lines)))",
+                           LIMITS, stdin=data)
+    assert r.stdout == f"200000 {sum(range(200_000))}\n", r
+    never_reads = sandbox.run_python("print('done')", LIMITS, stdin=data)  # and a program that never reads it
+    assert never_reads.ok and never_reads.stdout == "done\n"
+
+
+def test_tmp_and_dev_shm_are_private_bounded_and_gone_with_the_run():
+    """Item 8: files in /tmp and /dev/shm stayed on the machine (320 MiB of RAM from one completion)."""
+    name = f"i42-{os.getpid()}"
+    code = (f"import os\nfor d in ('/tmp', '/dev/shm'):\n    open(os.path.join(d, '{name}'), 'wb').write(b'x' * (1 << 20))\n"
+            f"try:\n    open('/dev/shm/{name}-big', 'wb').write(b'x' * (40 << 20))\n    print('wrote 40 MiB')\n"
+            f"except OSError as e:\n    print('refused', e.errno)\nprint(sorted(os.listdir('/tmp')))")
+    r = sandbox.run_python(code, dict(LIMITS, tmp_mb=16))
+    if not CAPS["namespaces"]:
+        assert "does NOT hold own PID namespace and private root" in sandbox.describe(LIMITS)
+        for d in ("/tmp", "/dev/shm"):
+            for leftover in Path(d).glob(f"{name}*"):
+                leftover.unlink()
+        return
+    assert r.stdout.startswith("refused 28\n"), r  # ENOSPC: past tmp_mb
+    assert f"'{name}'" in r.stdout and "sandbox-" in r.stdout  # its own /tmp: its file and its run folder only
+    assert not list(Path("/tmp").glob(f"{name}*")) and not list(Path("/dev/shm").glob(f"{name}*"))
+    assert sandbox.run_python(f"import os\nprint(os.path.exists('/tmp/{name}'))", LIMITS).stdout == "False\n"
+
+
+def test_memory_of_all_the_runs_processes_together_is_bounded():
+    """Item 9: RLIMIT_AS is per process: 11 processes held 4.2 GiB."""
+    code = ("import os, time\nkids = []\nfor i in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = b'1' * (120 << 20)\n        time.sleep(2)\n        os._exit(0)\n    kids.append(pid)\n"
+            "print(sorted(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids))")
+    r = sandbox.run_python(code, dict(LIMITS, memory_mb=256))
+    codes = json.loads(r.stdout)
+    if CAPS["cgroup"]:  # 6 x 120 MiB under 256 MiB for the run: some children are killed by the run's cgroup
+        assert codes.count(-9) >= 4 and codes.count(0) <= 2, codes
+    else:
+        assert "does NOT hold" in sandbox.describe(LIMITS) and "a cgroup on the whole run" in sandbox.describe(LIMITS)
+    alone = sandbox.run_python("x = b'1' * (400 << 20)\nprint(len(x))", dict(LIMITS, memory_mb=256))
+    assert alone.reason == "memory"
+
+
+def test_a_run_that_cannot_start_is_an_infrastructure_error_not_the_programs():
+    """A run that could not start was scored as the program's runtime error: a correct completion got 0,
+    nothing was logged, and the failing-reward rule never fired."""
+    bad = dict(LIMITS, python="/nonexistent/python3")
+    r = sandbox.run_python("print(1)", bad)
+    assert r.reason == "error" and "exec '/nonexistent/python3' failed" in r.error, r
+    with pytest.raises(sandbox.SandboxError, match="could not run the program: .*nonexistent"):
+        run_tests("def f(x):\n    return x", ["assert f(1) == 1"], "f", limits=bad)
+    with pytest.raises(sandbox.SandboxError):
+        code_tests(["p"], ["```python\ndef f(x):\n    return x\n```"], [["assert f(1) == 1"]], ["f"], sandbox=bad)
+    # a program that exits with the launcher's old failure code is the program's exit, not an error
+    r = sandbox.run_python("import sys; sys.exit(121)", LIMITS)
+    assert (r.reason, r.returncode, r.error) == ("exit", 121, "")
+
+
+def test_the_failing_reward_rule_counts_sandbox_errors():
+    """Counted as the reward's errors (reward/<name>/errors), which max_failing_steps watches."""
+    from grpo.foundation.config import RewardPoolConfig, RewardSpec
+    from rewards import CombinedReward
+
+    spec = RewardSpec(fn="code_tests")
+    r = CombinedReward([spec], RewardPoolConfig(1, 60.0, 0), sandbox=sandbox.Limits(python="/nonexistent/python3"))
+    try:
+        total, _ = r(["p", "p"], ["```python\ndef f(x):\n    return x\n```"] * 2,
+                     {"tests": [["assert f(1) == 1"]] * 2, "entry_point": ["f", "f"]})
+        m = r.pop_metrics()
+        assert total == [0.0, 0.0] and m["reward/code_tests/errors"] == 2.0, m
+    finally:
+        r.close()
+
+
+PLAIN_USER = r"""
+import importlib.util, json, os, sys, threading
+spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
+sb = sys.modules["sb"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sb)
+isolation, secret = sys.argv[2], sys.argv[3]
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(80)]  # a trainer's threads (a GPU node's: 100+)
+for t in threads:
+    t.start()
+lim = {"timeout": 20, "cpu_seconds": 5, "memory_mb": 256, "processes": 32, "isolation": isolation}
+out = {"caps": sb.capabilities(lim), "describe": sb.describe(lim), "uid": os.getuid()}
+out["hello"] = sb.run_python("print(42)", lim).stdout
+out["forks"] = sb.run_python("import os\nfor i in range(10):\n    if os.fork() == 0:\n        os._exit(0)\n"
+                             "for i in range(10):\n    os.wait()\nprint('forked')", lim).stdout
+r = sb.run_python(f"print(open({secret!r}).read())", lim)
+out["secret"] = r.stdout + r.stderr.strip().splitlines()[-1:][0] if r.stderr.strip() else r.stdout
+if out["caps"]["processes"]:
+    r = sb.run_python("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time\n"
+                      "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    print('capped', n)", lim)
+    out["bomb"] = r.stdout
+stop.set()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_user_dir():
+    """A 0755 folder with the sandbox's two files (standard library only) and a 0600 file of the plain user."""
+    d = tempfile.mkdtemp(prefix="i42-plain-", dir="/tmp")
+    os.chmod(d, 0o755)
+    for name in ("sandbox.py", "_launch.py"):
+        shutil.copy(REPO / "rewards" / name, d)
+    Path(d, "user.py").write_text(PLAIN_USER)
+    secret = Path(d, "secret.txt")
+    secret.write_text("s3cret")
+    os.chmod(secret, 0o600)
+    if ROOT:
+        os.chown(secret, PLAIN_UID, PLAIN_UID)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def as_plain_user(d: str, isolation: str) -> dict:
+    """The sandbox used by a trainer of another uid than root (as root: this test drops to one)."""
+    python = "/usr/bin/python3" if ROOT and os.path.exists("/usr/bin/python3") else sys.executable
+    kw = dict(user=PLAIN_UID, group=PLAIN_UID, extra_groups=[]) if ROOT else {}
+    p = subprocess.run([python, "-I", os.path.join(d, "user.py"), os.path.join(d, "sandbox.py"), isolation,
+                        os.path.join(d, "secret.txt")], cwd=d, env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"},
+                       capture_output=True, text=True, timeout=120, **kw)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_as_a_plain_user_with_many_threads_runs_are_not_refused(plain_user_dir):
+    """Items 2 and 17: without root, RLIMIT_NPROC was set on the trainer's own uid (its 80 threads count):
+    every run was refused; and the sandbox called itself unprivileged while the code read the trainer's files."""
+    out = as_plain_user(plain_user_dir, "auto")
+    assert out["uid"] != 0
+    assert out["hello"] == "42\n" and out["forks"] == "forked\n", out
+    if out["caps"]["namespaces"]:  # a user namespace: only its folder and the system's are in its root
+        assert out["caps"]["userns"] and out["caps"]["unprivileged"]
+        assert "s3cret" not in out["secret"] and "FileNotFoundError" in out["secret"], out
+        assert out["bomb"].startswith("capped"), out
+        assert "does NOT hold own PID namespace" not in out["describe"]
+    else:
+        assert "does NOT hold own PID namespace" in out["describe"]
+
+
+def test_as_a_plain_user_without_namespaces_it_says_what_does_not_hold(plain_user_dir):
+    out = as_plain_user(plain_user_dir, "none")
+    assert out["hello"] == "42\n" and out["forks"] == "forked\n", out  # no RLIMIT_NPROC on the trainer's uid
+    assert not out["caps"]["unprivileged"] and "s3cret" in out["secret"]  # and it is not called unprivileged
+    assert "does NOT hold own PID namespace and private root" in out["describe"]
+    assert "another user than the trainer's" in out["describe"]
+
+
+NO_REAPER = r"""
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
+sb = sys.modules["sb"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sb)
+lim = {"timeout": 0.4, "cpu_seconds": 5, "memory_mb": 256, "processes": 32}
+assert os.getpid() == 1
+outs = [sb.run_python("import os, time\nif os.fork() == 0:\n    time.sleep(30)\ntime.sleep(30)", lim).reason
+        for _ in range(8)]
+zombies = 0
+for entry in os.listdir("/proc"):
+    if entry.isdigit():
+        try:
+            if open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                zombies += 1
+        except OSError:
+            pass
+print(json.dumps({"reasons": outs, "zombies": zombies, "after": sb.run_python("print(42)", lim).stdout}))
+"""
+
+
+def test_under_a_pid_1_that_never_reaps_timeouts_leave_no_zombies(plain_user_dir):
+    """Item 3: in a container whose PID 1 is the trainer (it never reaps), each timeout left zombies of the
+    sandbox's uid, until every run failed."""
+    script = Path(plain_user_dir, "no_reaper.py")
+    script.write_text(NO_REAPER)
+    unshare = ["unshare", "--pid", "--fork", "--mount-proc"] + ([] if ROOT else ["-r"])
+    p = subprocess.run([*unshare, sys.executable, "-I", str(script), os.path.join(plain_user_dir, "sandbox.py")],
+                       capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    if p.returncode and "unshare failed" in p.stderr:  # a machine without PID namespaces cannot host this test
+        assert not CAPS["namespaces"]
+        return
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["reasons"] == ["timeout"] * 8 and out["after"] == "42\n"
+    assert out["zombies"] == 0, out
+
+
+def test_network_required_is_refused_at_start_where_the_machine_cannot_give_it(monkeypatch):
+    """Item 4: without CAP_SYS_ADMIN (Docker's default), ``network: required`` was never checked at start and
+    every row scored as the program's runtime error: the run trained on zeros to its end."""
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import check_run, load_config
+
+    cfg = load_config(overrides=["data.source=code", "rewards=[{fn: code_tests}]", "sandbox.network=required"])
+    check_run(cfg)  # this machine gives one (CAPS) or the check below is the real one
+    real = sandbox.capabilities
+    monkeypatch.setattr(sandbox, "capabilities", lambda lim=None: dict(real(lim), network=False))
+    with pytest.raises(ConfigError, match="sandbox.network=required, but this machine refuses a network namespace"):
+        check_run(cfg)
+    cfg = load_config(overrides=["data.source=code", "rewards=[{fn: code_tests}]", "sandbox.isolation=required"])
+    monkeypatch.setattr(sandbox, "capabilities", lambda lim=None: dict(real(lim), namespaces=False))
+    with pytest.raises(ConfigError, match="sandbox.isolation=required"):
+        check_run(cfg)
+
+
+def test_print_config_refuses_network_required_without_a_namespace(tmp_path):
+    """The same refusal through ``train.py --print-config`` (a process: the probe is its own)."""
+    if CAPS["network"]:
+        p = subprocess.run([sys.executable, "train.py", "--print-config", "sandbox.network=required",
+                            "data.source=code", "rewards=[{fn: code_tests}]"], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0 and "network: required" in p.stdout, p.stderr
+    else:
+        p = subprocess.run([sys.executable, "train.py", "--print-config", "sandbox.network=required"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "sandbox.network=required, but" in p.stderr
+
+
+def test_the_start_says_what_holds(caplog):
+    """Item 17: nothing was logged about what the sandbox can hold here."""
+    monkey_logged = set(sandbox._logged)
+    sandbox._logged.clear()
+    try:
+        with caplog.at_level("INFO", logger="sandbox"):
+            sandbox.announce(LIMITS)
+            sandbox.announce(LIMITS)
+        lines = [r.message for r in caplog.records if r.name == "sandbox"]
+        assert len(lines) == 1 and lines[0] == sandbox.describe(LIMITS)
+        assert ("holds own PID namespace" in lines[0]) == CAPS["namespaces"]
+    finally:
+        sandbox._logged |= monkey_logged
