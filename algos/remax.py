@@ -2,7 +2,9 @@
 as the baseline.
 
     b_q  = r(q, greedy completion of q)         one extra greedy generation per prompt, scored alike
-    A_i  = s_i - b_q                             s_i: the outcome score (minus KL with algo.kl_in_reward)
+    A_i  = r_i - b_q                             on every token of completion i
+    with algo.kl_in_reward = c > 0 (verl's ``compute_remax_outcome_advantage``): per token, the reward-to-go
+    A_i,t = sum_{k >= t} (r_i [k = last] - c k1_i,k) - b_q,   k1 = l_old - l_ref; b_q without KL
     loss: GRPO's clipped surrogate, token-mean; beta = 0
 Equal to verl's ``adv_estimator=remax`` (verl generates the greedy baseline in its trainer loop; here
 ``process_batch`` asks the rollout service for it). Any number of completions per prompt works (G >= 1).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from algos.base import StepContext, log_mean
+from grpo.foundation import core
 from algos.grpo import GRPO
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
@@ -51,6 +54,10 @@ class ReMax(GRPO):
         return batch
 
     def advantages(self, batch, ctx) -> torch.Tensor:
-        return self.scores(batch, ctx) - batch.extra["remax_baseline"]
+        baseline = batch.extra["remax_baseline"]
+        if self.a.kl_in_reward <= 0:  # the reward-to-go is r_i on every token: one advantage per row
+            return batch.rewards - baseline
+        returns = core.discounted_returns(self.token_rewards(batch, ctx), batch.mask)
+        return (returns - baseline.double().unsqueeze(1) * batch.mask.double()).to(batch.rewards.dtype)
 
     advantages.uses_scores = True  # type: ignore[attr-defined]

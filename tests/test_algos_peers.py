@@ -555,6 +555,30 @@ def test_remax_subtracts_the_greedy_reward():
     assert_split_invariant(algo, b, logp)
 
 
+def test_remax_with_kl_in_reward_is_verls_reward_to_go_minus_the_baseline():
+    """Issue 42, item 19: with KL in the reward, verl's remax advantage is a per-token reward-to-go of
+    (r - c k1) minus the greedy baseline (core_algos.compute_remax_outcome_advantage); ours gave every token
+    s_i - b."""
+    from algos import get_algorithm
+    from algos.base import StepContext
+
+    coef = 0.1
+    cfg = load_config(None, "remax", [f"rollout.max_completion_length={WIDTH}", f"algo.kl_in_reward={coef}"])
+    algo = get_algorithm("remax")(cfg)
+    b = batch64()
+    b.rewards = torch.tensor(REWARDS2, dtype=torch.float64)
+    greedy = {0: 0.5, 1: 1.0, 2: 0.0}
+    ctx = StepContext(cfg, 0, rollout=GreedyRollout(greedy))
+    b = algo.process_batch(b, ctx)
+    adv = algo.advantages(b, ctx)
+    for i, L in enumerate(LENGTHS):
+        rewards = [(REWARDS2[i] if t == L - 1 else 0.0) - coef * float(b.old_logp[i, t] - b.ref_logp[i, t])
+                   for t in range(L)]
+        want = [sum(rewards[t:]) - greedy[i // 4] for t in range(L)]
+        torch.testing.assert_close(adv[i, :L], torch.tensor(want, dtype=torch.float64), rtol=TOL, atol=1e-12)
+        assert (adv[i, L:] == 0).all()
+
+
 # --------------------------------------------------------------------------- verl policy losses
 
 

@@ -201,3 +201,25 @@ def test_reference_folders_no_checkpoint_names_are_deleted(tmp_path):
     (tmp_path / "checkpoints" / "step-9" / "trainer").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-9" / "trainer" / "rank0.pt").write_bytes(b"not a torch file")
     assert prune_reference_folders(tmp_path, None) == [] and len(list(ref.iterdir())) == 3
+
+
+def test_a_copied_run_folder_still_resumes_from_its_latest_step(tmp_path):
+    """Issue 42, item 16: shutil.copytree, cp -L or a bucket sync turn ``latest`` into a folder, and --resume
+    said "no checkpoint"."""
+    import shutil
+
+    from grpo.foundation.modeling import resolve_model_path
+
+    run = tmp_path / "run"
+    save(run, 1)
+    save(run, 3)
+    save(run, 2)  # a restart in the same folder: latest is step-2, not the newest number
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, symlinks=False)
+    root = copy / "checkpoints"
+    assert (root / "latest").is_dir() and not (root / "latest").is_symlink()
+    assert latest_checkpoint(copy) == root / "step-2"
+    assert resolve_model_path(str(root / "latest")) == resolve_model_path(str(copy)) == str(root / "step-2")
+    assert load_checkpoint(_Engine(), latest_checkpoint(copy))["step"] == 2
+    save(copy, 4)  # the next save puts the link back; the copied folder is kept aside, not deleted
+    assert os.readlink(root / "latest") == "step-4" and (root / ".old-latest-copy" / "config.json").is_file()

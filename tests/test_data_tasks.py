@@ -68,7 +68,9 @@ def test_parquet_with_custom_column_mapping_and_template(tmp_path):
     cfg = data(source="parquet", path=str(path), columns={"question": "q", "answer": "gold"},
                prompt_template="Question: {question} (from {src})")
     item = load_source(cfg, 0)[1]
-    assert item == {"src": "b", "question": "3+3?", "answer": "6", "prompt": "Question: 3+3? (from b)"}
+    # issue 42, item 20: a mapping adds our name and keeps the dataset's (a TRL reward may read either)
+    assert item == {"q": "3+3?", "gold": "6", "src": "b", "question": "3+3?", "answer": "6",
+                    "prompt": "Question: 3+3? (from b)"}
 
 
 def test_missing_column_stops_with_its_name(tmp_path):
@@ -295,3 +297,20 @@ def test_countdown_with_too_many_numbers_stops_naming_the_setting():
                                           r".*Lower data.countdown.min_numbers"):
         CountdownTask(cfg, seed=0)
     assert len(CountdownTask(CountdownTaskConfig(num_examples=20, min_numbers=12, max_numbers=12), seed=0)) == 20
+
+
+def test_a_built_in_reward_and_a_trl_reward_share_one_mapped_dataset(tmp_path):
+    """Issue 42, item 20: with the README's own ``answer: solution`` the column ``solution`` was gone, so a TRL
+    reward reading it could not run beside math_correct reading ``answer``."""
+    from grpo.foundation.config import RewardPoolConfig, RewardSpec
+    from rewards import CombinedReward
+
+    path = write_jsonl(tmp_path / "s.jsonl", [{"question": "1+1?", "solution": "2"}])
+    item = load_source(data(source="jsonl", path=path, columns={"prompt": "question", "answer": "solution"}), 0)[0]
+    assert (item["prompt"], item["answer"], item["solution"]) == ("1+1?", "2", "2")
+    r = CombinedReward([RewardSpec(fn="math_correct"), RewardSpec(fn="tests.reward_fixtures:trl_needs_solution")],
+                       RewardPoolConfig(0, 10.0, 0))
+    try:
+        r.check_columns([c for c in item if c != "prompt"])
+    finally:
+        r.close()

@@ -412,11 +412,21 @@ def test_reload_reads_no_file_outside_the_reload_root(tmp_path, monkeypatch):
         (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base, "peft_type": "LORA"}))
         (folder / "adapter_model.safetensors").write_bytes(b"")
         adapters[name] = folder
+    # issue 42, item 18: an adapter whose base names itself (or two naming each other) was a 500 (RecursionError)
+    for name, base in (("adapter-self", "adapter-self"), ("adapter-a", "adapter-b"), ("adapter-b", "adapter-a")):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(root / base),
+                                                                "peft_type": "LORA"}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        adapters[name] = folder
     with serving(f"ref.token={ADMIN}") as srv:
         version = srv.worker.version
         for path, words in [(linked, "model.safetensors resolves to"), (sharded, "shard.safetensors resolves to"),
                             (adapters["adapter-out"], "is outside the server's reload root"),
-                            (adapters["adapter-hub"], "whose base 'org/some-model' is not a folder inside")]:
+                            (adapters["adapter-hub"], "whose base 'org/some-model' is not a folder inside"),
+                            (adapters["adapter-self"], "is itself or one of the adapters above it"),
+                            (adapters["adapter-a"], "is itself or one of the adapters above it")]:
             r = _reload(srv.url, path)
             assert r.status_code == 400 and r.json()["field"] == "checkpoint", (path, r.text)
             assert words in r.json()["error"], (path, r.json())

@@ -128,8 +128,9 @@ class TableSource:
                     f"its columns are {ds.column_names} (map ours onto theirs with data.columns)"
                 )
         self.ds, self.mapping, self.where = ds, mapping, where
-        keep = set(mapping.values())
-        self.passthrough = [c for c in ds.column_names if c not in keep]
+        # a mapping adds our name and keeps the dataset's own (``answer: solution``: a built-in reward reads
+        # ``answer``, a TRL one ``solution``); ours wins where both name one column
+        self.passthrough = list(ds.column_names)
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -57,12 +57,29 @@ def latest_in(root: str | Path) -> Optional[Path]:
         name = Path(os.readlink(marker)).name
     elif marker.is_file():
         name = marker.read_text().strip()
+    elif marker.is_dir():  # a run folder copied with copytree, cp -L or a bucket sync: the link became a copy
+        return _copied_latest(root, marker)
     else:
         return None
     for path in (root / name, root / (ASIDE + name)):
         if path.is_dir():
             return path
     return None
+
+
+def _copied_latest(root: Path, copy: Path) -> Path:
+    """The step folder that ``copy`` (a ``latest`` link turned into a folder) is a copy of: the one with the same
+    trainer state (it holds the step and the RNG states), else the newest step; the copy itself when none is
+    left."""
+    steps = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    state = copy / "trainer" / "rank0.pt"
+    if state.is_file():
+        same = [p for p in steps if (p / state.relative_to(copy)).is_file()
+                and (p / state.relative_to(copy)).read_bytes() == state.read_bytes()]
+        if same:
+            return same[-1]
+    return steps[-1] if steps else copy
 
 
 def resolve_model_path(name: str) -> str:
@@ -73,7 +90,7 @@ def resolve_model_path(name: str) -> str:
     path = Path(name).expanduser()
     # a model folder is itself (a step folder holds DeepSpeed's own ``latest`` beside the weights)
     model_folder = path.is_dir() and any((path / f).is_file() for f in ("config.json", "adapter_config.json"))
-    if path.name == LATEST and (path.is_symlink() or path.is_file()):
+    if path.name == LATEST and (path.is_symlink() or path.is_file() or path.is_dir()):
         root = path.parent
     elif path.is_dir() and not model_folder and os.path.lexists(path / LATEST):
         root = path

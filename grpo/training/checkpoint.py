@@ -70,6 +70,8 @@ def _link_atomic(path: Path, target: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     if os.path.lexists(tmp):
         os.unlink(tmp)
+    if path.is_dir() and not path.is_symlink():  # a copied run's link became a folder: kept aside, not lost
+        os.replace(path, path.with_name(f"{ASIDE}{path.name}-copy"))
     os.symlink(target, tmp)
     os.replace(tmp, path)
     _fsync_dir(path.parent)

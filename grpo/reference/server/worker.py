@@ -92,7 +92,7 @@ def load_reference(model_cfg: ModelConfig, source: str, safetensors_only: bool =
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # formats torch.load / pickle read
 
 
-def reload_folder(checkpoint: str, root: Optional[Path]) -> Path:
+def reload_folder(checkpoint: str, root: Optional[Path], _bases: tuple = ()) -> Path:
     """The resolved folder of a reload, refused (ConfigError) unless it holds safetensors weights only.
 
     A folder with pickle-format files beside its weights is refused outright (from_pretrained may
@@ -129,7 +129,11 @@ def reload_folder(checkpoint: str, root: Optional[Path]) -> Path:
                               f"inside the server's reload root {root} (GRPO_REF_RELOAD_ROOT): reload a merged "
                               f"folder, or put the base under the root")
         if isinstance(base, str) and Path(base).is_dir():
-            reload_folder(base, root)  # the same rules for the base's files
+            if Path(base).resolve() in (real, *_bases):
+                raise ConfigError(f"checkpoint {checkpoint!r} is a LoRA adapter whose base {base!r} is itself or "
+                                  f"one of the adapters above it: set base_model_name_or_path in its "
+                                  f"adapter_config.json to the base model's folder")
+            reload_folder(base, root, (*_bases, real))  # the same rules for the base's files
     pickles = sorted(f.name for f in real.iterdir() if f.is_file() and f.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
         raise ConfigError(f"checkpoint {checkpoint!r} holds pickle-format files {pickles}; reload reads only "
