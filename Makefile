@@ -21,7 +21,7 @@ $(VENV)/bin/python:
 # Re-installs only when pyproject.toml changed; pip reuses its cache, nothing is re-downloaded.
 $(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q --disable-pip-version-check $(TORCH)
-	$(PIP) install -q --disable-pip-version-check -e ".[test]"
+	$(PIP) install -q --disable-pip-version-check -e ".[test,tensorboard]"
 	touch $(STAMP)
 
 $(VSTAMP): pyproject.toml

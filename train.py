@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         for warning in config_warnings(cfg):
             print(f"config warning: {warning}", file=sys.stderr)
     if args.print_config:
+        from grpo.reference.base import ReferenceServerError
+
+        try:  # the run's own start-up checks: a reference server nobody runs is refused here too
+            probe_services(cfg)
+        except ReferenceServerError as e:
+            print(f"reference error: {e}", file=sys.stderr)
+            return 1
         print(dump_yaml(to_dict(cfg)), end="")
         return 0
     from grpo.foundation import dist

@@ -161,6 +161,23 @@ def term_names(specs: list[RewardSpec]) -> list[str]:
     return names
 
 
+def check_columns(terms: list[Any], columns: list[str]) -> None:
+    """At start, with the dataset's first row: a reward function that cannot be called with these columns
+    (a parameter no column fills, a column that clashes with a parameter) would fail on every row and score
+    0 all run. ConfigError naming the function, the problem and the columns."""
+    for i, t in enumerate(terms):
+        if t.kind != "fn":
+            continue
+        problem = binding_problem(resolve(t.spec.fn), t.style, columns, t.kwargs)
+        if problem is not None:
+            raise ConfigError(
+                f"rewards[{i}].fn={t.spec.fn!r} cannot be called with this dataset's columns {sorted(columns)} "
+                f"({t.style} style): {problem}. Map the column it needs with data.columns, rename a column "
+                f"that clashes with one of its parameters, give the value in rewards[{i}].kwargs, or call it "
+                f"the other way: style: {'plain' if t.style == 'trl' else 'trl'} on the entry (trl: keyword "
+                f"arguments as TRL passes them; plain: fn(prompts, completions, **columns))")
+
+
 class CombinedReward:
     """The weighted sum of a run's reward sources; each one's values are kept for logging.
 
@@ -191,18 +208,8 @@ class CombinedReward:
         self._reported: set[tuple[str, str]] = set()
 
     def check_columns(self, columns: list[str]) -> None:
-        """At start, with the dataset's first row: a reward function that cannot be called with these columns
-        (a parameter no column fills, a column that clashes with a parameter) would fail on every row and score
-        0 all run. ConfigError naming the function, the problem and the columns."""
-        for i, t in enumerate(self.terms):
-            if t.kind != "fn":
-                continue
-            problem = binding_problem(resolve(t.spec.fn), t.style, columns, t.kwargs)
-            if problem is not None:
-                raise ConfigError(
-                    f"rewards[{i}].fn={t.spec.fn!r} cannot be called with this dataset's columns {sorted(columns)} "
-                    f"({t.style} style): {problem}. Map the column it needs with data.columns, rename a column "
-                    f"that clashes with one of its parameters, or give the value in rewards[{i}].kwargs")
+        """At start, with the dataset's first row: see :func:`check_columns`."""
+        check_columns(self.terms, columns)
 
     def set_state(self, global_step: int, max_steps: int, epoch: float = 0.0) -> None:
         """The ``trainer_state`` TRL-shaped functions see from now on."""

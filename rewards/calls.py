@@ -72,7 +72,9 @@ def call_style(fn: Callable, requested: str, registered: bool) -> str:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature (a builtin): call it the way TRL would
         return "trl"
-    named = params.get("completions")
+    named = params.get("completions") or params.get("completion_ids")  # TRL's factory rewards take ids only
+    if named is params.get("completion_ids") and "prompts" in params:
+        named = None
     return "trl" if named is not None and named.kind is not inspect.Parameter.POSITIONAL_ONLY else "plain"
 
 

@@ -49,6 +49,29 @@ def trl_id_count(prompts, completions, completion_ids, **kwargs):
     return [None if "skip" in str(p) else float(len(ids)) for p, ids in zip(prompts, completion_ids)]
 
 
+class _OverlongPunishment:
+    """TRL's factory rewards' shape (``get_soft_overlong_punishment``, ``get_repetition_penalty_reward``): a
+    callable whose call takes ``completion_ids`` first and no prompts."""
+
+    def __init__(self, max_len):
+        self.max_len = max_len
+
+    def __call__(self, completion_ids, **kwargs):
+        return [-max(0.0, len(ids) - self.max_len) for ids in completion_ids]
+
+
+trl_factory_object = _OverlongPunishment(1)
+
+
+def _make_trl_factory_function(max_len):
+    def overlong(completion_ids: list[list[int]], **kwargs) -> list[float]:
+        return [-max(0.0, len(ids) - max_len) for ids in completion_ids]
+    return overlong
+
+
+trl_factory_function = _make_trl_factory_function(1)
+
+
 def trl_exact(completions, answer, **kwargs):
     """1 when the completion is the answer; completions are message lists for conversational prompts."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]

@@ -166,11 +166,24 @@ def test_reference_nobody_listens_on_fails_within_seconds(capsys, no_model):
     assert rc == 1 and time.monotonic() - t0 < 120, "waited out ref.retry_window, not ref.startup_wait: " + err
     assert f"nothing is listening at ref.url={url!r}" in err and "python ref_client.py" in err
     assert "ref.startup_wait" in err
-    # --print-config needs no server; beta = 0 queries none
-    assert train.main([f"ref.url={url}", "algo.beta=0.04", "--print-config"]) == 0
+    # --print-config refuses it too (issue 42, item 22: it printed a config the run then refused); beta = 0
+    # queries no server
+    assert train.main([f"ref.url={url}", "algo.beta=0.04", "ref.startup_wait=1", "--print-config"]) == 1
+    assert f"nothing is listening at ref.url={url!r}" in capsys.readouterr().err
+    assert train.main([f"ref.url={url}", "algo.beta=0", "--print-config"]) == 0
     from grpo.training.configure import probe_services
 
     probe_services(load_config(overrides=[f"ref.url={url}", "algo.beta=0"]))
+
+
+def test_print_config_refuses_a_reward_parameter_no_column_fills(capsys, tmp_path):
+    """Issue 42, item 22: --print-config passed a reward that the run then refused for its columns."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = [f"data.path={data}", "rewards=[{fn: 'tests.reward_fixtures:trl_needs_solution'}]"]
+    assert train.main([*args, "--print-config"]) == 2
+    assert "missing a required argument: 'solution'" in capsys.readouterr().err
+    assert train.main([*args, "data.columns={solution: answer}", "--print-config"]) == 0
 
 
 def test_reference_that_starts_late_is_waited_for():

@@ -239,3 +239,13 @@ def test_demo_takes_one_rank_per_gpu_else_two_cpu_ranks(monkeypatch):
     assert demo.default_ranks() == 1
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert demo.default_ranks() == 8
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "configs").glob("gsm8k-*.yaml")))
+def test_the_gsm8k_recipes_print_their_config_in_makes_venv(recipe, capsys):
+    """Issue 42, item 23: the recipes report to TensorBoard, which make's venv did not install: their
+    --print-config failed. make installs the ``tensorboard`` extra now."""
+    import train
+
+    assert train.main(["--config", str(ROOT / "configs" / recipe), "--print-config"]) == 0, capsys.readouterr().err
+    assert "report_to:\n  - tensorboard\n" in capsys.readouterr().out

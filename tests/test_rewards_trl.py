@@ -59,6 +59,20 @@ def test_trl_shaped_functions_give_trls_weighted_nansum(isolation, workers):
         r.close()
 
 
+def test_trls_factory_rewards_taking_completion_ids_get_trls_call():
+    """Issue 42, item 21: ``__call__(self, completion_ids, **kwargs)`` (TRL's get_soft_overlong_punishment) got
+    the positional call under ``style: auto`` and was refused."""
+    r = combined([{"fn": F + "trl_factory_object"}, {"fn": F + "trl_factory_function"}], workers=0)
+    assert [t.style for t in r.terms] == ["trl", "trl"]
+    r.check_columns(["answer"])
+    total, per_fn = r(["t"] * 4, COMPLETIONS, COLUMNS, raw_prompts=RAW, completion_ids=IDS)
+    want = [-max(0.0, len(ids) - 1) for ids in IDS]
+    assert per_fn["trl_factory_object"] == want and per_fn["trl_factory_function"] == want
+    plain = combined([{"fn": F + "trl_factory_object", "style": "plain"}], workers=0)
+    with pytest.raises(ConfigError, match="style: trl"):  # forced to the other call: the error names the fix
+        plain.check_columns(["answer"])
+
+
 def test_a_row_every_function_skips_scores_zero_and_conversations_arrive_as_messages():
     r = combined([{"fn": F + "trl_id_count"}, {"fn": F + "trl_async_half", "weight": 3.0}], workers=0)
     total, per_fn = r(["t"] * 4, COMPLETIONS, COLUMNS, raw_prompts=RAW, completion_ids=IDS)

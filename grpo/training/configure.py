@@ -110,6 +110,16 @@ def check_run(cfg: Config, resume: bool = False) -> None:
             if path and not any(c in path for c in "*?[") and "://" not in path and not Path(path).exists():
                 raise ConfigError(f"data.{key}={path!r}: no such file ({str(Path(path).absolute())!r}); paths are "
                                   f"relative to the directory train.py runs in")
+    if not cfg.env.name and d.source != "hub" and any(s.kind == "fn" for s in cfg.rewards):
+        # a reward parameter no column fills (or a column clashing with one): what the Trainer refuses
+        from grpo.data.sources import load_source
+        from rewards import FunctionTerm, check_columns, term_names
+
+        item = load_source(d, cfg.train.seed)[0]
+        names = term_names(cfg.rewards)
+        terms = [FunctionTerm(n, s, cfg.reward_pool, cfg.sandbox) if s.kind == "fn" else s
+                 for n, s in zip(names, cfg.rewards)]
+        check_columns(terms, [k for k in item if k != "prompt"])
     if resume:
         from grpo.training.checkpoint import checkpoints_dir, latest_checkpoint
 

@@ -38,8 +38,9 @@ def logger_module(target: str) -> Any:
 
         return wandb
     except ImportError as e:
-        raise ConfigError(f"logging.report_to includes {target!r} but it is not installed: pip install {target}, "
-                          f"or remove it from logging.report_to ({e})") from e
+        raise ConfigError(f"logging.report_to includes {target!r} but it is not installed: pip install {target} "
+                          f"(in a checkout: pip install -e '.[{target}]', or '.[logging]' for both), or remove it "
+                          f"from logging.report_to ({e})") from e
 
 
 WANDB_RUN_ID = "wandb_run_id"  # OUT/wandb_run_id: the W&B run that --resume continues
