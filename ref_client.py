@@ -1,13 +1,16 @@
-"""Serve a frozen reference model over HTTP for the trainer (``ref.url``); see README "Reference server".
+"""Serve a frozen reference model over HTTP for the trainer (``ref.url``); docs/reference-server.md.
 
+    CUDA_VISIBLE_DEVICES=7 python ref_client.py                                  # the trainer's default model
+    deepspeed train.py --algo dapo ref.url=http://127.0.0.1:59875                # ... and the run that uses it
     CUDA_VISIBLE_DEVICES=7 python ref_client.py --config configs/grpo.yaml      # the config's ref.model
     python ref_client.py --model path/or/hub-name --port 59875 --dtype bf16     # or without a config
     GRPO_REF_TOKEN=secret python ref_client.py --config c.yaml --host 0.0.0.0   # other machines: token required
     python ref_client.py --config c.yaml --reward-model path/to/rm              # a reward model beside it
 
 Host, port and limits come from the config's ``ref`` section (flags and key=value overrides
-beat it); the model is ``ref.model``, else ``model.name_or_path``. Stop it with Ctrl-C or
-SIGTERM: requests in flight finish first.
+beat it; without --config, the trainer's defaults: the same model on 127.0.0.1:59875); the model
+is ``ref.model``, else ``model.name_or_path``. Stop it with Ctrl-C or SIGTERM: requests in flight
+finish first.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import sys
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config whose reference model to serve (see configs/)")
+    p.add_argument("--config", help="YAML config whose reference model to serve (see configs/; default: the "
+                                    "trainer's defaults, as for `train.py` without --config)")
     p.add_argument("--model", help="model folder, hub name or builtin:tiny-char (beats the config's)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="weights dtype (default: the config's model.dtype)")
     p.add_argument("--host", help="bind address (default 127.0.0.1; any other needs a token)")
@@ -50,9 +54,6 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.config and not args.model:
-        print("error: give --config CONFIG.yaml or --model PATH", file=sys.stderr)
-        return 2
     from grpo.foundation.config import ConfigError
     from grpo.training.configure import load_config
 

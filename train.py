@@ -3,6 +3,12 @@
     deepspeed train.py --algo grpo --config configs/demo.yaml [key=value ...] [--resume]
     python train.py --list-algos
     python train.py --algo dapo --config configs/demo.yaml --print-config
+
+With the reference model on a GPU of its own (docs/reference-server.md): the server serves the model of the
+config it is given (none: the trainer's defaults) on ref.port, and the run points ref.url at it:
+
+    CUDA_VISIBLE_DEVICES=7 python ref_client.py
+    deepspeed train.py --algo dapo ref.url=http://127.0.0.1:59875
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def resample(state: Any, ctx: StepContext, done: Callable[[Any], bool], add: Cal
 class Algorithm:
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
-    tag: ClassVar[str] = "paper"  # paper | code | unverified (docs/algorithms.md)
+    tag: ClassVar[str] = "paper"  # paper | peer (a peer's code: verl, TRL) | code | unverified (docs/algorithms.md)
     summary: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     defaults: ClassVar[dict[str, Any]] = {}  # overrides of AlgoConfig's shared defaults

@@ -24,7 +24,7 @@ from grpo.foundation.config import Config, ConfigError
 
 @dataclass
 class DPPOOptions:
-    ratio_cap: float = 20.0  # C: the detached IS weight min(rho, C) (verl: clip_ratio_c)
+    ratio_cap: float = 20.0  # C: the detached IS weight min(rho, C) (verl: clip_ratio_c, default 3 there)
 
 
 class DPPOTV(Algorithm):
@@ -41,7 +41,7 @@ class DPPOTV(Algorithm):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         if cfg.algo.options.ratio_cap <= 1:
-            raise ConfigError(f"algo.ratio_cap={cfg.algo.options.ratio_cap} is invalid: it must be > 1 (verl: 20)")
+            raise ConfigError(f"algo.ratio_cap={cfg.algo.options.ratio_cap} is invalid: it must be > 1 (default 20; verl's clip_ratio_c defaults to 3)")
 
     def valid(self, logp: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept where A > 0, kept where A <= 0), detached."""

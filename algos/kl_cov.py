@@ -27,7 +27,7 @@ from grpo.foundation.config import Config, ConfigError
 @dataclass
 class KLCovOptions:
     cov_ratio: float = 2e-4  # share of the step's tokens that get the KL penalty
-    kl_coef: float = 1.0  # weight of |l - l_old| on them (verl: ppo_kl_coef)
+    kl_coef: float = 1.0  # weight of |l - l_old| on them (verl: ppo_kl_coef, default 0.1 there)
 
 
 class KLCov(GRPO):
@@ -44,7 +44,7 @@ class KLCov(GRPO):
     def validate(cls, cfg: Config) -> None:
         check_cov_ratio(cfg.algo.options.cov_ratio)
         if cfg.algo.options.kl_coef < 0:
-            raise ConfigError(f"algo.kl_coef={cfg.algo.options.kl_coef} is invalid: it must be >= 0 (verl: 1)")
+            raise ConfigError(f"algo.kl_coef={cfg.algo.options.kl_coef} is invalid: it must be >= 0 (default 1; verl's ppo_kl_coef defaults to 0.1)")
 
     @property
     def needs_old_logprobs(self) -> bool:

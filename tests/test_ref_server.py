@@ -366,3 +366,25 @@ def test_sigterm_lets_the_in_flight_request_finish_and_does_not_wait_for_stalled
             s.close()
     events = [e["event"] for e in log_events(server.log_path, event="shutting down")]
     assert events == ["shutting down"] and log_events(server.log_path, event="stopped")
+
+
+def test_the_design_commands_pair_runs_on_the_trainers_defaults(capsys):
+    """Issue 42, item 26: ``python ref_client.py`` (no config, no model) refused to start while ``deepspeed
+    train.py --algo dapo`` runs on its defaults. It serves the trainer's default model now, and train.py's
+    --help shows the pair of commands."""
+    import train
+    from grpo.foundation.config import RefConfig
+
+    default = load_config(None, None, [])
+    srv = ServerProcess([], port=free_port(), env={"OMP_NUM_THREADS": "1"})
+    srv.start(timeout=SERVER_S)
+    try:
+        info = requests.get(srv.url + "/v1/info", timeout=60).json()
+        assert info["model"] == default.model.name_or_path, info
+    finally:
+        srv.stop()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert RefConfig().port == 59875 and "python ref_client.py\n" in text
+    assert "deepspeed train.py --algo dapo ref.url=http://127.0.0.1:59875" in text
