@@ -59,6 +59,9 @@ LAUNCHER = str(Path(__file__).with_name("_launch.py"))
 _logged: set[str] = set()
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc")
 SLOTS = 4096  # concurrent runs on one machine, as root: uids uid_base .. uid_base + SLOTS - 1
+# Address space a process may have beyond memory_mb where the run's cgroup bounds its real memory: each thread
+# reserves its stack (8 MiB by default), so RLIMIT_AS = memory_mb alone allowed ~14 threads in 512 MiB
+THREAD_ROOM_MB = 1024
 
 
 class SandboxError(RuntimeError):
@@ -500,7 +503,8 @@ def run(argv: list[str], limits: Any = None, stdin: Optional[str] = None,
                     os.chown(p, *ids)
             if plan.cgroup:
                 cgroup = _Cgroup(plan.cgroup, lim)
-            spec = {"memory_mb": lim.memory_mb, "cpu_seconds": lim.cpu_seconds, "file_size_mb": lim.file_size_mb,
+            address_mb = lim.memory_mb + (THREAD_ROOM_MB if cgroup and lim.memory_mb else 0)
+            spec = {"memory_mb": address_mb, "cpu_seconds": lim.cpu_seconds, "file_size_mb": lim.file_size_mb,
                     "open_files": lim.open_files, "nproc": lim.processes if plan.nproc else 0,
                     "network": plan.network if lim.network != "required" else "required",
                     "uid": ids[0] if ids else None, "gid": ids[1] if ids else None, "work": work,

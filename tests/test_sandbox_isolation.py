@@ -99,6 +99,17 @@ def test_overlapping_runs_have_their_own_process_budget_and_folder():
     assert [outs[i] for i in (0, 2, 4)] == ["mine-0\n", "mine-2\n", "mine-4\n"], outs
 
 
+def test_a_correct_solution_with_70_threads_runs_under_the_default_limits():
+    """Item 6: with the old default (64 processes of the sandbox user, threads counted) a correct solution
+    with 70 threads failed even alone."""
+    code = ("import threading\nout = []\nall_up = threading.Barrier(70)  # all 70 alive at once\n"
+            "def work(i):\n    all_up.wait()\n    out.append(i)\n"
+            "ts = [threading.Thread(target=work, args=(i,)) for i in range(70)]\n"
+            "for t in ts:\n    t.start()\nfor t in ts:\n    t.join()\nprint(sum(out))")
+    r = sandbox.run_python(code, {"timeout": 20.0})
+    assert r.stdout == f"{sum(range(70))}\n", r
+
+
 def test_stdin_larger_than_a_pipe_reaches_the_program():
     """Item 7: stdin was one non-blocking write of its first 64 KiB."""
     data = "".join(f"{i}\n" for i in range(200_000))  # 1.3 MB, CodeContests-size

@@ -484,8 +484,8 @@ class SandboxConfig:
 
     timeout: float = 5.0  # wall-clock seconds per execution; then the run is killed, every process of it
     cpu_seconds: int = 5  # RLIMIT_CPU per process (killed past it: reason cpu)
-    memory_mb: int = 512  # RLIMIT_AS per process, and the run's cgroup memory limit where one can be made, in MiB
-    # (allocations fail past it, or the run's cgroup kills: reason memory)
+    memory_mb: int = 512  # the run's memory, all its processes together (its cgroup, where one can be made), in
+    # MiB; per process RLIMIT_AS = this (+ 1024 for thread stacks where the cgroup holds): reason memory past it
     file_size_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write, in MiB
     open_files: int = 64  # RLIMIT_NOFILE: open file descriptors per process
     processes: int = 256  # processes and threads of one run at once (cgroup pids.max and/or RLIMIT_NPROC of the

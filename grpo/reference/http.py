@@ -13,6 +13,7 @@ trainer keeps working meanwhile; ``pop_metrics`` reports latency and bytes per s
 
 from __future__ import annotations
 
+import logging
 import http.client
 import json as jsonlib
 import os
@@ -34,6 +35,9 @@ from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.logprobs import Packed
 from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
 from grpo.reference.base import ReferenceServerError
+
+log = logging.getLogger("reference")
+RETRY_LOG_S = 10.0  # an outage is logged at its first retry, then this often while it lasts
 
 BACKOFF_BASE = 0.05  # seconds before the first retry; doubles each time
 BACKOFF_CAP = 2.0
@@ -252,6 +256,7 @@ class HTTPReference:
         if key:
             headers["Idempotency-Key"] = key
         attempt = 0
+        said = 0.0  # when the outage was last logged: the first retry, then every RETRY_LOG_S seconds
         while True:
             try:
                 resp = self.connections.request(method, path, body, headers)
@@ -273,6 +278,11 @@ class HTTPReference:
                 )
             with self._lock:
                 self._metrics["ref/retries"] += 1
+            now = time.monotonic()
+            if attempt == 1 or now - said >= RETRY_LOG_S:
+                said = now
+                log.warning("reference server at %s: no answer (%s); retry %d, for up to %.0f s more "
+                            "(ref.retry_window=%g s)", url, last, attempt, deadline - now, self.retry_window)
             time.sleep(delay)
 
     # ------------------------------------------------------------------ start-up checks

@@ -41,7 +41,8 @@ from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailur
 from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
 from grpo.training.partitioned import frozen_partitioned, load_partitioned
 from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_what_came_before
-from rewards import CombinedReward
+from grpo.reference.base import ReferenceServerError
+from rewards import CombinedReward, RewardServiceError
 
 
 def make_env_setup(cfg: Config):
@@ -130,6 +131,7 @@ class Trainer:
                               "here; set ref.sync_every=0")
 
         self.step = 0
+        self._saved_step = 0  # the step of the newest checkpoint (a resumed run's own)
         self._last_batch: Optional[RolloutBatch] = None
         if resume:
             ckpt = latest_checkpoint(self.out)
@@ -141,6 +143,7 @@ class Trainer:
                                   f"resume with the checkpoint's settings, or start a new train.output_dir")
             state = load_checkpoint(self.engine, ckpt)
             self.step = int(state["step"])
+            self._saved_step = self.step
             self.sampler.load_state_dict(state["sampler"])
             self.algo.load_state_dict(state.get("algo", {}))
             self.algo.load_options_state_dict(state.get("algo_options", {}))
@@ -329,7 +332,7 @@ class Trainer:
         self.memory.begin()
         if self.rewards is not None:
             self.rewards.set_state(self.step, cfg.train.max_steps)
-        batch = self.generate(self._rank_indices())
+        batch = self._together(lambda: self.generate(self._rank_indices()))  # generation and the rewards
         ctx = self.context()
         # The one place where algorithms change the batch (shaping, filtering + refill, correction, pruning).
         batch = algo.process_batch(batch, ctx)
@@ -350,7 +353,7 @@ class Trainer:
             batch.entropy = ent
         t1 = time.perf_counter()
         if ref_future is not None:
-            batch.ref_logp = ref_future.result().float() * batch.mask
+            batch.ref_logp = self._together(ref_future.result).float() * batch.mask
         t2 = time.perf_counter()
         timings["old_logprobs"] = t1 - t0
         timings["reference"] = t2 - t1
@@ -409,6 +412,29 @@ class Trainer:
         m["nonfinite_steps"] = float(self.watchdog.total)
         self.health.check(self.step + 1, m)
         return m
+
+    @staticmethod
+    def _together(fn):
+        """``fn()``, where a failure of an outside service (the reference server, a reward server or endpoint) on
+        any rank is raised on every rank at this one point: the ranks leave the step together, before its
+        training passes, and can save a checkpoint together (``_train``)."""
+        failed, out = None, None
+        try:
+            out = fn()
+        except (ReferenceServerError, RewardServiceError) as e:
+            failed = e
+        code = 0.0 if failed is None else 1.0 if isinstance(failed, ReferenceServerError) else 2.0
+        worst = code
+        if dist.is_initialized() and dist.world_size() > 1:
+            worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64))[0])
+        if failed is not None:
+            raise failed
+        if worst == 1.0:
+            raise ReferenceServerError("another rank could not reach the reference server (its error is in that "
+                                       "rank's output)")
+        if worst == 2.0:
+            raise RewardServiceError("another rank's reward service failed (its error is in that rank's output)")
+        return out
 
     def optimizer_step(self, loss_sum: torch.Tensor) -> tuple[bool, float]:
         """One optimizer step, unless the step's loss (over all ranks) or gradient norm is not finite:
@@ -473,7 +499,9 @@ class Trainer:
             # relative to the run folder when inside it: a run folder moved (or copied) still resumes
             state["reference"] = {"folder": stored_folder(self.out, self.reference.folder),
                                   "version": self.reference.version}
-        return save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state, keep=self.cfg.train.keep_checkpoints)
+        path = save_checkpoint(self.engine, self.tokenizer, self.out, self.step, state, keep=self.cfg.train.keep_checkpoints)
+        self._saved_step = self.step
+        return path
 
     def train(self) -> list[dict]:
         """Run to ``train.max_steps``; worker processes (reward pool, evaluation) end with it."""
@@ -524,7 +552,17 @@ class Trainer:
         if self.evaluator is not None and self.step == 0:  # the starting point, logged as step 0
             self.logger.log(0, self.evaluate(), advance=False)
         while self.step < cfg.train.max_steps:
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except (ReferenceServerError, RewardServiceError):
+                # an outside service is gone for good: keep the steps done since the last checkpoint (every rank
+                # is here: Trainer._together), then stop with its error
+                if self.step > self._saved_step:
+                    path = self.save()
+                    if dist.is_main():
+                        print(f"saved the last finished step before stopping: {path} (continue with --resume "
+                              f"once the service is back)", file=sys.stderr, flush=True)
+                raise
             self.step += 1
             self.step_watch.check(self.step, metrics)  # time/outlier; names the phase of a slow step
             if self.evaluator is not None and self.evaluator.due(self.step):
