@@ -102,9 +102,6 @@ def build_root(spec):
     """A fresh root for the program: only what it needs, its run folder the only writable path of the host."""
     new, tmp_mb = spec["root"], max(1, int(spec.get("tmp_mb") or 64))
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
-    for src in spec["read_only"]:
-        if os.path.lexists(src):
-            bind(src, new + src, True)
     makedirs(new + "/dev")
     mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
     for name in DEVICES:
@@ -116,6 +113,9 @@ def build_root(spec):
     for d in ("/tmp", "/dev/shm"):  # private, bounded, gone with the run
         makedirs(new + d)
         mount("tmpfs", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
+    for src in spec["read_only"]:  # after /tmp: an interpreter under /tmp (a checkout there) stays visible
+        if os.path.lexists(src):
+            bind(src, new + src, True)
     bind(spec["work"], new + spec["work"], False)
     makedirs(new + "/proc")
     # a container that masks parts of its /proc refuses a new one to a user namespace: then there is none

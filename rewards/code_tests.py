@@ -18,10 +18,12 @@ cut there; the rest count as timeouts). The reward is the fraction of tests pass
 Counted per test in the metrics (``reward/code_tests/<name>``): passed, wrong (a wrong answer or a failed
 assert), runtime_error (an exception), compile_error (the program does not compile; its row's tests are not
 run), timeout (wall clock or CPU seconds), memory (past ``sandbox.memory_mb``), killed (another signal,
-output past its limit). The program and the test run in one interpreter: a pass is a line with a random
-nonce (read from a file the harness deletes before the program runs) that the harness writes after the test,
-so ``sys.exit(0)`` / ``os._exit(0)`` / printing "passed" do not pass; a program that inspects the harness's
-frames could still forge one (docs/sandbox.md, non-guarantees).
+output past its limit). ``assert`` and ``call`` tests run in this (the trusted) process, the program in the
+sandbox answering calls with plain data only (rewards/judge.py): nothing the program does, an ``__eq__`` that
+is always true, a patched builtin, ``os._exit(0)``, a printed "passed", its view of a harness's frames, can
+make a test pass. ``stdio`` tests compare the program's stdout with the expected output; a line with a random
+nonce (read from a file the harness deletes before the program runs) tells a runtime error from a finished
+run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from typing import Any, Optional
 
 from rewards import sandbox
+from rewards.judge import judge
 
 METRICS = ("passed", "wrong", "runtime_error", "compile_error", "timeout", "memory", "killed")
 
@@ -175,10 +178,17 @@ def run_tests(program: str, tests: Any, entry_point: Optional[str] = None, fmt: 
         if left <= 0:
             outcomes.append("timeout")
             continue
+        budget = dataclasses.replace(lim, timeout=min(per_test, left))  # never past the row's own time limit
+        if job["kind"] in ("assert", "call"):  # judged in this process; the program only answers calls
+            what = judge(program, job, budget)
+            outcomes.append(what)
+            if what == "compile_error":
+                outcomes += ["compile_error"] * (len(jobs) - len(outcomes))
+                break
+            continue
         nonce = secrets.token_hex(16)
         job = dict(job, program=program, nonce=nonce)
-        # a test never runs past the row's own time limit
-        r = sandbox.run(["python", "harness.py"], dataclasses.replace(lim, timeout=min(per_test, left)), stdin=stdin,
+        r = sandbox.run(["python", "harness.py"], budget, stdin=stdin,
                         files={"harness.py": HARNESS, "job.json": json.dumps(job)})
         if r.reason == "error":  # not the program's failure: the reward's, counted and logged as its error
             raise sandbox.SandboxError(f"code_tests: the sandbox could not run the program: {r.error}")

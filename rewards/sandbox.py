@@ -474,10 +474,29 @@ def python_command(lim: Limits) -> list[str]:
     return [plan_of(lim).python, "-I", "-B"]
 
 
-def run(argv: list[str], limits: Any = None, stdin: Optional[str] = None,
-        files: Optional[dict[str, str]] = None) -> Result:
-    """Run ``argv`` (``argv[0]`` = ``"python"`` means the sandbox's interpreter) in a fresh folder holding
-    ``files`` (name -> text), under ``limits``; ``stdin`` is its input (None: closed)."""
+@dataclass
+class _Prepared:
+    """A run ready to start: its launcher spec, folder, argv, limits, and what must be undone after it."""
+
+    spec: dict
+    base: str
+    argv: list[str]
+    lim: Limits
+    plan: Plan
+    ids: Optional[tuple[int, int]]
+    cgroup: Optional[_Cgroup]
+
+    def finish(self, result: Result) -> Result:
+        if self.cgroup and result.reason in ("signal", "exit") and self.cgroup.out_of_memory():
+            result.reason = "memory"
+        if self.ids and not self.plan.namespaces and result.reason in ("timeout", "output_limit"):
+            _kill_uid(self.ids[0])  # the launcher was killed before it could end the uid's processes
+        return result
+
+
+@contextmanager
+def _prepared(argv: list[str], limits: Any, files: Optional[dict[str, str]]) -> Iterator[_Prepared]:
+    """The run's uid slot, folder (holding ``files``), cgroup and launcher spec; all undone at the end."""
     lim = Limits.of(limits)
     plan = plan_of(lim)
     if lim.isolation == "required" and not plan.namespaces:
@@ -511,16 +530,19 @@ def run(argv: list[str], limits: Any = None, stdin: Optional[str] = None,
                     "namespaces": plan.namespaces, "userns": plan.userns, "read_only": list(plan.read_only),
                     "root": os.path.join(base, "root") if plan.namespaces else None, "tmp_mb": lim.tmp_mb,
                     "cgroups": cgroup.procs if cgroup else []}
-            result = _execute(spec, argv, base, lim, stdin)
-            if cgroup and result.reason in ("signal", "exit") and cgroup.out_of_memory():
-                result.reason = "memory"
-            if ids and not plan.namespaces and result.reason in ("timeout", "output_limit"):
-                _kill_uid(ids[0])  # the launcher was killed before it could end the uid's processes
-            return result
+            yield _Prepared(spec, base, list(argv), lim, plan, ids, cgroup)
         finally:
             if cgroup:
                 cgroup.close()
             shutil.rmtree(base, ignore_errors=True)
+
+
+def run(argv: list[str], limits: Any = None, stdin: Optional[str] = None,
+        files: Optional[dict[str, str]] = None) -> Result:
+    """Run ``argv`` (``argv[0]`` = ``"python"`` means the sandbox's interpreter) in a fresh folder holding
+    ``files`` (name -> text), under ``limits``; ``stdin`` is its input (None: closed)."""
+    with _prepared(argv, limits, files) as p:
+        return p.finish(_execute(p, stdin))
 
 
 def _kill_uid(uid: int) -> None:
@@ -528,19 +550,51 @@ def _kill_uid(uid: int) -> None:
                    env={}, capture_output=True, timeout=30)
 
 
-def _execute(spec: dict, argv: list[str], cwd: str, lim: Limits, stdin: Optional[str]) -> Result:
-    t0 = time.monotonic()
+def _spawn(p: _Prepared, stdin: bool) -> tuple[subprocess.Popen, int]:
+    """The launcher started (stdout and stderr piped; stdin piped or closed): (process, status pipe's read end).
+    OSError when it cannot start."""
     read_end, write_end = os.pipe()
-    cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(dict(spec, status_fd=write_end)), "--", *argv]
+    cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(dict(p.spec, status_fd=write_end)), "--", *p.argv]
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env={}, start_new_session=True, close_fds=True, pass_fds=(write_end,),
-                                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=p.base, env={}, start_new_session=True, close_fds=True,
+                                pass_fds=(write_end,), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    except OSError as e:
+    except OSError:
         os.close(read_end)
-        return Result("error", None, "", "", 0.0, error=f"sandbox could not start its launcher: {e}")
+        raise
     finally:
         os.close(write_end)
+    return proc, read_end
+
+
+def _ended(proc: subprocess.Popen, read_end: int, reason: Optional[str], t0: float, out: dict, lim: Limits) -> Result:
+    """After the run's streams closed or it was stopped: wait, close, read the launcher's status, the Result."""
+    _kill_group(proc.pid, wait=2.0)  # anything it left behind in its group, gone before the next run
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass
+    error = _read_status(read_end)
+    os.close(read_end)
+    rc = proc.returncode
+    stdout = bytes(out["stdout"][:lim.max_output_bytes]).decode(errors="replace")
+    stderr = bytes(out["stderr"][:lim.max_output_bytes]).decode(errors="replace")
+    truncated = any(len(b) > lim.max_output_bytes for b in out.values())
+    if error:
+        reason = "error"
+    elif reason is None:
+        reason = _reason(rc, stderr)
+    return Result(reason, rc, stdout, stderr, time.monotonic() - t0, truncated, error=error)
+
+
+def _execute(p: _Prepared, stdin: Optional[str]) -> Result:
+    t0, lim = time.monotonic(), p.lim
+    try:
+        proc, read_end = _spawn(p, stdin is not None)
+    except OSError as e:
+        return Result("error", None, "", "", 0.0, error=f"sandbox could not start its launcher: {e}")
     out = {"stdout": bytearray(), "stderr": bytearray()}
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
@@ -583,33 +637,144 @@ def _execute(spec: dict, argv: list[str], cwd: str, lim: Limits, stdin: Optional
                 reason = "output_limit"
         if reason:
             break
+    sel.close()
     if reason is not None:
         _stop(proc)
     try:
-        rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()) if reason is None else 5)
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()) if reason is None else 5)
     except subprocess.TimeoutExpired:  # stdout closed but still running (it closed its own streams)
         reason = "timeout"
         _stop(proc)
-        rc = proc.wait(timeout=5)
-    _kill_group(proc.pid, wait=2.0)  # anything it left behind in its group, gone before the next run
-    sel.close()
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        if stream is not None and not stream.closed:
+        proc.wait(timeout=5)
+    return _ended(proc, read_end, reason, t0, out, lim)
+
+
+class Session:
+    """A run talked to while it runs (the ``code_tests`` judge): ``send`` writes a line to its stdin,
+    ``receive`` reads a line of its stdout; one wall clock (``limits.timeout``) for the whole session, its
+    stderr kept up to ``max_output_bytes`` (past it the run is stopped: ``output_limit``), a stdout line up to
+    ``max_line_bytes``. ``close`` stops it and returns its :class:`Result`."""
+
+    def __init__(self, argv: list[str], limits: Any = None, files: Optional[dict[str, str]] = None,
+                 max_line_bytes: int = 8 << 20):
+        self._ctx = _prepared(argv, limits, files)
+        self._p = self._ctx.__enter__()
+        self.lim, self.max_line_bytes = self._p.lim, max_line_bytes
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + self.lim.timeout
+        self.reason: Optional[str] = None
+        self.out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._lines = bytearray()
+        self.result: Optional[Result] = None
+        try:
+            self.proc, self._status = _spawn(self._p, True)
+        except OSError as e:
+            self.proc = None
+            self.result = Result("error", None, "", "", 0.0, error=f"sandbox could not start its launcher: {e}")
+            return
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            os.set_blocking(stream.fileno(), False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ, "stdout")
+        self._sel.register(self.proc.stderr, selectors.EVENT_READ, "stderr")
+        self._open = 2
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _pump(self, want_write: bool) -> bool:
+        """One wait for its output (and, with ``want_write``, for room in its stdin); False once it is over."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.reason = self.reason or "timeout"
+            return False
+        if want_write:
+            self._sel.register(self.proc.stdin, selectors.EVENT_WRITE, "stdin")
+        try:
+            events = self._sel.select(timeout=min(left, 0.5))
+        finally:
+            if want_write:
+                self._sel.unregister(self.proc.stdin)
+        self._writable = False
+        for key, _ in events:
+            if key.data == "stdin":
+                self._writable = True
+                continue
             try:
-                stream.close()
-            except OSError:
+                chunk = os.read(key.fileobj.fileno(), 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                self._sel.unregister(key.fileobj)
+                self._open -= 1
+                continue
+            if key.data == "stdout":
+                self._lines += chunk
+                if len(self._lines) > self.max_line_bytes and b"\n" not in self._lines:
+                    self.reason = "output_limit"
+            else:
+                self.out["stderr"] += chunk
+                if len(self.out["stderr"]) > self.lim.max_output_bytes:
+                    self.reason = "output_limit"
+        return self.reason is None and (self._open > 0 or want_write)
+
+    def send(self, line: str) -> bool:
+        """Write ``line`` and a newline; False when the run is over (ended, stopped, or its time is up)."""
+        if self.proc is None or self.reason:
+            return False
+        data = memoryview((line + "\n").encode())
+        while len(data):
+            try:
+                data = data[os.write(self.proc.stdin.fileno(), data):]
+                continue
+            except BlockingIOError:
                 pass
-    error = _read_status(read_end)
-    os.close(read_end)
-    seconds = time.monotonic() - t0
-    stdout = bytes(out["stdout"][:lim.max_output_bytes]).decode(errors="replace")
-    stderr = bytes(out["stderr"][:lim.max_output_bytes]).decode(errors="replace")
-    truncated = any(len(b) > lim.max_output_bytes for b in out.values())
-    if error:
-        reason = "error"
-    elif reason is None:
-        reason = _reason(rc, stderr)
-    return Result(reason, rc, stdout, stderr, seconds, truncated, error=error)
+            except OSError:  # it closed its stdin or ended
+                return False
+            if not self._pump(want_write=True):
+                return False
+        return True
+
+    def receive(self) -> Optional[str]:
+        """Its next stdout line (without the newline); None when the run is over first."""
+        if self.proc is None:
+            return None
+        while b"\n" not in self._lines:
+            if self.reason or self._open == 0 or not self._pump(want_write=False):
+                return None
+        line, _, rest = bytes(self._lines).partition(b"\n")
+        self._lines = bytearray(rest)
+        return line.decode(errors="replace")
+
+    def close(self) -> Result:
+        """Stop the run (if it still runs) and undo its folder, cgroup and slot: its Result."""
+        if self.result is None:
+            self._sel.close()
+            if self._open == 0 and self.reason is None:  # it closed its output: it is ending on its own
+                try:
+                    self.proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                _stop(self.proc)
+                self.reason = self.reason or "stopped"
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc.pid)
+                self.proc.wait(timeout=5)
+            self.out["stdout"] = self._lines
+            reason = self.reason if self.reason != "stopped" else None
+            self.result = self._p.finish(_ended(self.proc, self._status, reason, self.t0, self.out, self.lim))
+            if self.reason == "stopped" and self.result.reason != "error":
+                self.result.reason = "ok"  # stopped by its caller once done: not the program's failure
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+        return self.result
 
 
 def _stop(proc: subprocess.Popen) -> None:

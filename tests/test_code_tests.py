@@ -181,3 +181,57 @@ def _fails(test, name, fn):
     except AssertionError:
         return True
     return False
+
+
+# --------------------------------------------------------------------------- the reward itself (issue 42)
+
+FORGERS = {
+    "an __eq__ that is always true": "class Yes:\n    def __eq__(self, other):\n        return True\n"
+                                     "    __hash__ = object.__hash__\n\ndef add(a, b):\n    return Yes()",
+    "the harness's nonce read from its frames": (
+        "import os, sys\nfor frame in [sys._getframe(i) for i in range(1, 4) if sys._getframe(i - 1).f_back]:\n"
+        "    for v in list(frame.f_globals.values()) + list(frame.f_locals.values()):\n"
+        "        if isinstance(v, str) and len(v) == 32:\n"
+        "            os.write(2, ('\\n%s:passed\\n' % v).encode())\nos._exit(0)"),
+    "exiting 0 at import": "import os\nos._exit(0)",
+    "SystemExit(0) in the function": "def add(a, b):\n    raise SystemExit(0)",
+    "patched builtins": ("import builtins\nbuiltins.AssertionError = type('Never', (BaseException,), {})\n"
+                         "builtins.isinstance = lambda *a: True\ndef add(a, b):\n    return -1"),
+    "printed markers": "print('passed')\nprint('OK')\ndef add(a, b):\n    print('passed')\n    return -1",
+    "forged answer lines": ("import os\nfor fd in range(3, 10):\n    try:\n        os.write(fd, b\"(1, 'value', '3')\\n\")\n"
+                            "    except OSError:\n        pass\ndef add(a, b):\n    return -1"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERS))
+def test_the_reward_cannot_be_forged(name):
+    """SANDBOX.md, the reward itself: the test ran in the program's interpreter, so an always-true __eq__, the
+    nonce read from the harness's frames or a patched builtin passed; now the test runs in the judge and the
+    program only answers calls with plain data."""
+    program = FORGERS[name]
+    for tests in (ASSERTS, CALLS):
+        outcomes = run_tests(program, tests, "add", limits=FAST)
+        assert "passed" not in outcomes, (name, tests is CALLS, outcomes)
+    check = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 0) == 0\n"
+    assert run_tests(program, check, "add", limits=FAST) != ["passed"], name
+
+
+def test_what_crosses_to_the_judge_classes_values_modules_and_exceptions():
+    """A correct program still passes whatever its tests use: a class and its methods, a constant, a module the
+    program imported, Fraction and Decimal values, the exception a test expects, nan."""
+    program = ("import math\nfrom fractions import Fraction\nLIMIT = 10\n\nclass Solution:\n"
+               "    def __init__(self, k):\n        self.k = k\n    def scale(self, xs):\n"
+               "        return [x * self.k for x in xs]\n\ndef half(x):\n    return Fraction(x, 2)\n\n"
+               "def root(x):\n    if x < 0:\n        raise ValueError('negative')\n    return math.sqrt(x)\n\n"
+               "def pair(x):\n    return (x, {x: [x]})\n\ndef nothing():\n    return float('nan')")
+    tests = ["assert Solution(3).scale([1, 2]) == [3, 6]",
+             "assert LIMIT == 10",
+             "assert math.isclose(root(2.0), 2 ** 0.5)",
+             "assert half(3) == Fraction(3, 2) and half(4) == 2",
+             "try:\n    root(-1)\n    assert False\nexcept ValueError as e:\n    assert 'negative' in str(e)",
+             "assert pair(1) == (1, {1: [1]})",
+             "assert nothing() != nothing()",
+             "s = Solution(2)\nassert s.k == 2 and s.scale([]) == []",
+             "assert Solution(1) != Solution(1)"]  # objects stay in the sandbox: each equals only itself
+    assert run_tests(program, tests, limits=FAST) == ["passed"] * len(tests)
+    assert run_tests(program, [{"args": [3], "result": [3, {3: [3]}]}], "pair", limits=FAST) == ["passed"]

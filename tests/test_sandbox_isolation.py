@@ -344,3 +344,11 @@ def test_the_start_says_what_holds(caplog):
         assert ("holds own PID namespace" in lines[0]) == CAPS["namespaces"]
     finally:
         sandbox._logged |= monkey_logged
+
+
+def test_an_interpreter_under_tmp_is_in_the_runs_root(tmp_path):
+    """A checkout (and its venv) under /tmp, as CI's clone: the run's private /tmp must not hide it."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    r = sandbox.run_python("import sys\nprint(sys.prefix)", dict(LIMITS, python=str(venv / "bin" / "python")))
+    assert (r.reason, r.stdout) == ("ok", f"{venv}\n"), r
