@@ -91,7 +91,8 @@ def single_rank_env():
 # ends (longest first). `make test` passes --no-loadscope-reorder, or xdist would order the files by their
 # number of tests instead.
 SLOWEST_FIRST = ["test_distributed.py", "test_algos_train.py", "test_ref_server.py", "test_algos_losses_train.py",
-                 "test_ref_fault.py", "test_agents_train.py", "test_recipes.py", "test_layers.py", "test_reward_pool.py",
+                 "test_ref_fault.py", "test_agents_train.py", "test_recipes.py", "test_layers.py",
+                 "test_sandbox_isolation.py", "test_reward_pool.py",
                  "test_gpu_check.py", "test_reward_learning.py", "test_code_tests.py", "test_multiturn.py",
                  "test_ref_client.py", "test_eval_script.py", "test_sandbox.py", "test_reward_server.py",
                  "test_algos_hooks.py", "test_reward_remote.py", "test_bench_ref_http.py", "test_lora.py"]
