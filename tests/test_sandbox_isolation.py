@@ -6,13 +6,13 @@ Each test failed on the sandbox before namespaces (bdd5501). What a machine cann
 ``sandbox.capabilities()``: the test then checks that the sandbox says so.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -352,3 +352,45 @@ def test_an_interpreter_under_tmp_is_in_the_runs_root(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     r = sandbox.run_python("import sys\nprint(sys.prefix)", dict(LIMITS, python=str(venv / "bin" / "python")))
     assert (r.reason, r.stdout) == ("ok", f"{venv}\n"), r
+
+
+NO_SYS_ADMIN = r"""
+import ctypes, importlib.util, json, os, sys
+if sys.argv[-1] != "dropped":  # Docker's default: root without CAP_SYS_ADMIN (dropped, then exec'd without it)
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(24, 21, 0, 0, 0) == 0, os.strerror(ctypes.get_errno())  # PR_CAPBSET_DROP, CAP_SYS_ADMIN
+    os.execv(sys.executable, [sys.executable, *sys.argv, "dropped"])
+spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
+sb = sys.modules["sb"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sb)
+lim = {"timeout": 20, "cpu_seconds": 5, "memory_mb": 256, "processes": 32}
+out = {"caps": sb.capabilities(lim), "describe": sb.describe(lim)}
+try:
+    sb.check(dict(lim, network="required"))
+    out["refused"] = ""
+except sb.SandboxError as e:
+    out["refused"] = str(e)
+out["hello"] = sb.run_python("import os\nprint(os.getuid() != 0)", lim).stdout
+print(json.dumps(out))
+"""
+
+
+def test_root_without_cap_sys_admin_runs_with_its_own_uid_and_refuses_network_required(plain_user_dir):
+    """Item 4, Docker's default: without CAP_SYS_ADMIN no namespace can be made. ``network: required`` was
+    never checked at start and every row failed as the program's runtime error; now it is refused, and the
+    runs that can be made (a uid of their own) run, with the missing protections said."""
+    script = Path(plain_user_dir, "no_sys_admin.py")
+    script.write_text(NO_SYS_ADMIN)
+    if not ROOT:  # a plain user cannot drop a capability it lacks: the check agrees with what this machine gives
+        with pytest.raises(sandbox.SandboxError) if not CAPS["network"] else contextlib.nullcontext():
+            sandbox.check(dict(LIMITS, network="required"))
+        return
+    p = subprocess.run([sys.executable, "-I", str(script), os.path.join(plain_user_dir, "sandbox.py")],
+                       capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not out["caps"]["namespaces"] and not out["caps"]["network"] and out["caps"]["own_uid"], out
+    assert "sandbox.network=required, but this machine refuses a network namespace" in out["refused"]
+    assert "does NOT hold own PID namespace and private root" in out["describe"]
+    assert "Operation not permitted" in out["describe"] and "no network" in out["describe"].split("does NOT")[1]
+    assert out["hello"] == "True\n"
