@@ -262,27 +262,39 @@ class _Cgroup:
         return int(counts.get("oom_kill", 0)) > 0
 
     def close(self) -> None:
-        """Kill what is left in it (nothing, normally) and remove it."""
-        end = time.monotonic() + 5
-        for d in self.dirs:
-            while True:
-                try:
-                    pids = [int(p) for p in Path(d, "cgroup.procs").read_text().split()]
-                except OSError:
-                    pids = []
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                try:
-                    os.rmdir(d)
-                    break
-                except OSError:
-                    if time.monotonic() > end:
-                        _log_once("cgroup-rmdir", f"sandbox: could not remove the cgroup {d}")
-                        break
-                    time.sleep(0.01)
+        """Kill what is left in it (nothing, normally) and remove it; a cgroup the kernel still holds for a
+        moment (its last task exiting) is removed by a background thread, off the run's time."""
+        busy = [d for d in self.dirs if not self._remove(d)]
+        if busy:
+            threading.Thread(target=self._remove_later, args=(busy,), daemon=True).start()
+
+    @staticmethod
+    def _remove(d: str) -> bool:
+        try:
+            pids = [int(p) for p in Path(d, "cgroup.procs").read_text().split()]
+        except OSError:
+            pids = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.rmdir(d)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    @classmethod
+    def _remove_later(cls, dirs: list[str]) -> None:
+        end = time.monotonic() + 10
+        while dirs and time.monotonic() < end:
+            time.sleep(0.01)
+            dirs = [d for d in dirs if not cls._remove(d)]
+        if dirs:
+            _log_once("cgroup-rmdir", f"sandbox: could not remove the cgroups {dirs}")
 
 
 def _slot_dir() -> str:
@@ -318,7 +330,7 @@ def _launch(spec: dict, argv: list[str], work: str, timeout: float = 30) -> tupl
     """Run the launcher with ``spec`` and wait: (exit code, the launcher's error line)."""
     read_end, write_end = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, json.dumps(dict(spec, status_fd=write_end)),
+        proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, repr(dict(spec, status_fd=write_end)),
                                  "--", *argv], cwd=work, env={}, start_new_session=True, pass_fds=(write_end,),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     finally:
@@ -554,7 +566,7 @@ def _spawn(p: _Prepared, stdin: bool) -> tuple[subprocess.Popen, int]:
     """The launcher started (stdout and stderr piped; stdin piped or closed): (process, status pipe's read end).
     OSError when it cannot start."""
     read_end, write_end = os.pipe()
-    cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(dict(p.spec, status_fd=write_end)), "--", *p.argv]
+    cmd = [sys.executable, "-I", "-S", LAUNCHER, repr(dict(p.spec, status_fd=write_end)), "--", *p.argv]
     try:
         proc = subprocess.Popen(cmd, cwd=p.base, env={}, start_new_session=True, close_fds=True,
                                 pass_fds=(write_end,), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
