@@ -186,7 +186,7 @@ def test_the_failing_reward_rule_counts_sandbox_errors():
 
 
 PLAIN_USER = r"""
-import importlib.util, json, os, sys, threading
+import importlib.util, json, os, sys, threading, time
 spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
 sb = sys.modules["sb"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sb)
@@ -206,6 +206,24 @@ if out["caps"]["processes"]:
     r = sb.run_python("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time\n"
                       "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    print('capped', n)", lim)
     out["bomb"] = r.stdout
+token = "i42-plain-daemon-%d" % os.getpid()
+sb.run_python("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', %r])\n"
+              "    os._exit(0)\ntime.sleep(0.3)" % token, lim)
+time.sleep(0.2)
+out["daemons"] = 0
+for pid in os.listdir("/proc"):
+    try:
+        out["daemons"] += pid.isdigit() and token.encode() in open("/proc/%s/cmdline" % pid, "rb").read()
+    except OSError:
+        pass
+import socket
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+r = sb.run_python("import socket\nsocket.create_connection(('127.0.0.1', %d), timeout=2)\nprint('connected')"
+                  % srv.getsockname()[1], lim)
+out["network"] = r.stdout
 stop.set()
 print(json.dumps(out))
 """
@@ -249,6 +267,7 @@ def test_as_a_plain_user_with_many_threads_runs_are_not_refused(plain_user_dir):
         assert out["caps"]["userns"] and out["caps"]["unprivileged"]
         assert "s3cret" not in out["secret"] and "FileNotFoundError" in out["secret"], out
         assert out["bomb"].startswith("capped"), out
+        assert out["daemons"] == 0 and out["network"] == "", out  # nothing outlives a run; no network
         assert "does NOT hold own PID namespace" not in out["describe"]
     else:
         assert "does NOT hold own PID namespace" in out["describe"]
@@ -260,6 +279,11 @@ def test_as_a_plain_user_without_namespaces_it_says_what_does_not_hold(plain_use
     assert not out["caps"]["unprivileged"] and "s3cret" in out["secret"]  # and it is not called unprivileged
     assert "does NOT hold own PID namespace and private root" in out["describe"]
     assert "another user than the trainer's" in out["describe"]
+    # what it says it does not hold, it does not: the daemon lived (killed here) and the socket connected
+    assert out["daemons"] == 1 and out["network"] == "connected\n" and "no network" in out["describe"].split(
+        "does NOT")[1]
+    for pid in alive_with("i42-plain-daemon"):
+        os.kill(pid, 9)
 
 
 NO_REAPER = r"""
