@@ -30,7 +30,7 @@ from rewards import sandbox
 # Runs in the sandbox (standard library only). Requests on stdin, answers on stdout, one repr()'d tuple a
 # line; the program's own stdin is empty and its prints go to stderr.
 SERVE = r'''
-import base64, os, pickle, sys, types
+import _pickle, binascii, io, os, sys, types  # not pickle / base64: they import re (9 ms a test)
 requests = os.fdopen(os.dup(0), "r", encoding="utf-8", errors="replace")
 answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -60,7 +60,7 @@ def encode(v):
     objects[len(objects) + 1] = v
     return ("ref", len(objects), type(v).__name__)
 
-class Requests(pickle.Unpickler):
+class Requests(_pickle.Unpickler):
     def persistent_load(self, ref):  # a handle the test passes back: the object itself
         return objects[ref]
 
@@ -93,8 +93,7 @@ for k, v in list(g.items()):
 say("ready", names)
 for line in requests:
     try:
-        import io
-        seq, op, target, *rest = Requests(io.BytesIO(base64.b64decode(line))).load()
+        seq, op, target, *rest = Requests(io.BytesIO(binascii.a2b_base64(line))).load()
         if op == "call":
             args, kwargs = rest
             out = objects[target](*args, **kwargs)
