@@ -32,7 +32,6 @@ import atexit
 import importlib
 import json
 import logging
-import math
 import os
 import select
 import struct
@@ -50,17 +49,6 @@ from typing import Any, Optional
 
 
 log = logging.getLogger("rewards")
-
-
-@dataclass
-class Call:
-    """One reward call: function ``fn`` (registered name or ``pkg.mod:fn``) on a chunk of rows."""
-
-    fn: str
-    kwargs: dict[str, Any]
-    prompts: list[str]
-    completions: list[str]
-    columns: dict[str, list]
 
 
 MAX_ERROR_CHARS = 8000  # an error's text crosses the pipe and reaches the log: a huge exception message is cut
@@ -120,32 +108,8 @@ class WarmUp:
 
 
 def dispatch(call: Any) -> Outcome:
-    """A reward :class:`Call`, or any picklable object with ``run() -> Outcome`` (a tool call)."""
-    return call.run() if hasattr(call, "run") else run_call(call)
-
-
-def run_call(call: Call) -> Outcome:
-    """Run one call here, in this process; an exception becomes an error outcome."""
-    from rewards import resolve  # late: the worker process imports the registry itself
-
-    try:
-        fn = resolve(call.fn)
-        values = [float(v) for v in fn(call.prompts, call.completions, **call.columns, **call.kwargs)]
-        if len(values) != len(call.completions):
-            raise ValueError(f"reward {call.fn!r} returned {len(values)} values for {len(call.completions)} completions")
-        _check_finite(call.fn, values)
-        return Outcome("ok", values=values)
-    except Exception:  # noqa: BLE001 - any failure of user code scores 0 and is reported
-        return Outcome("error", error=traceback.format_exc())
-
-
-def _check_finite(fn: str, values: list[float]) -> None:
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-    if bad:
-        raise ValueError(
-            f"reward {fn!r} returned {values[bad[0]]} for row {bad[0]} of its chunk ({len(bad)} of {len(values)} "
-            f"values not finite): a reward must be a finite number; the chunk scores 0"
-        )
+    """Any picklable object with ``run() -> Outcome``: a reward's FunctionCall, a tool call, a WarmUp."""
+    return call.run()
 
 
 def apply_limits(limits: Optional[dict[str, int]]) -> None:
@@ -252,7 +216,7 @@ def read_answer(conn: Connection, deadline: float, limit: int = MAX_ANSWER_BYTES
 
 
 def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> None:
-    """Worker loop: apply the limits, import the registry, say ready, then receive (number, Call) and send back
+    """Worker loop: apply the limits, import the registry, say ready, then receive (number, call) and send back
     its Outcome as JSON (:func:`encode_answer`) until None or a closed pipe. The worker leads a session (and
     process group) of its own: what its calls start is killed with it, and a signal to "its" group never
     reaches the trainer's."""
@@ -450,7 +414,7 @@ class WorkerPool:
             self._workers[slot].conn.send((seq, call))
         return seq
 
-    def run(self, calls: list[Call]) -> list[Outcome]:
+    def run(self, calls: list[Any]) -> list[Outcome]:
         if not self.num_workers:
             return [dispatch(c) for c in calls]
         results: list[Optional[Outcome]] = [None] * len(calls)

@@ -14,9 +14,10 @@ from grpo.reference.wire import (
     WireError,
     decode_response,
     encode,
+    encode_flat_response,
     encode_request,
-    encode_response,
     flatten_packed,
+    flatten_rows,
     parse_request,
     unflatten,
 )
@@ -62,7 +63,7 @@ def test_request_round_trip():
 def test_response_round_trip_fills_zeros_beyond_lengths():
     lengths = torch.tensor([3, 0, 2])
     lp = torch.randn(3, 5)
-    body = encode_response(lp, None, lengths, {"version": 2})
+    body = encode_flat_response(flatten_rows(lp, lengths), None, {"version": 2})  # what the server sends
     got, ent, header = decode_response(body, lengths, width=5)
     assert ent is None and header == {"version": 2}
     mask = torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)
@@ -129,7 +130,7 @@ def test_rows_stay_flat_until_each_forward_pass_pads_its_own():
     body = _short_rows_and_one_long(3_000, 4096)  # 12.3M padded tokens: under the cap, so it is accepted
     req = parse_request(body, VOCAB, max_row_tokens=4096, max_padded_tokens=2**24)
     held = sum(t.numel() for t in (req.input_ids, req.prompt_lens, req.completion_lens, req.offsets))
-    assert req.padded_tokens == 3_001 * 4096 and held < 3 * (req.tokens + req.rows), "nothing padded at parse time"
+    assert req.rows * req.row_tokens == 3_001 * 4096 and held < 3 * (req.tokens + req.rows), "nothing padded at parse time"
     for rows in row_slices(req.rows, req.row_tokens, None, max_tokens=8192)[-2:]:
         assert req.packed(rows).input_ids.numel() <= 8192, "one pass pads at most max_batch_tokens"
 

@@ -175,7 +175,7 @@ def test_a_worker_imports_its_functions_slow_imports_before_their_first_call():
 def test_a_worker_that_cannot_start_gives_its_slot_back():
     """run() raises when a worker cannot start even after a replacement; its slot must return to the pool, or
     threads waiting for a worker (a turn's environments stepping at once) would wait forever."""
-    from rewards.pool import Call, WorkerPool
+    from rewards.pool import WarmUp, WorkerPool
 
     pool = WorkerPool(2, timeout=30.0)
     real, broken = pool._ready, [True]
@@ -188,9 +188,9 @@ def test_a_worker_that_cannot_start_gives_its_slot_back():
     try:
         pool._ready = ready
         with pytest.raises(RuntimeError, match="died while starting"):
-            pool.run([Call("tests.reward_fixtures:length_bonus", {}, ["p"], ["abc"], {})])
+            pool.run([WarmUp(["tests.reward_fixtures:length_bonus"])])
         assert sorted(pool._idle) == [0, 1]
         broken[0] = False
-        assert pool.run([Call("tests.reward_fixtures:length_bonus", {}, ["p"], ["abc"], {})])[0].status == "ok"
+        assert pool.run([WarmUp(["tests.reward_fixtures:length_bonus"])])[0].status == "ok"
     finally:
         pool.close()

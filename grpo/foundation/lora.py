@@ -160,10 +160,6 @@ def adapters_disabled(model) -> Iterator[None]:
             m.enable_adapters(on)
 
 
-def trainable_parameters(model) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 # --------------------------------------------------------------------------- weights
 
 

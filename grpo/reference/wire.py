@@ -177,11 +177,6 @@ class LogprobRequest:
     def tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    @property
-    def padded_tokens(self) -> int:
-        """rows x the longest row: the tokens the forward passes process, padding included."""
-        return self.rows * self.row_tokens
-
     def packed(self, rows: slice = slice(None)) -> Packed:
         """Rows ``rows`` padded like the whole request (its longest row, its width): one forward pass's input."""
         first, last, _ = rows.indices(self.rows)
@@ -315,11 +310,6 @@ def encode_flat_response(logprobs: torch.Tensor, entropy: Optional[torch.Tensor]
     if entropy is not None:
         tensors["entropy"] = entropy.float()
     return encode(tensors, header)
-
-
-def encode_response(logp: torch.Tensor, entropy: Optional[torch.Tensor], lengths: torch.Tensor, header: dict) -> bytes:
-    return encode_flat_response(flatten_rows(logp, lengths), None if entropy is None else flatten_rows(entropy, lengths),
-                                header)
 
 
 def decode_response(body: bytes, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
