@@ -20,7 +20,7 @@ kernel allows it (probed once, :func:`capabilities`):
   - a cgroup (v1 ``memory`` + ``pids`` or v2) with ``memory_mb`` and ``processes`` on the whole run;
   - per-process rlimits: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE 0.
 
-Where a protection cannot be had it is said once, in :func:`describe`, which the trainer logs at start;
+Where a protection cannot be had it is said once, in :func:`describe`, which the trainer prints at start;
 ``isolation: required`` refuses to run without the namespaces instead. A run that cannot start (a namespace,
 a mount, the fork or the exec refused) ends with reason ``error`` and the launcher's line in
 :attr:`Result.error`: an infrastructure error, never the program's; callers raise :class:`SandboxError`.
@@ -458,12 +458,13 @@ def describe(limits: Any = None) -> str:
 
 
 def announce(limits: Any = None) -> None:
-    """Log :func:`describe` once per process (a warning when something does not hold): a reward or a tool that
-    runs model code calls it when the run builds it."""
+    """Print :func:`describe` once per process on stderr, on rank 0 (as the trainer's other start-up lines): a
+    reward or a tool that runs model code calls it when the run builds it."""
     text = describe(limits)
     if text not in _logged:
         _logged.add(text)
-        (log.warning if "does NOT hold" in text else log.info)(text)
+        if os.environ.get("RANK", "0") == "0":
+            print(text, file=sys.stderr, flush=True)
 
 
 def check(limits: Any = None) -> None:
