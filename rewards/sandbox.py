@@ -411,12 +411,6 @@ def plan_of(lim: Limits) -> Plan:
     return _plan(lim.python, lim.user, lim.network, lim.isolation, lim.uid_base)
 
 
-def network_isolation(limits: Any = None) -> bool:
-    """Whether a run gets a network namespace of its own here (probed once)."""
-    lim = Limits.of(limits)
-    return plan_of(Limits.of(dict(asdict(lim), network="auto"))).network == "auto"
-
-
 def capabilities(limits: Any = None) -> dict[str, Any]:
     """What the sandbox enforces here, probed once: ``namespaces`` (own PID and mount namespaces: every process
     ends with the run, only its folder is writable, private /tmp), ``network`` (own namespace), ``own_uid``
