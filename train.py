@@ -68,25 +68,26 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         for warning in config_warnings(cfg):
             print(f"config warning: {warning}", file=sys.stderr)
-    if args.print_config:
-        from grpo.reference.base import ReferenceServerError
+    from grpo.reference.base import ReferenceServerError
 
-        try:  # the run's own start-up checks: a reference server nobody runs is refused here too
-            probe_services(cfg)
-        except ReferenceServerError as e:
-            print(f"reference error: {e}", file=sys.stderr)
-            return 1
+    try:  # a reference server nobody runs: seconds, not a minute of retries after loading (--print-config too)
+        probe_services(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except ReferenceServerError as e:
+        print(f"reference error: {e}", file=sys.stderr)
+        return 1
+    if args.print_config:
         print(dump_yaml(to_dict(cfg)), end="")
         return 0
     from grpo.foundation import dist
-    from grpo.reference.base import ReferenceServerError
     from grpo.training.health import TrainingStopped
     from grpo.training.trainer import Trainer
     from rewards import RewardServiceError
 
     finished = False
     try:
-        probe_services(cfg)  # a reference server nobody runs: seconds, not a minute of retries after loading
         trainer = Trainer(cfg, resume=args.resume)
         trainer.train()
         finished = True

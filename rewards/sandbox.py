@@ -328,13 +328,7 @@ def _slot(plan: Plan, lim: Limits) -> Iterator[Optional[tuple[int, int]]]:
 
 def _launch(spec: dict, argv: list[str], work: str, timeout: float = 30) -> tuple[int, str]:
     """Run the launcher with ``spec`` and wait: (exit code, the launcher's error line)."""
-    read_end, write_end = os.pipe()
-    try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, repr(dict(spec, status_fd=write_end)),
-                                 "--", *argv], cwd=work, env={}, start_new_session=True, pass_fds=(write_end,),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    finally:
-        os.close(write_end)
+    proc, read_end = _spawn(spec, argv, work, stdin=False)
     try:
         _, err = proc.communicate(timeout=timeout)
         return proc.returncode, _read_status(read_end) or err.decode(errors="replace").strip()
@@ -557,13 +551,13 @@ def _kill_uid(uid: int) -> None:
                    env={}, capture_output=True, timeout=30)
 
 
-def _spawn(p: _Prepared, stdin: bool) -> tuple[subprocess.Popen, int]:
-    """The launcher started (stdout and stderr piped; stdin piped or closed): (process, status pipe's read end).
-    OSError when it cannot start."""
+def _spawn(spec: dict, argv: list[str], cwd: str, stdin: bool) -> tuple[subprocess.Popen, int]:
+    """The launcher started with ``spec`` in a session of its own (stdout and stderr piped; stdin piped or
+    closed): (process, status pipe's read end). OSError when it cannot start."""
     read_end, write_end = os.pipe()
-    cmd = [sys.executable, "-I", "-S", LAUNCHER, repr(dict(p.spec, status_fd=write_end)), "--", *p.argv]
+    cmd = [sys.executable, "-I", "-S", LAUNCHER, repr(dict(spec, status_fd=write_end)), "--", *argv]
     try:
-        proc = subprocess.Popen(cmd, cwd=p.base, env={}, start_new_session=True, close_fds=True,
+        proc = subprocess.Popen(cmd, cwd=cwd, env={}, start_new_session=True, close_fds=True,
                                 pass_fds=(write_end,), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError:
@@ -599,7 +593,7 @@ def _ended(proc: subprocess.Popen, read_end: int, reason: Optional[str], t0: flo
 def _execute(p: _Prepared, stdin: Optional[str]) -> Result:
     t0, lim = time.monotonic(), p.lim
     try:
-        proc, read_end = _spawn(p, stdin is not None)
+        proc, read_end = _spawn(p.spec, p.argv, p.base, stdin is not None)
     except OSError as e:
         return Result("error", None, "", "", 0.0, error=f"sandbox could not start its launcher: {e}")
     out = {"stdout": bytearray(), "stderr": bytearray()}
@@ -674,7 +668,7 @@ class Session:
         self._lines = bytearray()
         self.result: Optional[Result] = None
         try:
-            self.proc, self._status = _spawn(self._p, True)
+            self.proc, self._status = _spawn(self._p.spec, self._p.argv, self._p.base, True)
         except OSError as e:
             self.proc = None
             self.result = Result("error", None, "", "", 0.0, error=f"sandbox could not start its launcher: {e}")
