@@ -32,11 +32,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def list_algos() -> str:
-    from algos import ALGORITHMS
-
     import dataclasses
 
     from grpo.foundation.config import AlgoConfig
+    from grpo.foundation.plugins import ALGORITHMS
 
     def defaults(cls) -> dict:
         fields = [*dataclasses.fields(AlgoConfig), *dataclasses.fields(cls.Options)]
@@ -83,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from grpo.foundation import dist
     from grpo.training.health import TrainingStopped
+    from grpo.foundation.plugins import RewardServiceError
     from grpo.training.trainer import Trainer
-    from rewards import RewardServiceError
 
     finished = False
     try:

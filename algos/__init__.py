@@ -1,7 +1,8 @@
-"""The algorithm registry: ``--algo NAME`` -> a class in this package (one file per algorithm).
+"""The algorithms (``--algo NAME``): one file per algorithm, each registered in
+grpo.foundation.plugins.ALGORITHMS when this package is imported.
 
-Every module here is imported and every :class:`Algorithm` subclass with a ``name`` is
-registered, so adding an algorithm is adding one file.
+Every module here is imported and every :class:`Algorithm` subclass with a ``name`` is registered,
+so adding an algorithm is adding one file.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import importlib
 import pkgutil
 
 from algos.base import Algorithm
-
-ALGORITHMS: dict[str, type[Algorithm]] = {}
+from grpo.foundation.plugins import ALGORITHMS
 
 
 def _discover() -> None:
@@ -22,9 +22,7 @@ def _discover() -> None:
     def walk(cls: type) -> None:
         for sub in cls.__subclasses__():
             if sub.__dict__.get("name"):
-                if sub.name in ALGORITHMS and ALGORITHMS[sub.name] is not sub:
-                    raise RuntimeError(f"two algorithms are named {sub.name!r}")
-                ALGORITHMS[sub.name] = sub
+                ALGORITHMS.register(sub.name, sub)
             walk(sub)
 
     walk(Algorithm)
@@ -32,16 +30,4 @@ def _discover() -> None:
 
 _discover()
 
-
-def get_algorithm(name: str) -> type[Algorithm]:
-    from grpo.foundation.config import ConfigError
-
-    if name not in ALGORITHMS:
-        import difflib
-
-        same = [n for n in ALGORITHMS if n.lower() == name.lower().replace("_", "-")]
-        close = same or difflib.get_close_matches(name.lower(), list(ALGORITHMS), n=1)
-        hint = f" Did you mean {close[0]!r}? (names are lower case)" if same else (
-            f" Did you mean {close[0]!r}?" if close else "")
-        raise ConfigError(f"unknown algorithm {name!r}.{hint} Choose from {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name]
+get_algorithm = ALGORITHMS.get  # the class ``--algo NAME`` names (a ConfigError naming the choices otherwise)

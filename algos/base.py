@@ -16,6 +16,7 @@ import torch
 from grpo.foundation import core, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.plugins import ALGORITHMS, StepContext
 
 
 @dataclass
@@ -38,44 +39,6 @@ def masked_stat(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
 def log_mean(ctx: "StepContext", name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
     """ctx.metrics[name] = mean of x (over the mask) on all ranks; every rank must call it."""
     ctx.metrics[name] = float(core.global_mean_std(x.detach(), mask=mask)[0])
-
-
-class StepContext:
-    """What an algorithm's hooks see of the run: nothing of the trainer itself.
-
-    cfg, step            the config; optimizer steps completed so far (in ``on_step_end``: this one included)
-    rollout              the rollout service (grpo.rollout.service): generate, continue_sequences, score, decode
-    reference            the reference handle (grpo.reference.handle), or None when beta = 0
-    generate_more(n)     rolls out and scores this rank's share of the next ``n`` prompts of the global
-                         stream (default ``rollout.prompts_per_step``); every rank calls it equally often
-    reset_reference()    pi_ref <- pi_theta now (collective); returns (folder holding it, new version)
-    reset_optimizer()    the optimizer state (Adam moments, step counts) starts afresh at the next step
-    metrics              values to log with the step (every rank sets the same keys)
-    skip_update          set alike on every rank: no optimizer step this time
-    scored               the batch the step's reward and advantage metrics describe (default: the batch
-                         ``process_batch`` returns; CPPO points it at the batch before pruning)
-    """
-
-    def __init__(self, cfg: Config, step: int, generate_more: Optional[Callable[..., RolloutBatch]] = None,
-                 rollout: Any = None, reference: Any = None,
-                 reset_reference: Optional[Callable[[], tuple[str, int]]] = None,
-                 reset_optimizer: Optional[Callable[[], None]] = None):
-        self.cfg, self.step, self.generate_more = cfg, step, generate_more
-        self.rollout, self.reference = rollout, reference
-        self._reset_reference, self._reset_optimizer = reset_reference, reset_optimizer
-        self.metrics: dict[str, float] = {}
-        self.skip_update = False
-        self.scored: Optional[RolloutBatch] = None
-
-    def reset_reference(self) -> tuple[str, int]:
-        if self._reset_reference is None:
-            raise RuntimeError("this context cannot reset the reference (built without a trainer)")
-        return self._reset_reference()
-
-    def reset_optimizer(self) -> None:
-        if self._reset_optimizer is None:
-            raise RuntimeError("this context cannot reset the optimizer (built without a trainer)")
-        self._reset_optimizer()
 
 
 def check_max_gen_batches(value: int) -> None:
@@ -139,16 +102,12 @@ class Algorithm:
     @classmethod
     def kl_in_reward_algorithms(cls) -> list[str]:
         """The registered algorithms that take ``algo.kl_in_reward``."""
-        from algos import ALGORITHMS
-
         return sorted(n for n, c in ALGORITHMS.items() if c.takes_kl_in_reward())
 
     @classmethod
     def option_owners(cls, key: str) -> list[str]:
         """The registered algorithms that have ``algo.<key>`` among their own options."""
         import dataclasses
-
-        from algos import ALGORITHMS
 
         return sorted(n for n, c in ALGORITHMS.items()
                       if dataclasses.is_dataclass(c.Options) and key in {f.name for f in dataclasses.fields(c.Options)})

@@ -25,6 +25,7 @@ from algos.base import log_mean
 from algos.grpo import GRPO
 from grpo.foundation import core
 from grpo.foundation.config import ConfigError
+from grpo.foundation.plugins import STEP_REWARDS
 
 
 @dataclass
@@ -64,9 +65,7 @@ class GRPOPS(GRPO):
 
     @staticmethod
     def resolve_step_reward(name: str) -> Callable:
-        from rewards import STEP_REGISTRY, resolve
-
-        return resolve(name, STEP_REGISTRY, "algo.step_reward_fn")
+        return STEP_REWARDS.get(name)
 
     @classmethod
     def validate(cls, cfg) -> None:

@@ -19,43 +19,16 @@ import it to find tools, so environments are imported only when named.
 
 from __future__ import annotations
 
-import importlib
-from typing import Callable
+from grpo.foundation.config import ConfigError
+from grpo.foundation.plugins import ENVS, SERVICES, TOOLS
 
-# name -> "module:attribute" (imported on demand)
-ENVS: dict[str, str] = {
-    "calculator": "envs.calculator:CalculatorEnv",
-    "maze": "envs.maze:MazeEnv",
-    "code": "envs.code:CodeEnv",
-}
-TOOLS: dict[str, str] = {
-    "calculator": "envs.tools:calculator",
-    "python": "envs.tools:python",
-}
+ENVS.register("calculator", "envs.calculator:CalculatorEnv")
+ENVS.register("maze", "envs.maze:MazeEnv")
+ENVS.register("code", "envs.code:CodeEnv")
+TOOLS.register("calculator", "envs.tools:calculator")
+TOOLS.register("python", "envs.tools:python")
+SERVICES.register("environment", "envs.base:EnvSetup")
 
-
-class EnvConfigError(ValueError):
-    """Raised for a wrong env/tool name; the trainer turns it into a ConfigError."""
-
-
-def _load(spec: str, what: str, key: str, registry: dict[str, str]) -> Callable:
-    target = registry.get(spec, spec)
-    if ":" not in target:
-        raise EnvConfigError(f"{key}={spec!r} is unknown: choose from {sorted(registry)} or give "
-                             f"'package.module:{what}'")
-    module, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise EnvConfigError(f"{key}={spec!r} cannot be imported: {e}") from e
-
-
-def resolve_env(name: str) -> type:
-    return _load(name, "Class", "env.name", ENVS)
-
-
-def resolve_tool(name: str) -> Callable[..., str]:
-    fn = _load(name, "function", "env.tools fn", TOOLS)
-    if not callable(fn):
-        raise EnvConfigError(f"env.tools fn={name!r} is not callable")
-    return fn
+EnvConfigError = ConfigError  # the name environments' errors had here
+resolve_env = ENVS.get  # a registered name or ``package.module:Class``
+resolve_tool = TOOLS.get  # a registered name or ``package.module:function`` (the tool workers resolve with it)

@@ -18,14 +18,14 @@ run with :class:`RewardServiceError`: never a silent zero.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
+from grpo.foundation.plugins import REWARDS, SERVICES, STEP_REWARDS, RewardServiceError
 from rewards.code_tests import code_tests
 from rewards.countdown import countdown
 from rewards.digits import digits_match, digits_step_match
@@ -47,46 +47,17 @@ class StepRewardFn(Protocol):
     def __call__(self, prompt: str, steps: list[str], example: dict[str, Any]) -> list[float]: ...
 
 
-REGISTRY: dict[str, RewardFn] = {
-    "digits_match": digits_match,
-    "math_correct": math_correct,
-    "format_strict": format_strict,
-    "format_soft": format_soft,
-    "countdown": countdown,
-    "code_tests": code_tests,
-}
+for _name, _fn in {"digits_match": digits_match, "math_correct": math_correct, "format_strict": format_strict,
+                   "format_soft": format_soft, "countdown": countdown, "code_tests": code_tests}.items():
+    REWARDS.register(_name, _fn)
+STEP_REWARDS.register("digits_step_match", digits_step_match)
+REGISTRY, STEP_REGISTRY = REWARDS, STEP_REWARDS  # the names these registries had here
 
 # built-ins scored one row per call unless the entry says otherwise: math-verify can hang on one input; a row of
 # code_tests runs its tests one sandboxed process after another
 ROW_AT_A_TIME = {"math_correct", "code_tests"}
 
-STEP_REGISTRY: dict[str, StepRewardFn] = {
-    "digits_step_match": digits_step_match,
-}
-
-
-def resolve(name: str, registry: Optional[dict[str, Callable]] = None, key: str = "rewards fn") -> Callable:
-    """A registered name (in ``registry``, default the outcome rewards), or ``package.module:function``;
-    ``key`` names the config key in errors."""
-    registry = REGISTRY if registry is None else registry
-    if name in registry:
-        return registry[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{key}={name!r} cannot be imported: {e}") from e
-        if not callable(fn):
-            raise ConfigError(f"{key}={name!r} is not callable")
-        return fn
-    raise ConfigError(
-        f"{key}={name!r} is unknown: choose from {sorted(registry)} or give 'package.module:function'"
-    )
-
-
-class RewardServiceError(RuntimeError):
-    """A reward model server or remote endpoint still failed after its retries: the run stops."""
+resolve = REWARDS.get  # a registered name or ``package.module:function`` (the workers resolve calls with it)
 
 
 class FunctionTerm:
@@ -210,6 +181,12 @@ class CombinedReward:
     def check_columns(self, columns: list[str]) -> None:
         """At start, with the dataset's first row: see :func:`check_columns`."""
         check_columns(self.terms, columns)
+
+    @staticmethod
+    def check(specs: list[RewardSpec], pool: RewardPoolConfig, sandbox: Any, columns: list[str]) -> None:
+        """:func:`check_columns` of a run's reward functions before anything starts (no worker pool)."""
+        terms = [FunctionTerm(n, s, pool, sandbox) if s.kind == "fn" else s for n, s in zip(term_names(specs), specs)]
+        check_columns(terms, columns)
 
     def set_state(self, global_step: int, max_steps: int, epoch: float = 0.0) -> None:
         """The ``trainer_state`` TRL-shaped functions see from now on."""
@@ -337,3 +314,18 @@ class CombinedReward:
         for t in self.terms:
             if hasattr(t, "close"):
                 t.close()
+
+
+def check_sandbox(settings: Any) -> None:
+    """The ``sandbox:`` settings ask for nothing this machine cannot give (ConfigError otherwise)."""
+    from rewards import sandbox
+
+    try:
+        sandbox.check(settings)
+    except sandbox.SandboxError as e:
+        raise ConfigError(str(e)) from e
+
+
+SERVICES.register("rewards", CombinedReward)
+SERVICES.register("reward model", "rewards.models:RewardModel")
+SERVICES.register("sandbox check", check_sandbox)

@@ -14,7 +14,7 @@ and takes back a JSON list of numbers (``null`` = not scored), or ``{"rewards": 
 one per row. ``Authorization: Bearer $GRPO_REWARD_TOKEN`` (``token_env``) when the variable is set; every
 attempt of one request carries the same ``Idempotency-Key``. Connection errors, timeouts (``timeout``, default
 ``reward_pool.timeout``), 5xx / 429, a body that is not such a list, or the wrong number of scores are retried
-with backoff for ``retry_window`` seconds; then the run stops with :class:`~rewards.RewardServiceError`
+with backoff for ``retry_window`` seconds; then the run stops with :class:`~grpo.foundation.plugins.RewardServiceError`
 naming the URL and the last problem. A 4xx (a request the endpoint refuses) stops it at once. Never a silent 0.
 
 Reference server: ``POST {ref.url}/v1/reward`` with ``{"prompts", "completions"}`` -> ``{"scores", "version"}``
@@ -32,16 +32,11 @@ from typing import Any, Optional
 import requests
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
+from grpo.foundation.plugins import RewardServiceError
 from rewards.calls import Rows
 
 BACKOFF_BASE, BACKOFF_CAP = 0.1, 2.0
 REF_TOKEN_ENV = "GRPO_REF_TOKEN"
-
-
-def _error():
-    from rewards import RewardServiceError  # late: rewards/__init__ imports this module lazily too
-
-    return RewardServiceError
 
 
 class JSONPoster:
@@ -69,7 +64,7 @@ class JSONPoster:
                     return check(resp.json())
                 last = f"HTTP {resp.status_code}: {resp.text[:300]}"
                 if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-                    raise _error()(f"{self.what} at {self.url} refused the request ({last}); the run stops")
+                    raise RewardServiceError(f"{self.what} at {self.url} refused the request ({last}); the run stops")
             except requests.Timeout:
                 last = f"no answer within {self.timeout}s (timeout)"
             except requests.ConnectionError as e:
@@ -77,7 +72,7 @@ class JSONPoster:
             except ValueError as e:  # not JSON, or check() refused the answer
                 last = f"a wrong answer: {e}"
             if time.monotonic() >= deadline:
-                raise _error()(f"{self.what} at {self.url} failed {attempt} time(s) over {self.retry_window:g}s "
+                raise RewardServiceError(f"{self.what} at {self.url} failed {attempt} time(s) over {self.retry_window:g}s "
                                f"of retries; last: {last}. The run stops rather than score these rows 0.")
             self.retries += 1
             time.sleep(min(max(0.0, deadline - time.monotonic()),

@@ -1,6 +1,11 @@
-"""The package's layering: imports run one way, along the data flow, and nowhere in a circle.
+"""The package's layering: the folder is the floor, imports run one way and nowhere in a circle.
 
-    foundation -> data -> rollout -> rewards -> envs -> reference -> algos -> training -> train.py, scripts
+    ground   grpo/      the engine: foundation -> data -> rollout -> reference -> training, knowing its
+                        plug-ins only by their protocols and registries (grpo/foundation/plugins.py)
+    plug-ins rewards/   reward functions and the reward service
+             envs/      environments and tools (they call rewards' sandbox and pool)
+             algos/     algorithms (some reuse reward functions: DAPO's overlong penalty, DIVER's diversity)
+    top      train.py, ref_client.py, scripts/: compose a run from the floors below
 
 Two checks against the table below: every import statement in the code (function-level ones
 included, so a lazy import cannot dodge a cycle), and every module imported alone in a fresh
@@ -19,29 +24,31 @@ from tests.patience import LAUNCH_S
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("grpo", "algos", "rewards", "envs")
 
-# layer -> module prefix (longest prefix wins)
+# layer -> module prefix (longest prefix wins): a folder of the ground floor is a layer of its own
 LAYER_OF_PREFIX = {
     "grpo": "foundation",  # the package itself is empty
     "grpo.foundation": "foundation",
     "grpo.data": "data",
     "grpo.rollout": "rollout",
+    "grpo.reference": "reference",
+    "grpo.training": "training",
     "rewards": "rewards",
     "envs": "envs",
-    "grpo.reference": "reference",
     "algos": "algos",
-    "grpo.training": "training",
 }
 
-# layer -> the layers its modules may import (its own included)
+GROUND = {"foundation", "data", "rollout", "reference", "training"}  # grpo/
+
+# layer -> the layers its modules may import (its own included): the ground floor never imports a plug-in
 ALLOWED = {
     "foundation": {"foundation"},
     "data": {"foundation", "data"},
     "rollout": {"foundation", "rollout"},
-    "rewards": {"foundation", "rewards"},
-    "envs": {"foundation", "data", "rollout", "rewards", "envs"},  # environments and tools (multi-turn rollouts)
-    "reference": {"foundation", "rewards", "reference"},  # the server hosts reward models (rewards/models.py)
-    "algos": {"foundation", "rewards", "algos"},  # rollout and reference reach algorithms through StepContext
-    "training": {"foundation", "data", "rollout", "rewards", "envs", "reference", "algos", "training"},
+    "reference": {"foundation", "reference"},
+    "training": GROUND,
+    "rewards": GROUND | {"rewards"},
+    "envs": GROUND | {"rewards", "envs"},
+    "algos": GROUND | {"rewards", "algos"},
 }
 
 

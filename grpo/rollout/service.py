@@ -16,7 +16,6 @@ the same calls on every rank (``collective_rounds`` says how many when their wor
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from typing import Any, Callable, Optional
 
@@ -25,6 +24,8 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
+from grpo.foundation.plugins import Scorer
+from grpo.foundation.registry import Registry
 from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, SamplingParams, completion_mask, cut_at_eos
 from grpo.rollout.hf import HFEngine, needs_synced_generation
 from grpo.rollout.static import StaticEngine, unsupported_reason
@@ -49,38 +50,28 @@ def auto_engine(setup: EngineSetup) -> GenerationEngine:
     return HFEngine(setup)
 
 
+def _engine_protocol(cls: Any, key: str, name: str) -> None:
+    """A ``package.module:Class`` engine implements the protocol (the registered ones do)."""
+    missing = [m for m in ("generate", "sync_weights") if ":" in name and not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"{key}={name!r} lacks {missing}: an engine implements "
+                          "grpo.rollout.engine.GenerationEngine (generate, sync_weights)")
+
+
 # name -> engine class (or a function of the EngineSetup that builds one); ``rollout.engine`` may also be any
 # ``package.module:Class``
-ENGINES: dict[str, Callable[[EngineSetup], GenerationEngine]] = {
-    "auto": auto_engine, "hf": HFEngine, "static": StaticEngine, "vllm": VLLMEngine}
+ENGINES = Registry("generation engine", "rollout.engine", paths="Class", check=_engine_protocol)
+for _name, _engine in {"auto": auto_engine, "hf": HFEngine, "static": StaticEngine, "vllm": VLLMEngine}.items():
+    ENGINES.register(_name, _engine)
 # name -> a check that the engine's optional dependencies are installed (a ConfigError naming the extra)
 REQUIREMENTS: dict[str, Callable[[], Any]] = {"vllm": require_vllm}
 
-# (prompt texts, completion texts, dataset columns, raw_prompts=dataset prompts, completion_ids=token ids)
-#   -> (total reward per row, {source: values, nan where the source skipped the row}); rewards.CombinedReward
-Scorer = Callable[..., tuple[list[float], dict[str, list[float]]]]
-
 
 def engine_class(name: str) -> Callable[[EngineSetup], GenerationEngine]:
-    """The engine class that ``rollout.engine`` names (a registered name or ``package.module:Class``)."""
-    if name in ENGINES:
-        if name in REQUIREMENTS:
-            REQUIREMENTS[name]()
-        return ENGINES[name]
-    if ":" not in name:
-        raise ConfigError(
-            f"rollout.engine={name!r} is unknown: choose from {sorted(ENGINES)} or give 'package.module:Class'"
-        )
-    module, _, attr = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"rollout.engine={name!r} cannot be imported: {e}") from e
-    missing = [m for m in ("generate", "sync_weights") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise ConfigError(f"rollout.engine={name!r} lacks {missing}: an engine implements "
-                          "grpo.rollout.engine.GenerationEngine (generate, sync_weights)")
-    return cls
+    """The engine class that ``rollout.engine`` names (a registered name or ``package.module:Class``), its
+    optional dependencies checked."""
+    REQUIREMENTS.get(name, lambda: None)()
+    return ENGINES.get(name)
 
 
 def decode_completions(tokenizer, tokens: list[list[int]], eos_ids: list[int]) -> list[str]:
@@ -103,10 +94,12 @@ class RolloutService:
 
     @classmethod
     def build(cls, cfg, model: torch.nn.Module, tokenizer, eos_ids: list[int],
-              scorer: Optional[Scorer] = None) -> "RolloutService":
+              scorer: Optional[Scorer] = None,
+              make_engine: Optional[Callable[[EngineSetup], GenerationEngine]] = None) -> "RolloutService":
+        """``make_engine``: the engine class (default: the one ``rollout.engine`` names)."""
         setup = EngineSetup(cfg=cfg, model=model, tokenizer=tokenizer, eos_ids=list(eos_ids),
                             pad_id=tokenizer.pad_token_id, synced=needs_synced_generation(cfg.train.zero_stage))
-        return cls(setup, scorer)
+        return cls(setup, scorer, make_engine(setup) if make_engine is not None else None)
 
     @property
     def tokenizer(self):

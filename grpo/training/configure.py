@@ -1,8 +1,8 @@
-"""Resolve a run's configuration: the typed schema (grpo/foundation/config.py) and the algorithm
-registry (algos/) put together.
+"""Resolve a run's configuration: the typed schema (grpo/foundation/config.py) and the chosen algorithm's
+options and defaults (the ALGORITHMS registry) put together.
 
     load_config(path, algo, overrides): defaults < algorithm defaults < YAML < --algo < key=value
-    check_run(cfg, resume):             what the run would refuse later, checked before any model loads
+    check_run(cfg, resume, parts):      what the run would refuse later, checked before any model loads
                                         (train.py: for --print-config and the run alike)
     probe_services(cfg):                the run's servers answer at start (ref.url), before any model loads
     needs_reference(path, overrides):   whether that run queries a reference model
@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from algos import get_algorithm
 from grpo.foundation.config import FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states, read_user_tree
+from grpo.foundation.plugins import ALGORITHMS, REWARDS, SERVICES
 from grpo.reference.handle import adapters_off_reference
+from grpo.training.compose import Parts, compose
 
 
 def load_config(
@@ -28,7 +29,7 @@ def load_config(
 ) -> Config:
     """Resolve and validate; a wrong key or value raises ConfigError naming the valid choices."""
     tree, name = read_user_tree(path, algo, overrides)
-    cfg = build_config(tree, get_algorithm(name))
+    cfg = build_config(tree, ALGORITHMS.get(name))
     if cfg.model.dtype == "auto":  # resolved once, before anything reads it: every consumer sees a real dtype
         cfg.model.dtype = auto_dtype()
         check_optimizer_states(cfg)
@@ -46,51 +47,40 @@ def resolve_checkpoint_paths(cfg: Config) -> None:
         cfg.ref.model = resolve_model_path(cfg.ref.model)
 
 
-def check_run(cfg: Config, resume: bool = False) -> None:
+def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) -> Parts:
     """Everything the run would otherwise refuse later, checked before any model loads and without starting
     anything: names that must resolve (reward functions, the generation engine, the environment and its
     tools), loggers that must be installed, local model folders and data files that must exist, prompts
-    that must split over the ranks, a checkpoint to resume. Raises ConfigError naming the fix."""
+    that must split over the ranks, a checkpoint to resume. Raises ConfigError naming the fix; returns the
+    run's plug-ins (``parts``, or those the config names)."""
     from grpo.foundation.modeling import check_model_path
-    from grpo.rollout.service import engine_class
     from grpo.training.metrics import logger_module
-    from rewards import resolve
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.rollout.prompts_per_step % world:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
-                          f"number of ranks ({world})")
-    engine_class(cfg.rollout.engine)
+    check_ranks(cfg, world)
+    parts = parts or compose(cfg)
     if cfg.rollout.engine == "vllm":
         from grpo.rollout.vllm_engine import check_tensor_parallel
 
         check_tensor_parallel(cfg.rollout.vllm.tensor_parallel_size, world)
-    get_algorithm(cfg.algo.name)(cfg)  # what an algorithm resolves when built (grpo-ps: its step reward)
+    parts.algorithm(cfg)  # what an algorithm resolves when built (grpo-ps: its step reward)
     for target in cfg.logging.report_to:
         logger_module(target)
-    if cfg.env.name:
-        from envs import EnvConfigError
-        from envs.base import EnvSetup
-
+    if parts.env is not None:
         try:
-            EnvSetup.check(cfg.env, cfg.sandbox, cfg.data.source)
-        except (EnvConfigError, ValueError) as e:
+            parts.env.check(cfg.env, cfg.sandbox, cfg.data.source)
+        except ValueError as e:  # a bad option value of the environment's own
             raise ConfigError(str(e)) from e
     else:  # with an environment the rewards are its own
         for i, spec in enumerate(cfg.rewards):
             if spec.kind == "fn":
-                resolve(spec.fn, key=f"rewards[{i}].fn")
+                REWARDS.get(spec.fn, key=f"rewards[{i}].fn")
     for key in ("correctness", "format"):
         spec = getattr(cfg.eval, key)
         if spec is not None and spec.kind == "fn":
-            resolve(spec.fn, key=f"eval.{key}.fn")
+            REWARDS.get(spec.fn, key=f"eval.{key}.fn")
     if "required" in (cfg.sandbox.network, cfg.sandbox.isolation):  # asked for what the machine may not give
-        from rewards import sandbox
-
-        try:
-            sandbox.check(cfg.sandbox)
-        except sandbox.SandboxError as e:
-            raise ConfigError(str(e)) from e
+        SERVICES.get("sandbox check")(cfg.sandbox)
     check_model_path("model.name_or_path", cfg.model.name_or_path)
     if cfg.model.attn_implementation == "flash_attention_2":
         try:
@@ -113,26 +103,30 @@ def check_run(cfg: Config, resume: bool = False) -> None:
     if not cfg.env.name and d.source != "hub" and any(s.kind == "fn" for s in cfg.rewards):
         # a reward parameter no column fills (or a column clashing with one): what the Trainer refuses
         from grpo.data.sources import load_source
-        from rewards import FunctionTerm, check_columns, term_names
 
         item = load_source(d, cfg.train.seed)[0]
-        names = term_names(cfg.rewards)
-        terms = [FunctionTerm(n, s, cfg.reward_pool, cfg.sandbox) if s.kind == "fn" else s
-                 for n, s in zip(names, cfg.rewards)]
-        check_columns(terms, [k for k in item if k != "prompt"])
+        parts.rewards.check(cfg.rewards, cfg.reward_pool, cfg.sandbox, [k for k in item if k != "prompt"])
     if resume:
         from grpo.training.checkpoint import checkpoints_dir, latest_checkpoint
 
         if latest_checkpoint(cfg.train.output_dir) is None:
             raise ConfigError(f"--resume: no checkpoint in {checkpoints_dir(cfg.train.output_dir)}; start without "
                               f"--resume, or set train.output_dir to the run to continue")
+    return parts
+
+
+def check_ranks(cfg: Config, world: int) -> None:
+    """The step's prompts split evenly over the ranks."""
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                          f"number of ranks ({world})")
 
 
 def probe_services(cfg: Config) -> None:
     """The servers this run queries answer at start (ReferenceServerError within ``ref.startup_wait`` seconds
     otherwise): the reference server, when the run uses a reference or a reward model hosted there."""
     uses_server = any(s.kind == "model" and s.where == "server" for s in cfg.rewards)
-    if cfg.ref.url and (uses_server or get_algorithm(cfg.algo.name)(cfg).needs_reference):
+    if cfg.ref.url and (uses_server or ALGORITHMS.get(cfg.algo.name)(cfg).needs_reference):
         from grpo.reference.http import check_reload, probe
 
         probe(cfg)
@@ -142,11 +136,11 @@ def probe_services(cfg: Config) -> None:
 def needs_reference(config: Optional[str | Path], overrides: list[str]) -> bool:
     """Whether training ``config`` with ``overrides`` uses a reference model (its algorithm with its beta)."""
     cfg = load_config(config, None, overrides)
-    return get_algorithm(cfg.algo.name)(cfg).needs_reference
+    return ALGORITHMS.get(cfg.algo.name)(cfg).needs_reference
 
 
 def needs_reference_server(config: Optional[str | Path], overrides: list[str]) -> bool:
     """Whether a script should start a reference server for this run: it uses a reference, and that reference
     is not LoRA's free one (model.lora without ref.url / ref.model: the policy with its adapters off)."""
     cfg = load_config(config, None, overrides)
-    return get_algorithm(cfg.algo.name)(cfg).needs_reference and not adapters_off_reference(cfg)
+    return ALGORITHMS.get(cfg.algo.name)(cfg).needs_reference and not adapters_off_reference(cfg)

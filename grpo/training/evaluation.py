@@ -21,7 +21,7 @@ from grpo.foundation.config import Config, ConfigError, RewardSpec
 from grpo.data.sources import PromptDataset, PromptSource, Subset, load_eval_source, load_source, prompt_text
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.service import RolloutService
-from rewards import CombinedReward
+from grpo.foundation.plugins import SERVICES
 
 
 @dataclass
@@ -56,13 +56,16 @@ def write_records(records: list[dict[str, Any]], path: Path) -> Path:
 class Evaluator:
     """Scores a model on a fixed set of prompts with the configured correctness (and format) reward."""
 
-    def __init__(self, cfg: Config, rollout: RolloutService, source: Optional[PromptSource] = None):
+    def __init__(self, cfg: Config, rollout: RolloutService, source: Optional[PromptSource] = None,
+                 rewards: Optional[type] = None):
+        """``rewards``: the reward service (default: the registered one, grpo.foundation.plugins.SERVICES)."""
         self.cfg, self.rollout, self.tokenizer = cfg, rollout, rollout.tokenizer
         source = eval_source(cfg) if source is None else source
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.correct_spec: RewardSpec = cfg.eval.correctness or cfg.rewards[0]
         specs = [self.correct_spec] + ([cfg.eval.format] if cfg.eval.format else [])
-        self.scorer = CombinedReward(specs, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox)
+        rewards = rewards or SERVICES.get("rewards")
+        self.scorer = rewards(specs, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox)
         self.names = [t.name for t in self.scorer.terms]
         e = cfg.eval
         length = e.max_completion_length or cfg.rollout.max_completion_length

@@ -7,7 +7,8 @@ One step, on every rank:
   to the generation engine -> metrics reduced over ranks -> ``on_step_end`` -> reference sync
   (``ref.sync_every``) -> checkpoint.
 
-Algorithms see none of this class: their hooks get a StepContext (algos/base.py).
+Algorithms see none of this class: their hooks get a StepContext (grpo/foundation/plugins.py). The
+plug-ins (algorithm, engine, rewards, environment) come resolved from grpo/training/compose.py.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Optional
 
 import torch
 
-from algos import get_algorithm
-from algos.base import Algorithm, StepContext
 from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, load_source
 from grpo.data.tasks import system_prompt
 from grpo.foundation import core, dist
@@ -30,10 +29,13 @@ from grpo.foundation.config import Config, ConfigError, custom_chat_template, du
 from grpo.foundation.logprobs import completion_logprobs
 from grpo.foundation import lora
 from grpo.foundation.modeling import eos_token_ids, load_model, load_policy, load_tokenizer
+from grpo.foundation.plugins import SERVICES, AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
 from grpo.rollout.multiturn import MultiTurnRollout
-from grpo.rollout.service import RolloutService, engine_class
+from grpo.rollout.service import RolloutService
 from grpo.training import deepspeed_engine as ds
+from grpo.training.compose import Parts, compose
+from grpo.training.configure import check_ranks
 from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, prune_reference_folders,
                                      reference_folder, resume_mismatch, save_checkpoint, stored_folder, write_weights)
 from grpo.training.evaluation import Evaluator
@@ -42,46 +44,40 @@ from grpo.training.metrics import MetricsLogger, SamplerGap, step_metrics
 from grpo.training.partitioned import frozen_partitioned, load_partitioned
 from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_what_came_before
 from grpo.reference.base import ReferenceServerError
-from rewards import CombinedReward, RewardServiceError
 
 
-def make_env_setup(cfg: Config):
-    """The run's environment and tool box (envs/), or None for single-turn rollouts."""
+def make_env_setup(cfg: Config, setup: Optional[type] = None):
+    """The run's environment and tool box (``setup``: the environment service, default the registered one),
+    or None for single-turn rollouts."""
     if not cfg.env.name:
         return None
-    from envs import EnvConfigError
-    from envs.base import EnvSetup
-
+    setup = setup or SERVICES.get("environment")
     try:
-        return EnvSetup(cfg.env, cfg.sandbox)
-    except (EnvConfigError, ValueError) as e:
+        return setup(cfg.env, cfg.sandbox)
+    except ValueError as e:  # a bad option value of the environment's own
         raise ConfigError(str(e)) from e
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False):
+    def __init__(self, cfg: Config, resume: bool = False, parts: Optional[Parts] = None):
         self.cfg = cfg
-        freeze_what_came_before()  # the libraries, once per process: out of the collector's full passes
+        self.parts = parts = parts or compose(cfg)  # an unknown name fails before any model loads
+        freeze_what_came_before()  # the libraries (plug-ins included), once per process: out of the collector's passes
         ds.init_distributed()
         self.rank, self.world = dist.rank(), dist.world_size()
         ds.share_cpu_threads()
-        if cfg.rollout.prompts_per_step % self.world:
-            raise ConfigError(
-                f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
-                f"number of ranks ({self.world})"
-            )
-        engine_class(cfg.rollout.engine)  # an unknown engine fails before any model loads
+        check_ranks(cfg, self.world)
         torch.manual_seed(cfg.train.seed + self.rank)
         self.out = Path(cfg.train.output_dir)
         if dist.is_main():
             self.out.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out / "config.yaml")
 
-        self.algo: Algorithm = get_algorithm(cfg.algo.name)(cfg)
+        self.algo: AlgorithmHooks = parts.algorithm(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
         if (template := custom_chat_template(cfg.data)) is not None:  # data.chat_template: a template or a file
             self.tokenizer.chat_template = template
-        self.env = make_env_setup(cfg)  # multi-turn rollouts when env.name is set (None: single-turn)
+        self.env = make_env_setup(cfg, parts.env)  # multi-turn rollouts when env.name is set (None: single-turn)
         if cfg.data.source == "env":
             source = self.env.tasks(cfg.env.num_examples, cfg.data.seed)
         else:
@@ -89,7 +85,8 @@ class Trainer:
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.sampler = PromptSampler(len(self.dataset), cfg.train.seed, cfg.data.shuffle)
         # with an environment the rewards are its own: no reward functions, no reward workers
-        self.rewards = CombinedReward(cfg.rewards, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox) if self.env is None else None
+        self.rewards = (parts.rewards(cfg.rewards, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox)
+                        if self.env is None else None)
         if self.rewards is not None:  # a reward that cannot take these columns fails now, not on every row
             self.rewards.check_columns([k for k in self.dataset.items[0] if k != "prompt"])
 
@@ -101,7 +98,8 @@ class Trainer:
         self.engine, self.scheduler = ds.build_engine(cfg, model)
         self.model = self.engine.module
         self.device = self.engine.device
-        self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards)
+        self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards,
+                                             make_engine=parts.engine)
         self.multiturn = None
         self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.env is not None:
@@ -118,7 +116,7 @@ class Trainer:
                   f"{'max_trajectory_tokens' if self.env is not None else 'max_completion_length'} = {longest} "
                   f"tokens, beyond the model's context of {context} (max_position_embeddings): the longest "
                   f"sequences would run past the positions it was trained on", file=sys.stderr, flush=True)
-        self.evaluator = Evaluator(cfg, self.rollout) if cfg.eval.every else None
+        self.evaluator = Evaluator(cfg, self.rollout, rewards=parts.rewards) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
         self.reference = make_reference(
             cfg, self.algo.needs_reference, self.device, self.tokenizer,

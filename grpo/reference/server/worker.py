@@ -307,10 +307,10 @@ class DeviceWorker:
         return torch.cat(lps), (torch.cat(ents) if req.with_entropy else None)
 
     def _load_reward(self, source: str):
-        from rewards.models import RewardModel
+        from grpo.foundation.plugins import SERVICES
 
         a = self.reward_args
-        return RewardModel(source, str(self.device), a.get("dtype"), a.get("label"),
+        return SERVICES.get("reward model")(source, str(self.device), a.get("dtype"), a.get("label"),
                            a.get("batch_tokens") or self.max_batch_tokens, a.get("chat_template"),
                            self.model_cfg.trust_remote_code)
 

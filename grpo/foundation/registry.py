@@ -1,0 +1,128 @@
+"""One registry helper for every kind of plug-in: algorithms, reward functions, environments and tools,
+generation engines (grpo/foundation/plugins.py declares them).
+
+    ALGORITHMS = Registry("algorithm", key="algo.name", home="algos")
+
+    @ALGORITHMS.register("grpo")            # by decorator, in the plug-in's own module
+    class GRPO(Algorithm): ...
+
+    ENVS.register("maze", "envs.maze:MazeEnv")   # or by a ``module:attr`` string, imported on first use
+
+    ALGORITHMS.get("grpo")                  # the class; a ConfigError naming the choices (and the closest one)
+    REWARDS.get("my_pkg.scores:exact")      # with ``paths``: any ``package.module:attr`` too
+
+``home`` names the packages whose built-ins register themselves when imported: the first lookup imports
+them, so the engine (grpo/) finds its plug-ins by name, never by an import of its own, the way pytest
+finds its plugins.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable, Iterator, Optional
+
+from grpo.foundation.config import ConfigError
+
+
+def load_attr(target: str, key: str) -> Any:
+    """``package.module:attr`` imported; ``key`` names the setting in the error."""
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key}={target!r} cannot be imported: {e}") from e
+
+
+class Registry:
+    """name -> a plug-in (an object, or a ``module:attr`` string imported on first use).
+
+    kind      what the entries are, in messages ("algorithm", "reward function")
+    key       the config key that names one, in messages ("algo.name", "rollout.engine")
+    home      the package(s) whose import registers the built-ins (imported at the first lookup)
+    paths     whether ``package.module:attr`` outside the registry is accepted, and what it names ("Class")
+    check     called with (entry, key, name) on every lookup result: raises ConfigError when it is no fit
+    unknown   the message's opening for an unknown name, ``{key}`` and ``{name}`` filled in
+    """
+
+    def __init__(self, kind: str, key: str, home: str | tuple[str, ...] = (), paths: Optional[str] = None,
+                 check: Optional[Callable[[Any, str, str], None]] = None, unknown: str = "{key}={name!r} is unknown"):
+        self.kind, self.key, self.paths, self.check, self.unknown = kind, key, paths, check, unknown
+        self.home = (home,) if isinstance(home, str) else tuple(home)
+        self._entries: dict[str, Any] = {}
+        self._homes_loaded = not self.home
+
+    def register(self, name: str, target: Any = None) -> Any:
+        """``register(name, obj_or_'module:attr')``, or ``@register(name)`` above a class or function."""
+        if target is None:
+            return lambda obj: self.register(name, obj)
+        known = self._entries.get(name)
+        if known is not None and known is not target:
+            raise RuntimeError(f"two {self.kind}s are registered as {name!r}: {known!r} and {target!r}")
+        self._entries[name] = target
+        return target
+
+    def _load_homes(self) -> None:
+        if not self._homes_loaded:
+            self._homes_loaded = True  # before the import: a home that looks itself up does not recurse
+            try:
+                for package in self.home:
+                    importlib.import_module(package)
+            except BaseException:
+                self._homes_loaded = False
+                raise
+
+    def names(self) -> list[str]:
+        self._load_homes()
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        self._load_homes()
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __getitem__(self, name: str) -> Any:
+        return self.get(name)
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(name, self.get(name)) for name in self.names()]
+
+    def get(self, name: str, key: Optional[str] = None) -> Any:
+        """The entry registered as ``name`` (or, with ``paths``, the ``package.module:attr`` it names);
+        ``key`` overrides the config key named in errors (``rewards[0].fn``)."""
+        key = key or self.key
+        self._load_homes()
+        if name in self._entries:
+            entry = self._entries[name]
+            if isinstance(entry, str):
+                entry = self._entries[name] = load_attr(entry, key)
+        elif self.paths and isinstance(name, str) and ":" in name:
+            entry = load_attr(name, key)
+        else:
+            raise ConfigError(self._unknown(name, key))
+        if self.check is not None:
+            self.check(entry, key, name)
+        return entry
+
+    def _unknown(self, name: Any, key: str) -> str:
+        names = sorted(self._entries)
+        text = str(name)
+        same = [n for n in names if n.lower() == text.lower().replace("_", "-")]
+        close = same or difflib.get_close_matches(text.lower(), names, n=1)
+        hint = (f" Did you mean {close[0]!r}? (names are lower case)" if same else
+                f" Did you mean {close[0]!r}?" if close else "")
+        head = self.unknown.format(key=key, name=name)
+        if self.paths:  # the choices first, as every such message has said
+            return f"{head}: choose from {names} or give 'package.module:{self.paths}'.{hint}"
+        return f"{head}.{hint} Choose from {names}"
+
+
+def must_be_callable(entry: Any, key: str, name: str) -> None:
+    """A Registry ``check``: the entry is a function (or any callable)."""
+    if not callable(entry):
+        raise ConfigError(f"{key}={name!r} is not callable")

@@ -1,0 +1,29 @@
+"""The run composed from its config, once: each plug-in the config names (grpo/foundation/plugins.py) is
+resolved here and handed to the start-up checks, the trainer and the evaluator, which know them only by
+their protocols.
+
+    compose(cfg) -> Parts(algorithm, engine, rewards, env)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from grpo.foundation.config import Config
+from grpo.foundation.plugins import ALGORITHMS, SERVICES
+from grpo.rollout.service import engine_class
+
+
+@dataclass(frozen=True)
+class Parts:
+    algorithm: type  # algo.name's class (grpo.foundation.plugins.AlgorithmHooks), built with the config
+    engine: Callable[..., Any]  # rollout.engine's class (or builder) of an EngineSetup
+    rewards: type  # the reward service: rewards(specs, pool, ref=, sandbox=) is a Scorer of those sources
+    env: Optional[type]  # with env.name: the environment setup (EnvironmentSetup), None for single-turn runs
+
+
+def compose(cfg: Config) -> Parts:
+    """The run's plug-ins; a name that does not resolve raises ConfigError naming the choices."""
+    return Parts(algorithm=ALGORITHMS.get(cfg.algo.name), engine=engine_class(cfg.rollout.engine),
+                 rewards=SERVICES.get("rewards"), env=SERVICES.get("environment") if cfg.env.name else None)

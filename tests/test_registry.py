@@ -1,0 +1,87 @@
+"""One registry helper (grpo/foundation/registry.py) for the four kinds of plug-in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo.foundation.config import ConfigError
+from grpo.foundation.registry import Registry, must_be_callable
+from tests.patience import LAUNCH_S
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_decorator_and_string_registration():
+    reg = Registry("widget", "widget.name", paths="Class")
+
+    @reg.register("plain")
+    class Plain:
+        pass
+
+    reg.register("lazy", "fractions:Fraction")  # imported at its first lookup
+    assert reg.get("plain") is Plain
+    from fractions import Fraction
+
+    assert reg.get("lazy") is Fraction
+    assert reg.names() == ["lazy", "plain"] and "plain" in reg and len(reg) == 2
+    assert reg.get("decimal:Decimal").__name__ == "Decimal"  # any package.module:Class with ``paths``
+
+
+def test_errors_name_the_choices_and_the_closest():
+    reg = Registry("widget", "widget.name", paths="Class")
+    reg.register("alpha", int)
+    reg.register("beta", float)
+    with pytest.raises(ConfigError, match=r"widget.name='alpah' is unknown: choose from \['alpha', 'beta'\] or give "
+                                          r"'package.module:Class'. Did you mean 'alpha'\?"):
+        reg.get("alpah")
+    with pytest.raises(ConfigError, match=r"rewards\[2\].fn='no_such_module_xyz:f' cannot be imported"):
+        reg.get("no_such_module_xyz:f", key="rewards[2].fn")
+    closed = Registry("algorithm", "algo.name", unknown="unknown algorithm {name!r}")
+    closed.register("grpo", int)
+    with pytest.raises(ConfigError, match=r"unknown algorithm 'GRPO'. Did you mean 'grpo'\? \(names are lower case\) "
+                                          r"Choose from \['grpo'\]"):
+        closed.get("GRPO")
+    with pytest.raises(ConfigError, match="unknown algorithm 'os:getcwd'"):  # no paths: names only
+        closed.get("os:getcwd")
+
+
+def test_check_and_duplicates():
+    reg = Registry("function", "fn", paths="function", check=must_be_callable)
+    reg.register("f", len)
+    assert reg.get("f") is len
+    with pytest.raises(ConfigError, match=r"fn='math:pi' is not callable"):
+        reg.get("math:pi")
+    reg.register("f", len)  # the same object again: fine (a module imported twice)
+    with pytest.raises(RuntimeError, match="two functions are registered as 'f'"):
+        reg.register("f", abs)
+
+
+def test_a_home_registers_itself_at_the_first_lookup():
+    """grpo/ names its plug-in packages, never imports them: the first lookup does, in a fresh interpreter."""
+    probe = ("import sys\n"
+             "from grpo.foundation.plugins import ALGORITHMS, ENVS, REWARDS, STEP_REWARDS, TOOLS\n"
+             "from grpo.rollout.service import ENGINES\n"
+             "from grpo.foundation.registry import Registry\n"
+             "assert all(isinstance(r, Registry) for r in (ALGORITHMS, ENVS, REWARDS, STEP_REWARDS, TOOLS, ENGINES))\n"
+             "assert not any(m.split('.')[0] in ('algos', 'rewards', 'envs') for m in sys.modules)\n"
+             "print(ALGORITHMS.get('dapo').__module__, REWARDS.get('math_correct').__module__, "
+             "ENVS.get('maze').__module__, TOOLS.get('python').__module__, ENGINES.get('hf').__name__)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=LAUNCH_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["algos.dapo", "rewards.math_answer", "envs.maze", "envs.tools", "HFEngine"]
+
+
+def test_the_old_names_are_the_registries():
+    import algos
+    import envs
+    import rewards
+    from grpo.foundation import plugins
+
+    assert algos.ALGORITHMS is plugins.ALGORITHMS and algos.get_algorithm("grpo").name == "grpo"
+    assert rewards.REGISTRY is plugins.REWARDS and rewards.STEP_REGISTRY is plugins.STEP_REWARDS
+    assert envs.resolve_env("calculator").__name__ == "CalculatorEnv"
+    assert "digits_match" in rewards.REGISTRY and "nope" not in rewards.REGISTRY
