@@ -31,7 +31,8 @@ from rewards.countdown import countdown
 from rewards.digits import digits_match, digits_step_match
 from rewards.format import format_soft, format_strict
 from rewards.math_answer import math_correct
-from rewards.calls import FunctionCall, Rows, StepInfo, binding_problem, call_style, fix_hint, run_inline
+from rewards.calls import (FunctionCall, Rows, StepInfo, binding_problem, call_style, fix_hint, run_inline,
+                           send_by_value)
 from rewards.pool import Outcome, WarmUp, WorkerPool
 
 log = logging.getLogger("rewards")
@@ -47,11 +48,13 @@ class StepRewardFn(Protocol):
     def __call__(self, prompt: str, steps: list[str], example: dict[str, Any]) -> list[float]: ...
 
 
-for _name, _fn in {"digits_match": digits_match, "math_correct": math_correct, "format_strict": format_strict,
-                   "format_soft": format_soft, "countdown": countdown, "code_tests": code_tests}.items():
+_BUILT_IN = {"digits_match": digits_match, "math_correct": math_correct, "format_strict": format_strict,
+             "format_soft": format_soft, "countdown": countdown, "code_tests": code_tests}
+for _name, _fn in _BUILT_IN.items():
     REWARDS.register(_name, _fn)
 STEP_REWARDS.register("digits_step_match", digits_step_match)
 REGISTRY, STEP_REGISTRY = REWARDS, STEP_REWARDS  # the names these registries had here
+BUILT_IN = frozenset(_BUILT_IN)  # what a worker knows by name (it imports this package)
 
 # built-ins scored one row per call unless the entry says otherwise: math-verify can hang on one input; a row of
 # code_tests runs its tests one sandboxed process after another
@@ -75,7 +78,7 @@ class FunctionTerm:
 
             announce(self.kwargs["sandbox"])  # what holds on this machine, and what does not, said at start
         self.metric_keys: tuple[str, ...] = tuple(getattr(fn, "metric_keys", ()))
-        self.style = call_style(fn, spec.style, spec.fn in REGISTRY)
+        self.style = call_style(fn, spec.style, spec.fn in BUILT_IN)
         self.inline = spec.isolation == "inline" or pool.num_workers == 0
         self.timeout = spec.timeout if spec.timeout is not None else pool.timeout
         # a function that bounds its own time per row (code_tests: row_timeout) gets at least that per call
@@ -83,6 +86,9 @@ class FunctionTerm:
                                 and hasattr(fn, "seconds_per_row") else 0.0)
         self.rows_per_call = spec.batch_size or pool.chunk_size or (1 if spec.fn in ROW_AT_A_TIME else 0)
         self.workers = max(1, pool.num_workers)
+        # a function registered in this process alone (the Python API's callables) goes to the workers by value
+        self.code = (send_by_value(fn, spec.fn) if not self.inline and ":" not in spec.fn and spec.fn not in BUILT_IN
+                     else None)
 
     def calls(self, rows: Rows, state: StepInfo) -> list[tuple[FunctionCall, int, int]]:
         n = len(rows)
@@ -90,7 +96,7 @@ class FunctionTerm:
         size = max(1, size)
         timeout = max(self.timeout, self.seconds_per_row * size)
         return [(FunctionCall(self.spec.fn, self.style, dict(self.kwargs), rows.slice(s, min(n, s + size)),
-                              state, timeout), s, min(n, s + size)) for s in range(0, n, size)]
+                              state, timeout, self.code), s, min(n, s + size)) for s in range(0, n, size)]
 
 
 def _term(name: str, spec: RewardSpec, pool: RewardPoolConfig, device: Optional[str], ref_cfg: Any,

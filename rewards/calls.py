@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from grpo.foundation.config import ConfigError
 from rewards.pool import Outcome
 
 
@@ -113,6 +114,32 @@ def binding_problem(fn: Callable, style: str, columns: list[str], kwargs: dict[s
     return None
 
 
+def send_by_value(fn: Callable, name: str) -> bytes:
+    """A Python function given to the run (the Python API: a notebook's function, a lambda, a closure) as bytes
+    a worker process turns back into it: dill pickles what cannot be imported by name (``__main__``'s functions,
+    lambdas, closures and the globals they use) by value. ConfigError when it cannot be sent."""
+    import dill  # through datasets: pickle's by-value successor for functions
+
+    try:
+        return dill.dumps(fn, recurse=True)
+    except Exception as e:  # noqa: BLE001 - whatever the function holds that cannot be pickled
+        raise ConfigError(f"the reward function {name!r} cannot be sent to the reward workers ({type(e).__name__}: "
+                          f"{e}): run it in the trainer process with isolation: inline on its entry, or define it in "
+                          f"a module and name it as 'package.module:function'") from e
+
+
+_RECEIVED: dict[bytes, Callable] = {}  # a worker's functions received by value, by their bytes
+
+
+def received_by_value(code: bytes) -> Callable:
+    fn = _RECEIVED.get(code)
+    if fn is None:
+        import dill
+
+        fn = _RECEIVED[code] = dill.loads(code)
+    return fn
+
+
 @dataclass
 class FunctionCall:
     """One call of one reward function on a chunk of rows; picklable, so the worker pool can run it
@@ -124,12 +151,13 @@ class FunctionCall:
     rows: Rows
     state: StepInfo
     timeout: Optional[float] = None  # seconds (the pool's deadline; an inline async call's wait_for)
+    code: Optional[bytes] = None  # the function by value (:func:`send_by_value`): one a worker cannot import
 
     def start(self) -> Any:
         """The function's return value: a list, or a coroutine for an async function."""
         from rewards import resolve  # late: a worker process imports the registry itself
 
-        fn, r = resolve(self.fn), self.rows
+        fn, r = (received_by_value(self.code) if self.code is not None else resolve(self.fn)), self.rows
         if self.style == "plain":
             return fn(r.prompts, r.completions, **r.columns, **self.kwargs)
         given = {"prompts": r.raw_prompts, "completions": r.trl_completions(), "completion_ids": r.completion_ids,

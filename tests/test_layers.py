@@ -1,7 +1,7 @@
 """The package's layering: the folder is the floor, imports run one way and nowhere in a circle.
 
-    ground   grpo/      the engine: foundation -> data -> rollout -> reference -> training, knowing its
-                        plug-ins only by their protocols and registries (grpo/foundation/plugins.py)
+    ground   grpo/      the engine: foundation -> data -> rollout -> reference -> training -> api (the Python
+                        API), knowing its plug-ins only by their protocols and registries (grpo/foundation/plugins.py)
     plug-ins rewards/   reward functions and the reward service
              envs/      environments and tools (they call rewards' sandbox and pool)
              algos/     algorithms (some reuse reward functions: DAPO's overlong penalty, DIVER's diversity)
@@ -26,7 +26,8 @@ PACKAGES = ("grpo", "algos", "rewards", "envs")
 
 # layer -> module prefix (longest prefix wins): a folder of the ground floor is a layer of its own
 LAYER_OF_PREFIX = {
-    "grpo": "foundation",  # the package itself is empty
+    "grpo": "foundation",  # the package itself: the Python API's names, loaded from grpo/api.py on first use
+    "grpo.api": "api",
     "grpo.foundation": "foundation",
     "grpo.data": "data",
     "grpo.rollout": "rollout",
@@ -37,7 +38,7 @@ LAYER_OF_PREFIX = {
     "algos": "algos",
 }
 
-GROUND = {"foundation", "data", "rollout", "reference", "training"}  # grpo/
+GROUND = {"foundation", "data", "rollout", "reference", "training", "api"}  # grpo/
 
 # layer -> the layers its modules may import (its own included): the ground floor never imports a plug-in
 ALLOWED = {
@@ -45,7 +46,8 @@ ALLOWED = {
     "data": {"foundation", "data"},
     "rollout": {"foundation", "rollout"},
     "reference": {"foundation", "reference"},
-    "training": GROUND,
+    "training": GROUND - {"api"},
+    "api": GROUND,  # a run from Python: compose, check, train (train.py's steps)
     "rewards": GROUND | {"rewards"},
     "envs": GROUND | {"rewards", "envs"},
     "algos": GROUND | {"rewards", "algos"},

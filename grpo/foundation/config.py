@@ -1086,11 +1086,11 @@ def build_dataclass(cls: type, values: dict, path: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _deep_merge(base: dict, update: dict) -> dict:
+def deep_merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("columns", "kwargs"):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
     return out
@@ -1148,8 +1148,10 @@ def read_user_tree(
     path: Optional[str | Path] = None,
     algo: Optional[str] = None,
     overrides: Optional[list[str]] = None,
+    tree: Optional[dict] = None,
 ) -> tuple[dict, str]:
-    """The user's settings as a tree (YAML < --algo < key=value overrides) and the algorithm's name."""
+    """The user's settings as a tree (YAML < ``tree``, the same as a mapping < --algo < key=value overrides)
+    and the algorithm's name."""
     file_tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -1161,13 +1163,17 @@ def read_user_tree(
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
         if not isinstance(file_tree, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+    if tree is not None and not isinstance(tree, dict):
+        raise ConfigError(f"a config given as Python data must be a mapping of sections (like the YAML file), "
+                          f"not {type(tree).__name__}")
+    file_tree = deep_merge(file_tree, tree or {})
     cli_tree = parse_overrides(overrides or [])
 
-    user_tree = _deep_merge(file_tree, cli_tree)
+    user_tree = deep_merge(file_tree, cli_tree)
     if algo is not None:
         # --algo beats the YAML's algo.name; only an explicit algo.name=... override beats --algo.
         cli_name = cli_tree.get("algo", {}).get("name") if isinstance(cli_tree.get("algo"), dict) else None
-        user_tree = _deep_merge(user_tree, {"algo": {"name": cli_name or algo}})
+        user_tree = deep_merge(user_tree, {"algo": {"name": cli_name or algo}})
     for key in user_tree:
         if key not in [f.name for f in dataclasses.fields(Config)]:
             raise _unknown_key("", key, [f.name for f in dataclasses.fields(Config)])
@@ -1201,7 +1207,7 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
         option_user[k] = v
 
     user_tree = _infer_data_source(user_tree)
-    tree = _deep_merge(user_tree, {"algo": _deep_merge(dict(algorithm.defaults), common_user)})
+    tree = deep_merge(user_tree, {"algo": deep_merge(dict(algorithm.defaults), common_user)})
     tree["algo"] = {k: v for k, v in tree["algo"].items() if k in common}  # options go to cfg.algo.options
     tree["algo"]["name"] = name
     cfg = build_dataclass(Config, tree)

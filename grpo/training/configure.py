@@ -26,9 +26,11 @@ def load_config(
     path: Optional[str | Path] = None,
     algo: Optional[str] = None,
     overrides: Optional[list[str]] = None,
+    tree: Optional[dict] = None,
 ) -> Config:
-    """Resolve and validate; a wrong key or value raises ConfigError naming the valid choices."""
-    tree, name = read_user_tree(path, algo, overrides)
+    """Resolve and validate; a wrong key or value raises ConfigError naming the valid choices. ``tree``: settings
+    as Python data, the YAML file's shape (over the file, under ``overrides``)."""
+    tree, name = read_user_tree(path, algo, overrides, tree)
     cfg = build_config(tree, ALGORITHMS.get(name))
     if cfg.model.dtype == "auto":  # resolved once, before anything reads it: every consumer sees a real dtype
         cfg.model.dtype = auto_dtype()

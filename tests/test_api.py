@@ -1,0 +1,89 @@
+"""The Python API (grpo/api.py), used as a notebook uses it: two runs in one process, Python callables as the
+rewards (in the worker pool, sent by value), a list of dicts as the data, the result returned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo.foundation.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = [{"prompt": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(40)]
+SMALL = {"max_steps": 2, "lr": 1e-3, "micro_batch_size": 64}
+ROLLOUT = {"num_generations": 4, "prompts_per_step": 4, "max_completion_length": 3}
+QUIET = {"progress_bar": False, "plot": False, "log_every": 1}
+
+
+def first_digit(completions, answer, **kwargs):
+    """TRL's shape: keyword arguments, the dataset's columns by name."""
+    return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]
+
+
+def test_two_runs_in_one_process_with_python_rewards_and_rows(tmp_path):
+    from grpo import RunResult, train
+
+    calls_seen = tmp_path / "seen"
+    calls_seen.mkdir()
+    bonus = 0.5
+
+    def length_two(prompts, completions, **columns):  # a closure over a local (by value, like a notebook cell)
+        (calls_seen / f"{len(completions)}-{id(completions)}").touch()  # the workers' calls leave a trace
+        return [bonus * (len(c) == 2) for c in completions]
+
+    first = train("configs/demo.yaml", rewards=[first_digit, {"fn": length_two, "weight": 2.0}], dataset=ROWS,
+                  train={**SMALL, "output_dir": str(tmp_path / "a")}, rollout=ROLLOUT, logging=QUIET,
+                  reward_pool={"num_workers": 1})
+    assert isinstance(first, RunResult)
+    assert first.output_dir == tmp_path / "a" and len(first.history) == 2
+    assert first.metrics["step"] == 2 and "reward/first_digit/mean" in first.metrics
+    assert "reward/length_two/mean" in first.metrics
+    assert first.metrics["reward/length_two/errors"] == first.metrics["reward/length_two/timeouts"] == 0
+    assert any(calls_seen.iterdir()), "the closure never ran"
+    # the rows are a file of the run, named by its config.yaml: nothing of the data is only in memory
+    written = [json.loads(line) for line in (tmp_path / "a" / "data" / "train.jsonl").read_text().splitlines()]
+    assert written == ROWS
+    assert first.config.data.path == str(tmp_path / "a" / "data" / "train.jsonl")
+    assert (tmp_path / "a" / "metrics.jsonl").read_text().count("\n") == 2
+
+    # a second run in the same process: another algorithm, a lambda inline, the config as a mapping
+    second = train({"model": {"name_or_path": "builtin:tiny-char", "dtype": "fp32"}}, algo="gspo",
+                   rewards=[lambda completions, **kw: [float(len(c) > 0) for c in completions]],
+                   dataset=ROWS[:8], overrides={"train.output_dir": str(tmp_path / "b"), "train.max_steps": 1},
+                   rollout=ROLLOUT, logging=QUIET, reward_pool={"num_workers": 0})
+    assert second.config.algo.name == "gspo" and len(second.history) == 1
+    assert "reward/lambda/mean" in second.metrics
+
+
+def test_bad_input_is_refused_with_the_fix():
+    from grpo import make_config, train
+
+    with pytest.raises(ConfigError, match=r"dataset: give a non-empty list of dicts"):
+        train(dataset=["59="])
+    with pytest.raises(ConfigError, match=r"rewards\[0\]=3: give a function"):
+        train(rewards=[3])
+    with pytest.raises(ConfigError, match=r"overrides='train.lr=1': give a list"):
+        make_config(overrides="train.lr=1")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr'.*Did you mean 'lr'"):
+        make_config(train={"lrr": 1e-5})
+    cfg = make_config("configs/demo.yaml", algo="dapo", train={"lr": 1e-5}, overrides=["train.max_steps=7"])
+    assert (cfg.algo.name, cfg.train.lr, cfg.train.max_steps, cfg.train.micro_batch_size) == ("dapo", 1e-5, 7, 256)
+
+
+def test_a_function_that_cannot_travel_is_named(tmp_path):
+    from grpo.foundation.config import RewardPoolConfig, RewardSpec
+    from grpo.api import function_name
+    from rewards import FunctionTerm
+
+    counter = (i for i in range(10**6))  # a generator: no pickler sends it
+
+    def holds_a_generator(prompts, completions, **kw):
+        return [float(next(counter) % 2) for _ in completions]
+
+    name = function_name(holds_a_generator)
+    with pytest.raises(ConfigError, match=r"'holds_a_generator#\d+' cannot be sent to the reward workers .*isolation: "
+                                          r"inline"):
+        FunctionTerm("h", RewardSpec(fn=name), RewardPoolConfig(num_workers=1))
+    assert function_name(first_digit) == "tests.test_api:first_digit"  # importable: by name, as in the YAML
