@@ -390,6 +390,13 @@ class PromptSampler:
         self.consumed += n
         return out
 
+    def rank_batch(self, n: int, rank: int, world: int) -> list[int]:
+        """This rank's slice of the next ``n`` indices of the global stream (every rank draws all ``n``)."""
+        if n % world:
+            raise ValueError(f"{n} prompts cannot be split evenly over {world} ranks")
+        per_rank = n // world
+        return self.next_batch(n)[rank * per_rank: (rank + 1) * per_rank]
+
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "size": self.size, "seed": self.seed}
 

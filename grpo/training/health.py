@@ -11,13 +11,21 @@ skipped) and stops the run after ``limit`` of them in a row, naming the step and
 no checkpoint ever holds weights from a skipped update.
 ``RewardFailureGuard`` stops the run when a reward source fails on more than half of its rows for
 ``reward_pool.max_failing_steps`` steps in a row, with the source's own error and a guess at the fix.
+``together(fn)`` raises an outside service's failure on every rank at once; ``stop_reached`` decides
+``train.stop_when``.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable, Optional
 
-from grpo.foundation.config import Config
+import torch
+
+from grpo.foundation import dist
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.plugins import RewardServiceError
+from grpo.reference.base import ReferenceServerError
 
 def reward_failed_frac(m: dict[str, float]) -> float:
     """The largest share of rows any reward source failed on (errors + timeouts) this step."""
@@ -129,3 +137,47 @@ class RewardFailureGuard:
                     f"row (reward_pool.max_failing_steps={self.limit}); its rows would score 0 and nothing would "
                     f"be learned. Its first error:\n{report}"
                 )
+
+
+def together(fn: Callable[[], Any]) -> Any:
+    """``fn()``, where a failure of an outside service (the reference server, a reward server or endpoint) on
+    any rank is raised on every rank at this one point: the ranks leave the step together, before its
+    training passes, and can save a checkpoint together (the trainer's loop)."""
+    failed, out = None, None
+    try:
+        out = fn()
+    except (ReferenceServerError, RewardServiceError) as e:
+        failed = e
+    code = 0.0 if failed is None else 1.0 if isinstance(failed, ReferenceServerError) else 2.0
+    worst = code
+    if dist.is_initialized() and dist.world_size() > 1:
+        worst = float(dist.all_reduce_max(torch.tensor([code], dtype=torch.float64))[0])
+    if failed is not None:
+        raise failed
+    if worst == 1.0:
+        raise ReferenceServerError("another rank could not reach the reference server (its error is in that "
+                                   "rank's output)")
+    if worst == 2.0:
+        raise RewardServiceError("another rank's reward service failed (its error is in that rank's output)")
+    return out
+
+
+def stop_reached(cfg: Config, step: int, history: list[dict], evaluator: Optional[Any]) -> bool:
+    """``train.stop_when``: whether the mean of its metric over the last ``window`` steps of this run reached
+    ``at_least``. Decided on rank 0 and shared, so every rank leaves the loop after the same step; a metric
+    the steps do not log stops the run with the names they do log."""
+    sw = cfg.train.stop_when
+    if dist.any_rank(sw.metric not in history[-1]):
+        if evaluator is not None and sw.metric.startswith("eval/") and not evaluator.due(step):
+            return False  # an evaluation's metric: decided at the steps that evaluate (eval.every)
+        known = sorted(k for k, v in history[-1].items() if isinstance(v, (int, float)) and k != "step")
+        raise ConfigError(f"train.stop_when.metric={sw.metric!r} is not logged by this run's steps; choose "
+                          f"from {known}")
+    window = [h[sw.metric] for h in history if sw.metric in h][-sw.window:]  # the last `window` times logged
+    mean = sum(window) / len(window)
+    reached = dist.any_rank(dist.is_main() and len(window) == sw.window and step >= sw.min_steps
+                            and mean >= sw.at_least)
+    if reached and dist.is_main():
+        print(f"train.stop_when: the mean of {sw.metric} over the last {sw.window} steps is {mean:.4g} >= "
+              f"{sw.at_least:g} at step {step}: stopping before train.max_steps={cfg.train.max_steps}", flush=True)
+    return reached

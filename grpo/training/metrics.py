@@ -320,3 +320,12 @@ def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss
                                               dtype=torch.float64))
     m["tokens_per_sec"] = float(tokens) / max(m["time/step"], 1e-9)
     return m
+
+
+def log_samples(batch: Optional[RolloutBatch], cfg: Config, step: int) -> list[dict]:
+    """A few (prompt, completion, reward) triples of the step's batch every ``logging.log_every`` steps."""
+    n = cfg.logging.samples_per_log
+    if batch is None or not n or step % cfg.logging.log_every:
+        return []
+    return [{"prompt": batch.prompt_text[i], "completion": batch.completion_text[i], "reward": float(batch.rewards[i])}
+            for i in range(min(n, len(batch)))]

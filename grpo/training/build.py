@@ -1,0 +1,78 @@
+"""What a Trainer is built from, piece by piece: the data, the policy (partitioned under ZeRO-3), multi-turn
+rollouts, and the lines printed at start."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, load_source
+from grpo.data.tasks import system_prompt
+from grpo.foundation import dist
+from grpo.foundation.config import Config, ConfigError, custom_chat_template
+from grpo.foundation.modeling import load_policy, load_tokenizer
+from grpo.foundation.plugins import SERVICES
+from grpo.rollout.multiturn import MultiTurnRollout
+from grpo.training import deepspeed_engine as ds
+from grpo.training.partitioned import load_partitioned
+
+
+def make_env_setup(cfg: Config, setup: Optional[type] = None) -> Any:
+    """The run's environment and tool box (``setup``: the environment service, default the registered one),
+    or None for single-turn rollouts."""
+    if not cfg.env.name:
+        return None
+    setup = setup or SERVICES.get("environment")
+    try:
+        return setup(cfg.env, cfg.sandbox)
+    except ValueError as e:  # a bad option value of the environment's own
+        raise ConfigError(str(e)) from e
+
+
+def data(cfg: Config, env: Any) -> tuple[Any, PromptDataset, PromptSampler]:
+    """(tokenizer, the prompts, their seeded sampler): a dataset, or the environment's own tasks."""
+    tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+    if (template := custom_chat_template(cfg.data)) is not None:  # data.chat_template: a template or a file
+        tokenizer.chat_template = template
+    source = env.tasks(cfg.env.num_examples, cfg.data.seed) if cfg.data.source == "env" else load_source(
+        cfg.data, cfg.train.seed)
+    dataset = PromptDataset.build(source, tokenizer, cfg.data, cfg.rollout.max_prompt_length)
+    return tokenizer, dataset, PromptSampler(len(dataset), cfg.train.seed, cfg.data.shuffle)
+
+
+def policy(cfg: Config, world: int, load: Callable[[Any], Any] = load_policy) -> tuple[Any, Optional[dict]]:
+    """(the policy model, ZeRO-3's DeepSpeed config when it is built partitioned, else None). ZeRO-3 over several
+    ranks builds it partitioned, so no rank ever holds the whole model; otherwise ``load`` loads it (LoRA, which
+    ZeRO-3 refuses, too)."""
+    zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and cfg.train.zero3_init and world > 1 else None
+    return (load(cfg.model) if zero3 is None else load_partitioned(cfg, cfg.model.name_or_path, zero3)), zero3
+
+
+def multiturn(cfg: Config, rollout: Any, env: Any) -> Optional[MultiTurnRollout]:
+    """Multi-turn rollouts with the environment (None without one)."""
+    if env is None:
+        return None
+    return MultiTurnRollout(
+        rollout, env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, stop=cfg.env.stop,
+        system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
+        tool_counts=env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s,
+        max_prompt_length=cfg.rollout.max_prompt_length, env_threads=cfg.env.tool_workers)
+
+
+def announce(cfg: Config, model: Any, device: Any, dataset: PromptDataset, multi_turn: bool) -> None:
+    """The start-up lines of the main rank: a context the run would overrun, the policy, the prompts dropped."""
+    if not dist.is_main():
+        return
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    length_key = "max_trajectory_tokens" if multi_turn else "max_completion_length"
+    longest = cfg.rollout.max_prompt_length + getattr(cfg.rollout, length_key)
+    if context and longest > context:
+        print(f"config warning: rollout.max_prompt_length + rollout.{length_key} = {longest} tokens, beyond the "
+              f"model's context of {context} (max_position_embeddings): the longest sequences would run past the "
+              f"positions it was trained on", file=sys.stderr, flush=True)
+    print(f"policy {cfg.model.name_or_path}: {cfg.model.dtype} on {device}"
+          f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}", flush=True)
+    if dataset.dropped:
+        print(f"dropped {dataset.dropped} prompts longer than rollout.max_prompt_length", flush=True)
+    if dataset.unusable:
+        print(f"data: {describe_unusable(dataset.unusable)}: null, empty or not text", flush=True)
