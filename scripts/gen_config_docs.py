@@ -192,7 +192,9 @@ def collect(cls: type, prefix: str, out: list[Key], skip: frozenset = frozenset(
         nested = _nested_dataclass(tp)
         doc = " ".join(docs.get(f.name, "").split())
         if nested is None:
-            out.append(Key(path, type_name(tp), default_text(f), doc))
+            # its range, declared on the field (grpo.foundation.config.positive / at_least_zero), beside its type
+            kind = type_name(tp) + (f" ({f.metadata['range']})" if "range" in f.metadata else "")
+            out.append(Key(path, kind, default_text(f), doc))
             continue
         inner, how = nested
         if how == "?" or how == "[]":  # a section that may be null, or a list of entries: its own row too
