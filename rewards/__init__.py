@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Protocol
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
-from grpo.foundation.plugins import REWARDS, SERVICES, STEP_REWARDS, RewardServiceError
+from grpo.foundation.plugins import REWARDS, SERVICES, STEP_REWARDS, RewardServiceError  # noqa: F401 (its name here)
 from rewards.code_tests import code_tests
 from rewards.countdown import countdown
 from rewards.digits import digits_match, digits_step_match

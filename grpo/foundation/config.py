@@ -11,39 +11,15 @@ nan and inf are refused where the value is read, before any range check.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
-# libyaml's parser and emitter where PyYAML has them (its wheels do): the same documents and the same safe types,
-# 4-10x faster than the pure-Python ones (a config is read and written at every start, and parsed per override)
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-
-
-def load_yaml(text: str) -> Any:
-    """``yaml.safe_load``, with libyaml when present."""
-    return yaml.load(text, Loader=_LOADER)
-
-
-def dump_yaml(tree: Any) -> str:
-    """``yaml.safe_dump(tree, sort_keys=False)``, with libyaml when present."""
-    return yaml.dump(tree, Dumper=_DUMPER, sort_keys=False)
-
-
-class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message says how to fix it."""
-
-
-class _NotFiniteError(ConfigError):
-    """A float-typed key got nan or inf (raised by the coercion, whatever else the annotation allows)."""
-
+from grpo.foundation.loader import (ConfigError, build_dataclass, deep_merge, dump_yaml, load_yaml, not_finite,
+                                    parse_overrides, to_tree, unknown_key)
 
 # A key's range is declared on its field, beside its type and default: ``validate`` checks it (``check_ranges``,
 # a key set to null skips it) and scripts/gen_config_docs.py prints it in docs/config-reference.md.
@@ -558,16 +534,9 @@ def auto_dtype(device_type: Optional[str] = None) -> str:
 # --------------------------------------------------------------------------- validation
 
 
-def _not_finite(path: str, value: float) -> ConfigError:
-    return _NotFiniteError(
-        f"{path}={value!r} is invalid: it must be a finite number (nan and inf are not allowed); "
-        f"set a finite value or leave {path} out to use its default"
-    )
-
-
 def _positive(path: str, value: float, allow_zero: bool = False) -> None:
     if not math.isfinite(value):
-        raise _not_finite(path, value)
+        raise not_finite(path, value)
     if value < 0 or (value == 0 and not allow_zero):
         need = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{path}={value!r} is invalid: it must be {need}")
@@ -887,200 +856,9 @@ def _validate_eval(cfg: Config) -> None:
                           "or data.eval_holdout")
 
 
-# --------------------------------------------------------------------------- typed loading
-
-
-def _type_name(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin is Literal:
-        return "one of " + repr(list(get_args(tp)))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-# other spellings of a choice (torch's and TRL's dtype names)
-_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-            "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-            "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32"}
-
-
-def _coerce(path: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp`` and convert it (str->float/int/bool)."""
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        choices = get_args(tp)
-        if isinstance(value, str) and _ALIASES.get(value.lower()) in choices:  # model.dtype=bfloat16 (TRL's)
-            value = _ALIASES[value.lower()]
-        for c in choices:
-            if value == c and type(value) is type(c):
-                return c
-            if isinstance(value, str) and str(c) == value:
-                return c
-        raise ConfigError(f"{path}={value!r} is invalid: choose from {list(choices)}")
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(path, value, a)
-            except _NotFiniteError:
-                raise  # the type fits; the value does not
-            except ConfigError as e:
-                errors.append(str(e))
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1 and dataclasses.is_dataclass(real[0]):  # e.g. Optional[LoraConfig]: its own message
-            raise ConfigError(errors[0])
-        raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping of keys ({_field_names(tp)}), got {value!r}")
-        return build_dataclass(tp, value, path)
-    if origin is list:
-        (item_tp,) = get_args(tp) or (Any,)
-        if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
-            if isinstance(value, str) and value.startswith("["):
-                value = load_yaml(value)
-            else:
-                raise ConfigError(f"{path}={value!r} has the wrong type: expected a list")
-        return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
-    if origin is dict:
-        kt, vt = get_args(tp) or (Any, Any)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}={value!r} has the wrong type: expected a mapping")
-        return {_coerce(path, k, kt): _coerce(f"{path}.{k}", v, vt) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{path}={value!r} has the wrong type: expected true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{path}={value!r} has the wrong type: expected an integer")
-    if tp is float:
-        number = _to_float(path, value)
-        if not math.isfinite(number):  # every float in the config, algorithm options included
-            raise _not_finite(path, number)
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{path}={value!r} has the wrong type: expected a string")
-    raise ConfigError(f"{path}: unsupported type {tp!r}")
-
-
-def _to_float(path: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:  # an int too large for a float
-            return math.inf
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{path}={value!r} has the wrong type: expected a number")
-
-
-def _field_names(cls: type) -> str:
-    return ", ".join(f.name for f in dataclasses.fields(cls) if f.name != "options")
-
-
-def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    where = f"{path}.{key}" if path else key
-    return ConfigError(f"unknown config key {where!r}.{hint} Valid keys: {sorted(valid)}")
-
-
-def build_dataclass(cls: type, values: dict, path: str = "") -> Any:
-    """Build ``cls`` from a (partial) mapping, validating every key and type."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in values.items():
-        if key not in names:
-            raise _unknown_key(path, str(key), names)
-        kwargs[key] = _coerce(f"{path}.{key}" if path else key, value, hints[key])
-    return cls(**kwargs)
-
-
-def deep_merge(base: dict, update: dict) -> dict:
-    out = dict(base)
-    for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("columns", "kwargs"):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if not isinstance(nxt, dict):
-            nxt = {}
-            node[p] = nxt
-        node = nxt
-    node[parts[-1]] = value
-
-
-def parse_overrides(items: list[str]) -> dict:
-    """``["train.lr=1e-5", "rollout.num_generations=4"]`` -> nested dict (values parsed as YAML)."""
-    tree: dict = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=1e-5)")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError(f"override {item!r} has an empty key")
-        try:
-            value = load_yaml(raw) if raw.strip() else ""
-        except yaml.YAMLError:  # not YAML (a Jinja template: '{% ...'): the text itself, checked by its key's type
-            value = raw
-        _set_dotted(tree, key, value)
-    return tree
-
-
-def _to_tree(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_tree(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, list):
-        return [_to_tree(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _to_tree(v) for k, v in obj.items()}
-    return obj
-
-
 def to_dict(cfg: Config) -> dict:
     """The resolved config as plain data (algorithm options flattened into ``algo``)."""
-    tree = _to_tree(cfg)
+    tree = to_tree(cfg)
     options = tree["algo"].pop("options") or {}
     tree["algo"].update(options)
     return tree
@@ -1118,7 +896,7 @@ def read_user_tree(
         user_tree = deep_merge(user_tree, {"algo": {"name": cli_name or algo}})
     for key in user_tree:
         if key not in [f.name for f in dataclasses.fields(Config)]:
-            raise _unknown_key("", key, [f.name for f in dataclasses.fields(Config)])
+            raise unknown_key("", key, [f.name for f in dataclasses.fields(Config)])
     algo_tree = user_tree.get("algo", {}) or {}
     if not isinstance(algo_tree, dict):
         raise ConfigError(f"algo must be a mapping, got {algo_tree!r}")
@@ -1145,7 +923,7 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
                     f"algo.{k} is an option of {' and '.join(owners)}, not of {name}: choose "
                     f"{'that algorithm' if len(owners) == 1 else 'one of them'} (--algo {owners[0]}) or drop "
                     f"algo.{k}. {name}'s own options: {option_names or 'none'}")
-            raise _unknown_key("algo", k, sorted(common) + option_names)
+            raise unknown_key("algo", k, sorted(common) + option_names)
         option_user[k] = v
 
     user_tree = _infer_data_source(user_tree)
