@@ -1,4 +1,5 @@
-"""The algorithm interface: what every file in algos/ implements.
+"""The algorithm interface: what every file in algos/ implements (the options every algorithm takes, whatever its
+loss, are algos/loss_options.py's, which Algorithm inherits).
 
 An algorithm declares what it needs (reference, old log-probs, entropy) so the trainer
 computes nothing unused, may change the batch before advantages (``process_batch``),
@@ -8,12 +9,13 @@ step loss (see grpo.foundation.core.aggregate for why shares add up exactly).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from grpo.foundation import core, dist
+from algos.loss_options import LossOptions, LossOutput, log_mean, masked_stat  # noqa: F401 (their names here too)
+from grpo.foundation import core
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.plugins import ALGORITHMS, StepContext
@@ -22,23 +24,6 @@ from grpo.foundation.plugins import ALGORITHMS, StepContext
 @dataclass
 class NoOptions:
     """This algorithm has no options of its own."""
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor  # this micro-batch's share of the step loss
-    stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (sum, count)
-
-
-def masked_stat(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, count) of x over the mask, detached, for rank-reduced means."""
-    m = mask.detach().float()
-    return (x.detach().float() * m).sum(), m.sum()
-
-
-def log_mean(ctx: "StepContext", name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
-    """ctx.metrics[name] = mean of x (over the mask) on all ranks; every rank must call it."""
-    ctx.metrics[name] = float(core.global_mean_std(x.detach(), mask=mask)[0])
 
 
 def check_max_gen_batches(value: int) -> None:
@@ -66,7 +51,7 @@ def resample(state: Any, ctx: StepContext, done: Callable[[Any], bool], add: Cal
     return state, rounds, True
 
 
-class Algorithm:
+class Algorithm(LossOptions):
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     tag: ClassVar[str] = "paper"  # paper | peer (a peer's code: verl, TRL) | code | unverified (docs/algorithms.md)
@@ -150,66 +135,6 @@ class Algorithm:
 
     advantages.uses_scores = True  # type: ignore[attr-defined]
 
-    def token_rewards(self, batch: RolloutBatch, ctx: Optional[StepContext] = None) -> torch.Tensor:
-        """[rows, T] float64: the outcome reward on each row's last token, minus ``algo.kl_in_reward`` * k1 on
-        every token (k1 = l_old - l_ref, verl's ``apply_kl_penalty``)."""
-        out = core.outcome_token_rewards(batch.rewards, batch.mask)
-        coef = self.a.kl_in_reward
-        if coef > 0:
-            k1 = (batch.old_logp.double() - batch.ref_logp.double()) * batch.mask.double()
-            out = out - coef * k1
-            if ctx is not None:
-                log_mean(ctx, "kl_in_reward", k1, batch.mask)
-        return out
-
-    def scores(self, batch: RolloutBatch, ctx: Optional[StepContext] = None) -> torch.Tensor:
-        """The outcome score r_i, or r_i - kl_in_reward * sum_t k1 with KL in the reward (``batch.rewards``'s dtype)."""
-        if self.a.kl_in_reward <= 0:
-            return batch.rewards
-        return self.token_rewards(batch, ctx).sum(-1).to(batch.rewards.dtype)
-
-    def prepare_loss(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
-        """After the advantages, before the step's normalisers and the loss (every rank, the whole batch):
-        ``algo.mask_truncated_completions`` and ``algo.top_entropy_quantile``'s threshold over all ranks."""
-        if self.a.mask_truncated_completions:
-            batch.mask = batch.mask * (~batch.truncated.bool()).unsqueeze(1).to(batch.mask.dtype)
-        rho = self.a.top_entropy_quantile
-        if rho < 1.0:
-            ent, valid = batch.entropy.double(), batch.mask.bool()
-            pool = torch.cat([torch.as_tensor(v) for v in dist.all_gather_object(ent[valid].cpu())])
-            if pool.numel():
-                threshold = torch.quantile(pool, 1.0 - rho)
-                keep = (ent >= threshold) & valid
-            else:
-                keep = torch.zeros_like(valid)
-            batch.extra = {**batch.extra, "entropy_keep": keep.to(batch.mask.dtype)}
-            log_mean(ctx, "entropy_mask/kept_frac", keep.double(), batch.mask)
-        if self.a.entropy_target is not None:
-            self.adapt_entropy_coef(float(core.global_mean_std(batch.entropy.double(), mask=batch.mask)[0]))
-        if self.entropy_bonus:
-            ctx.metrics["entropy_bonus/coef"] = self.entropy_alpha
-        return batch
-
-    def adapt_entropy_coef(self, mean_entropy: float) -> None:
-        """Skywork-OR1's adaptive entropy control (arXiv 2505.22312, §3.2.5), once per step, from the step's
-        token-mean entropy e_k before its update: alpha_k = c_k if e_k < target else 0, then c_{k+1} = c_k + delta
-        if e_k < target else c_k - delta, clipped to [entropy_coef_min, entropy_coef_max]."""
-        a = self.a
-        below = mean_entropy < a.entropy_target
-        self.entropy_alpha = self.entropy_c if below else 0.0
-        step = a.entropy_coef_delta if below else -a.entropy_coef_delta
-        self.entropy_c = min(max(self.entropy_c + step, a.entropy_coef_min), a.entropy_coef_max)
-
-    def loss_with_bonus(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBatch,
-                        norms: core.StepNorms) -> LossOutput:
-        """The algorithm's loss, minus alpha * H aggregated as the loss (``algo.aggregation``) when the entropy
-        bonus is on (``entropy``: the current policy's, with its gradient; None otherwise)."""
-        out = self.loss(logp, mb, norms)
-        if entropy is None:
-            return out
-        bonus = core.aggregate(-self.entropy_alpha * entropy, mb.mask, self.a.aggregation, norms)
-        return LossOutput(out.loss + bonus, {**out.stats, "entropy_bonus/entropy": masked_stat(entropy, mb.mask)})
-
     def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
         raise NotImplementedError
 
@@ -220,21 +145,7 @@ class Algorithm:
     def load_state_dict(self, state: dict) -> None:
         pass
 
-    def options_state_dict(self) -> dict:
-        """The shared options' state (every algorithm): the adaptive entropy coefficient c_k."""
-        return {"entropy_c": self.entropy_c}
-
-    def load_options_state_dict(self, state: dict) -> None:
-        self.entropy_c = float(state.get("entropy_c", self.entropy_c))
-
     # ----------------------------------------------------------------- shared pieces
-    def old_logp(self, logp: torch.Tensor, mb: RolloutBatch) -> torch.Tensor:
-        return mb.old_logp if mb.old_logp is not None else logp.detach()
-
-    def token_advantages(self, mb: RolloutBatch) -> torch.Tensor:
-        adv = mb.advantages
-        return adv.unsqueeze(-1) if adv.dim() == 1 else adv
-
     def ppo_token_loss(self, logp: torch.Tensor, mb: RolloutBatch, ratio: Optional[torch.Tensor] = None,
                        eps_low: Optional[float | torch.Tensor] = None,
                        eps_high: Optional[float | torch.Tensor] = None,
@@ -300,43 +211,3 @@ class Algorithm:
             loss = loss + core.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
             stats.update(kl_stats)
         return LossOutput(loss, stats)
-
-    def tis(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """The per-token weights of the policy-gradient term (never of the KL term): ``algo.tis_cap``,
-        ``algo.off_policy_mask_threshold`` and ``algo.top_entropy_quantile`` (the last two: 0/1 masks)."""
-        per_token, stats = self.tis_weight(per_token, logp, mb)
-        if self.a.off_policy_mask_threshold is not None:
-            ref = mb.sampler_logp if mb.sampler_logp is not None else self.old_logp(logp, mb)
-            seq_kl = core.masked_mean(ref - logp.detach(), mb.mask, dim=-1).unsqueeze(-1)
-            keep = ((self.token_advantages(mb) >= 0) | (seq_kl <= self.a.off_policy_mask_threshold)).to(logp.dtype)
-            keep = keep.expand_as(logp)
-            per_token = per_token * keep
-            stats["off_policy_mask/kept_frac"] = masked_stat(keep, mb.mask)
-        if self.a.top_entropy_quantile < 1.0:
-            per_token = per_token * mb.extra["entropy_keep"]
-        return per_token, stats
-
-    def tis_weight(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        """``algo.tis_cap``: the policy-gradient term per token times min(pi_old / pi_sampler, C).
-        pi_sampler is what the generation engine reported when it drew the token."""
-        cap = self.a.tis_cap
-        if cap is None:
-            return per_token, {}
-        if mb.sampler_logp is None:
-            raise RuntimeError(
-                f"algo.tis_cap={cap} needs the sampler's log-probs, but the generation engine "
-                f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use an engine that reports them "
-                f"(rollout.engine=static or vllm) or set algo.tis_cap=null"
-            )
-        w = core.tis_weight(self.old_logp(logp, mb), mb.sampler_logp, mb.mask, cap)
-        return per_token * w, {"tis/weight_mean": masked_stat(w, mb.mask),
-                               "tis/capped_frac": masked_stat((w >= cap).float(), mb.mask)}
-
-    def add_kl(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
-        if self.a.beta <= 0:
-            return per_token, {}
-        kl = core.kl_estimate(logp, mb.ref_logp, self.a.kl_estimator)
-        stats = {"kl": masked_stat(kl, mb.mask)}
-        if self.a.use_bias_correction_kl:  # TRL: the KL estimate is pi_old's sample; reweight it to pi's
-            kl = kl * core.token_ratio(logp, self.old_logp(logp, mb))
-        return per_token + self.a.beta * kl, stats
