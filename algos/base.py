@@ -78,6 +78,40 @@ class Algorithm(LossOptions):
     def validate(cls, cfg: Config) -> None:
         """Algorithm-specific config checks (raise grpo.foundation.config.ConfigError)."""
 
+    @classmethod
+    def check_capabilities(cls, cfg: Config) -> None:
+        """Whether this algorithm has what the config asks of it (its class flags: multi_turn, group_relative,
+        token_level_pg, ratio_clip, takes_kl_in_reward): multi-turn rollouts, groups of >= 2, a per-token
+        policy-gradient term for TIS and the token masks, a ratio clip for algo.delta, advantages from the outcome
+        score for KL in the reward. ConfigError naming the fix otherwise."""
+        name, a = cfg.algo.name, cfg.algo
+        if cls.multi_turn and not cfg.env.name:
+            raise ConfigError(
+                f"{name} needs multi-turn rollouts, and env.name is not set: set env.name (a registered environment, "
+                f"e.g. env.name=calculator with data.source=env; see docs/agents.md), or choose a single-turn algorithm")
+        if cls.group_relative and cfg.rollout.num_generations < 2:
+            raise ConfigError(
+                f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
+                f"compare the completions of one prompt, so with fewer than 2 every advantage is 0. Set "
+                f"rollout.num_generations >= 2 (papers use 8 to 64)")
+        if a.tis_cap is not None and not cls.token_level_pg:
+            raise ConfigError(f"algo.tis_cap={a.tis_cap!r} weights each token's policy-gradient term, and {name} has a "
+                              f"sequence-level loss: set algo.tis_cap=null, or pick a token-level algorithm")
+        if a.kl_in_reward and not cls.takes_kl_in_reward():
+            raise ConfigError(
+                f"algo.kl_in_reward={a.kl_in_reward!r} does not apply to {name}: its advantages are not computed "
+                f"from the outcome score alone. Set algo.kl_in_reward=0, or choose an algorithm that takes it "
+                f"({', '.join(cls.kl_in_reward_algorithms())})")
+        if a.delta is not None and not cls.ratio_clip:
+            raise ConfigError(f"algo.delta={a.delta!r} caps PPO's clipped ratio, and {name} has no ratio clip: "
+                              f"set algo.delta=null or choose an algorithm with one (grpo, dapo, gspo, ...)")
+        masks = {"off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
+                 "top_entropy_quantile": a.top_entropy_quantile != 1.0}
+        for key, on in masks.items():
+            if on and not cls.token_level_pg:
+                raise ConfigError(f"algo.{key} masks per-token policy-gradient terms, and {name} has a sequence-level "
+                                  f"loss: leave algo.{key} at its default, or pick a token-level algorithm")
+
     # ----------------------------------------------------------------- needs
     @classmethod
     def takes_kl_in_reward(cls) -> bool:

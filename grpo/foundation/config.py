@@ -905,8 +905,8 @@ def read_user_tree(
 
 def build_config(user_tree: dict, algorithm: Any) -> Config:
     """The validated config: defaults < the algorithm's defaults < the user's tree. ``algorithm`` is the
-    chosen algorithm's class (its ``Options`` dataclass, ``defaults`` and ``validate``); the registry
-    that finds it by name is in algos/ (grpo/training/configure.py puts the two together)."""
+    chosen algorithm's class (its ``Options`` dataclass, ``defaults``, ``option_owners``, ``check_capabilities``
+    and ``validate``: algos/base.py); grpo/training/configure.py finds it by name (ALGORITHMS)."""
     algo_tree = user_tree.get("algo", {}) or {}
     name = str(algo_tree.get("name", AlgoConfig.name))
     common = {f.name for f in dataclasses.fields(AlgoConfig)} - {"options"}
@@ -934,53 +934,22 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
     validate(cfg)
     _require_rewards(user_tree, cfg)
-    if getattr(algorithm, "multi_turn", False) and not cfg.env.name:
-        raise ConfigError(
-            f"{name} needs multi-turn rollouts, and env.name is not set: set env.name (a registered environment, "
-            f"e.g. env.name=calculator with data.source=env; see docs/agents.md), or choose a single-turn algorithm"
-        )
-    if getattr(algorithm, "group_relative", False) and cfg.rollout.num_generations < 2:
-        raise ConfigError(
-            f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
-            f"compare the completions of one prompt, so with fewer than 2 every advantage is 0. Set "
-            f"rollout.num_generations >= 2 (papers use 8 to 64)"
-        )
-    if cfg.algo.tis_cap is not None and not getattr(algorithm, "token_level_pg", True):
-        raise ConfigError(
-            f"algo.tis_cap={cfg.algo.tis_cap!r} weights each token's policy-gradient term, and {name} has a "
-            f"sequence-level loss: set algo.tis_cap=null, or pick a token-level algorithm"
-        )
-    if cfg.algo.kl_in_reward and not algorithm.takes_kl_in_reward():
-        raise ConfigError(
-            f"algo.kl_in_reward={cfg.algo.kl_in_reward!r} does not apply to {name}: its advantages are not computed "
-            f"from the outcome score alone. Set algo.kl_in_reward=0, or choose an algorithm that takes it "
-            f"({', '.join(algorithm.kl_in_reward_algorithms())})"
-        )
-    _validate_loss_options(cfg, algorithm, name)
+    algorithm.check_capabilities(cfg)  # what the algorithm's loss has for the options and rollouts asked of it
+    _validate_loss_options(cfg)
     algorithm.validate(cfg)
     return cfg
 
 
-def _validate_loss_options(cfg: Config, algorithm: Any, name: str) -> None:
-    """The options of TRL's trainer that apply to many losses: range, and whether ``name``'s loss has what
-    they act on (a ratio clip, a per-token policy-gradient term, a KL term)."""
+def _validate_loss_options(cfg: Config) -> None:
+    """The options of TRL's trainer that apply to many losses (algos/loss_options.py): their ranges and how they
+    relate to other keys. Whether the chosen loss has what they act on is the algorithm's check_capabilities."""
     a = cfg.algo
-    if a.delta is not None:
-        if not getattr(algorithm, "ratio_clip", True):
-            raise ConfigError(f"algo.delta={a.delta!r} caps PPO's clipped ratio, and {name} has no ratio clip: "
-                              f"set algo.delta=null or choose an algorithm with one (grpo, dapo, gspo, ...)")
-        if a.delta <= 1 + a.clip_eps_high:
-            raise ConfigError(f"algo.delta={a.delta!r} is invalid: it must be > 1 + algo.clip_eps_high = "
-                              f"{1 + a.clip_eps_high} (INTELLECT-2 uses 4), or null")
-    token_options = {"off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
-                     "top_entropy_quantile": a.top_entropy_quantile != 1.0}
+    if a.delta is not None and a.delta <= 1 + a.clip_eps_high:
+        raise ConfigError(f"algo.delta={a.delta!r} is invalid: it must be > 1 + algo.clip_eps_high = "
+                          f"{1 + a.clip_eps_high} (INTELLECT-2 uses 4), or null")
     if not 0 <= a.top_entropy_quantile <= 1:
         raise ConfigError(f"algo.top_entropy_quantile={a.top_entropy_quantile!r} is invalid: it must lie in [0, 1] "
                           f"(1 = every token; the paper uses 0.2)")
-    for key, on in token_options.items():
-        if on and not getattr(algorithm, "token_level_pg", True):
-            raise ConfigError(f"algo.{key} masks per-token policy-gradient terms, and {name} has a sequence-level "
-                              f"loss: leave algo.{key} at its default, or pick a token-level algorithm")
     if a.use_bias_correction_kl and a.beta <= 0:
         raise ConfigError(f"algo.use_bias_correction_kl=true weights the KL term, and algo.beta={a.beta} (no KL "
                           f"term): set algo.beta > 0 or algo.use_bias_correction_kl=false")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from grpo.foundation import dist
+from grpo.foundation.config import ConfigError
 from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter, state_dict_for_save
 from grpo.foundation.modeling import ASIDE, LATEST, latest_in
 
@@ -42,6 +43,15 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     """The newest complete step folder of the run in ``output_dir`` (what ``--resume`` continues), or None."""
     return latest_in(checkpoints_dir(output_dir))
+
+
+def checkpoint_to_resume(output_dir: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from; ConfigError when the run in ``output_dir`` has none."""
+    ckpt = latest_checkpoint(output_dir)
+    if ckpt is None:
+        raise ConfigError(f"--resume: no checkpoint in {checkpoints_dir(output_dir)}; start without --resume, or set "
+                          f"train.output_dir to the run to continue")
+    return ckpt
 
 
 def _fsync_dir(path: Path) -> None:

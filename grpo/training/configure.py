@@ -109,11 +109,9 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
         item = load_source(d, cfg.train.seed)[0]
         parts.rewards.check(cfg.rewards, cfg.reward_pool, cfg.sandbox, [k for k in item if k != "prompt"])
     if resume:
-        from grpo.training.checkpoint import checkpoints_dir, latest_checkpoint
+        from grpo.training.checkpoint import checkpoint_to_resume
 
-        if latest_checkpoint(cfg.train.output_dir) is None:
-            raise ConfigError(f"--resume: no checkpoint in {checkpoints_dir(cfg.train.output_dir)}; start without "
-                              f"--resume, or set train.output_dir to the run to continue")
+        checkpoint_to_resume(cfg.train.output_dir)
     return parts
 
 

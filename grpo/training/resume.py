@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
-from grpo.training.checkpoint import (export_model, latest_checkpoint, load_checkpoint, prune_reference_folders,
+from grpo.training.checkpoint import (checkpoint_to_resume, export_model, load_checkpoint, prune_reference_folders,
                                       reference_folder, resume_mismatch, save_checkpoint, stored_folder)
 
 
@@ -56,9 +56,7 @@ def resume(trainer: Any) -> None:
     """The trainer's run continued from the newest checkpoint in its output folder: weights, optimizer, step,
     sampler, the algorithm's state, the synced reference; the generation engine gets the restored weights."""
     t = trainer
-    ckpt = latest_checkpoint(t.out)
-    if ckpt is None:
-        raise ConfigError(f"--resume: no checkpoint in {t.out / 'checkpoints'}; start without --resume")
+    ckpt = checkpoint_to_resume(t.out)
     mismatch = resume_mismatch(t.model, ckpt)
     if mismatch:
         raise ConfigError(f"--resume from {ckpt}: the run is not set up as the checkpoint was ({mismatch}); "
