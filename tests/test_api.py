@@ -87,3 +87,16 @@ def test_a_function_that_cannot_travel_is_named(tmp_path):
                                           r"inline"):
         FunctionTerm("h", RewardSpec(fn=name), RewardPoolConfig(num_workers=1))
     assert function_name(first_digit) == "tests.test_api:first_digit"  # importable: by name, as in the YAML
+
+
+@pytest.mark.slow
+def test_every_rank_calls_train_under_the_launcher(tmp_path):
+    """torchrun with 2 ranks running a script that calls train(): one run, the same metrics on both ranks."""
+    from tests.conftest import run_deepspeed
+
+    run_deepspeed([str(tmp_path)], num_ranks=2, script="tests/api_ranks_script.py", launcher="torchrun")
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["steps"] for r in results] == [2, 2] and results[0]["metrics"] == results[1]["metrics"]
+    assert results[0]["metrics"]["reward/length_two/errors"] == 0 and "reward/digits_match/mean" in results[0]["metrics"]
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
+    assert len((tmp_path / "data" / "train.jsonl").read_text().splitlines()) == len(ROWS)
