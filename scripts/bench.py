@@ -539,7 +539,10 @@ def sweep(args, workdir: Path) -> dict:
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()}
+    """Where and on what code a result was measured (the commit: what docs/results.md cites beside the figure)."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+            "commit": commit.strip() or "unknown (not a git checkout)"}
 
 
 def base_spec(args, workdir: Path, max_new: int | None = None, group: int | None = None) -> dict:
