@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         for warning in config_warnings(cfg):
             print(f"config warning: {warning}", file=sys.stderr)
-    from grpo.reference.base import ReferenceServerError
+    from grpo.reference.protocol import ReferenceServerError
 
     try:  # a reference server nobody runs: seconds, not a minute of retries after loading (--print-config too)
         probe_services(cfg)

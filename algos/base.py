@@ -4,7 +4,7 @@ loss, are algos/loss_options.py's, which Algorithm inherits).
 An algorithm declares what it needs (reference, old log-probs, entropy) so the trainer
 computes nothing unused, may change the batch before advantages (``process_batch``),
 computes advantages, and turns per-token log-probs of a micro-batch into its share of the
-step loss (see grpo.foundation.core.aggregate for why shares add up exactly).
+step loss (see grpo.foundation.rl_math.aggregate for why shares add up exactly).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from algos.loss_options import LossOptions, LossOutput, log_mean, masked_stat  # noqa: F401 (their names here too)
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.plugins import ALGORITHMS, StepContext
@@ -164,12 +164,12 @@ class Algorithm(LossOptions):
         """Called on every rank after each step, before logging and checkpointing; may add metrics."""
 
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
-        return core.group_advantages(self.scores(batch, ctx), batch.group_size, self.a.adv_std, self.a.adv_eps,
+        return rl_math.group_advantages(self.scores(batch, ctx), batch.group_size, self.a.adv_std, self.a.adv_eps,
                                      self.a.adv_scope)
 
     advantages.uses_scores = True  # type: ignore[attr-defined]
 
-    def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
+    def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: rl_math.StepNorms) -> LossOutput:
         raise NotImplementedError
 
     # ----------------------------------------------------------------- state (checkpointed)
@@ -190,10 +190,10 @@ class Algorithm(LossOptions):
         ``weight`` multiplies the policy-gradient term only (not the KL).
         """
         old = self.old_logp(logp, mb)
-        ratio = core.token_ratio(logp, old) if ratio is None else ratio
+        ratio = rl_math.token_ratio(logp, old) if ratio is None else ratio
         eps_low = self.a.clip_eps_low if eps_low is None else eps_low
         eps_high = self.a.clip_eps_high if eps_high is None else eps_high
-        surr = core.clipped_surrogate(ratio, self.token_advantages(mb), eps_low, eps_high, self.a.dual_clip,
+        surr = rl_math.clipped_surrogate(ratio, self.token_advantages(mb), eps_low, eps_high, self.a.dual_clip,
                                       self.a.delta)
         pg = -surr.value if weight is None else -surr.value * weight
         per_token, stats = self.tis(pg, logp, mb)
@@ -206,13 +206,13 @@ class Algorithm(LossOptions):
         stats.update(kl_stats)
         return per_token, stats
 
-    def token_pg_loss(self, pg: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms,
+    def token_pg_loss(self, pg: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch, norms: rl_math.StepNorms,
                       stats: Optional[dict] = None) -> LossOutput:
         """A per-token policy-gradient loss ``pg`` [rows, T] (what to minimise) -> algo.tis_cap weight,
         + beta KL, aggregated with ``algo.aggregation`` over the whole step (shares add up exactly)."""
         per_token, tis_stats = self.tis(pg, logp, mb)
         per_token, kl_stats = self.add_kl(per_token, logp, mb)
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms),
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms),
                           {**(stats or {}), **tis_stats, **kl_stats})
 
     def sequence_ppo_loss(
@@ -220,20 +220,20 @@ class Algorithm(LossOptions):
         ratio: torch.Tensor,
         logp: torch.Tensor,
         mb: RolloutBatch,
-        norms: core.StepNorms,
+        norms: rl_math.StepNorms,
         eps_low: Optional[float] = None,
         scale: Optional[torch.Tensor] = None,
     ) -> LossOutput:
         """Sequence-level surrogate (GSPO, GRPO-S, TIC-GRPO): -(1/N) sum_i scale_i min(s_i A_i, clip(s_i) A_i),
         ``ratio`` [rows]; plus beta KL aggregated per token when beta > 0. N is the whole step's,
-        so micro-batch shares add up exactly (core.sequence_mean)."""
+        so micro-batch shares add up exactly (rl_math.sequence_mean)."""
         adv = mb.advantages
         if adv.dim() != 1:
             raise ValueError(f"{self.name}: a sequence-level loss needs one advantage per completion")
         low = self.a.clip_eps_low if eps_low is None else eps_low
-        surr = core.clipped_surrogate(ratio, adv, low, self.a.clip_eps_high, self.a.dual_clip, self.a.delta)
+        surr = rl_math.clipped_surrogate(ratio, adv, low, self.a.clip_eps_high, self.a.dual_clip, self.a.delta)
         value = surr.value if scale is None else surr.value * scale
-        loss = -core.sequence_mean(value, norms)
+        loss = -rl_math.sequence_mean(value, norms)
         rows = torch.ones_like(ratio)
         stats = {
             "clip_frac_low": masked_stat(surr.clipped_low.float(), rows),
@@ -242,6 +242,6 @@ class Algorithm(LossOptions):
         }
         if self.a.beta > 0:
             kl_tok, kl_stats = self.add_kl(torch.zeros_like(logp), logp, mb)
-            loss = loss + core.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
+            loss = loss + rl_math.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
             stats.update(kl_stats)
         return LossOutput(loss, stats)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 @dataclass
@@ -36,8 +36,8 @@ class CISPO(Algorithm):
                 "adv_std": "unbiased", "adv_eps": 1e-4}
     knobs = ("clip_eps_high", "lower_clip", "num_iterations")
 
-    def loss(self, logp: torch.Tensor, mb, norms: core.StepNorms) -> LossOutput:
-        ratio = core.token_ratio(logp, self.old_logp(logp, mb)).detach()
+    def loss(self, logp: torch.Tensor, mb, norms: rl_math.StepNorms) -> LossOutput:
+        ratio = rl_math.token_ratio(logp, self.old_logp(logp, mb)).detach()
         low = 1.0 - self.a.clip_eps_low if self.opt.lower_clip else 0.0
         high = 1.0 + self.a.clip_eps_high
         weight = ratio.clamp(min=low, max=high)

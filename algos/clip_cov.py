@@ -21,7 +21,7 @@ import torch
 
 from algos.base import LossOutput, masked_stat
 from algos.grpo import GRPO
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -59,10 +59,10 @@ class ClipCov(GRPO):
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         adv = super().advantages(batch, ctx)
-        cov = core.token_covariance(adv, batch.old_logp, batch.mask)
+        cov = rl_math.token_covariance(adv, batch.old_logp, batch.mask)
         cand = (cov > self.opt.cov_lb) & (cov < self.opt.cov_ub) & batch.mask.bool()
         flat = cand.reshape(-1)
-        pos, total = core.global_rank_positions(flat)
+        pos, total = rl_math.global_rank_positions(flat)
         tokens = int(dist.all_reduce_sum(batch.mask.double().sum().reshape(1))[0])
         k = min(max(int(self.opt.cov_ratio * tokens), 1), total)
         g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + ctx.step)
@@ -78,5 +78,5 @@ class ClipCov(GRPO):
     def loss(self, logp, mb, norms) -> LossOutput:
         per_token, stats = self.ppo_token_loss(logp, mb, weight=1.0 - mb.extra["cov_drop"])
         stats["cov/dropped_frac"] = masked_stat(mb.extra["cov_drop"], mb.mask)
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
 

@@ -26,7 +26,7 @@ import torch
 
 from algos.base import StepContext, check_max_gen_batches, resample
 from algos.grpo import GRPO
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 from rewards.length import overlong_penalty
@@ -141,7 +141,7 @@ class DAPO(GRPO):
     def keep_valid(self, kept: "KeptGroups", batch: RolloutBatch) -> "KeptGroups":
         """Add ``batch``'s groups with differing rewards to ``kept``; counts are over all ranks."""
         signal = batch.extra.get("task_reward", batch.rewards) if self.opt.filter_on == "task_reward" else batch.rewards
-        groups = core.valid_groups(signal, batch.group_size)
+        groups = rl_math.valid_groups(signal, batch.group_size)
         if groups:
             kept.batches.append(batch.select_groups(groups))
         c = dist.all_reduce_sum(torch.tensor(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, StepContext
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
@@ -74,7 +74,7 @@ class DCPO(Algorithm):
 
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
         G = batch.group_size
-        r = core.group_view(batch.rewards.double(), G)
+        r = rl_math.group_view(batch.rewards.double(), G)
         mu, var = r.mean(1), r.var(1, unbiased=False)
         keys = [int(batch.prompt_index[g * G]) for g in range(r.shape[0])]
         mine = list(zip(keys, mu.tolist(), var.tolist()))
@@ -94,15 +94,15 @@ class DCPO(Algorithm):
             for g, (i, m_tot, v_tot) in enumerate(pooled)
         ])
         ctx.metrics["dcpo/times_sampled_mean"] = float(
-            core.global_mean_std(torch.tensor([float(p[0]) for p in pooled]))[0]
+            rl_math.global_mean_std(torch.tensor([float(p[0]) for p in pooled]))[0]
         )
         return adv.reshape(-1).to(batch.rewards.dtype)
 
     def loss(self, logp, mb, norms):
-        low, high = core.dynamic_clip_bounds(self.old_logp(logp, mb), self.a.clip_eps_low, self.a.clip_eps_high,
+        low, high = rl_math.dynamic_clip_bounds(self.old_logp(logp, mb), self.a.clip_eps_low, self.a.clip_eps_high,
                                              self.opt.max_ratio)
         per_token, stats = self.ppo_token_loss(logp, mb, eps_low=1.0 - low, eps_high=high - 1.0)
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
 
     def state_dict(self) -> dict:
         return {"prompt_stats": {k: list(v) for k, v in self.prompt_stats.items()}}

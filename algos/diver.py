@@ -22,7 +22,7 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import ConfigError
 from rewards.diversity import BLEU_WEIGHTS, equational_diversity, textual_diversity
 
@@ -84,5 +84,5 @@ class Diver(GRPO):
         shaped = batch.rewards.double() + bonus
         log_mean(ctx, "diver/bonus", bonus)
         log_mean(ctx, "diver/bonus_correct", bonus, correct)
-        adv = core.group_advantages(shaped, batch.group_size, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
+        adv = rl_math.group_advantages(shaped, batch.group_size, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
         return adv.to(batch.rewards.dtype)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -43,7 +43,7 @@ class DRO(Algorithm):
             raise ConfigError(f"algo.dro_beta={b!r} is invalid: dro needs the penalty's coefficient, > 0 (no default, "
                               f"as verl's dro_beta; configs/dro.yaml uses 0.1)")
 
-    def loss(self, logp: torch.Tensor, mb, norms: core.StepNorms) -> LossOutput:
+    def loss(self, logp: torch.Tensor, mb, norms: rl_math.StepNorms) -> LossOutput:
         log_ratio = logp - self.old_logp(logp, mb)
         pg = -(self.token_advantages(mb) * logp - 0.5 * self.opt.dro_beta * log_ratio.square())
         zero = torch.zeros_like(logp)

@@ -28,7 +28,7 @@ import torch
 
 from algos.base import StepContext
 from algos.grpo import GRPO
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
@@ -74,8 +74,8 @@ class EdgeGRPO(GRPO):
 
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
         adv = super().advantages(batch, ctx).double()
-        p = core.masked_mean(batch.entropy.double(), batch.mask.double(), dim=-1).clamp(min=1e-6)
-        p_hat = p / core.group_view(p, batch.group_size).mean(1).repeat_interleave(batch.group_size)
+        p = rl_math.masked_mean(batch.entropy.double(), batch.mask.double(), dim=-1).clamp(min=1e-6)
+        p_hat = p / rl_math.group_view(p, batch.group_size).mean(1).repeat_interleave(batch.group_size)
         return (adv / p_hat).to(batch.rewards.dtype)
 
     # ----------------------------------------------------------------- guided error correction

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
 from rewards import term_names
 
@@ -54,16 +54,16 @@ class GDPO(GRPO):
             r = batch.reward_terms[name].double()
             total = total + spec.weight * scored_group_advantages(r, batch.group_size, self.a.adv_std,
                                                                   self.a.adv_eps)
-        mean, std = core.global_mean_std(total, "unbiased")
+        mean, std = rl_math.global_mean_std(total, "unbiased")
         return ((total - mean) / (std + self.a.adv_eps)).to(batch.rewards.dtype)
 
 
-def scored_group_advantages(r: torch.Tensor, group_size: int, std: core.StdKind, eps: float) -> torch.Tensor:
-    """core.group_advantages over the rows a function scored (nan: skipped), float64; skipped rows get 0.
+def scored_group_advantages(r: torch.Tensor, group_size: int, std: rl_math.StdKind, eps: float) -> torch.Tensor:
+    """rl_math.group_advantages over the rows a function scored (nan: skipped), float64; skipped rows get 0.
 
-    Without nan it equals core.group_advantages. Groups with fewer than 2 scored rows or all scored rows equal: 0.
+    Without nan it equals rl_math.group_advantages. Groups with fewer than 2 scored rows or all scored rows equal: 0.
     """
-    g = core.group_view(r.double(), group_size)
+    g = rl_math.group_view(r.double(), group_size)
     scored = ~torch.isnan(g)
     n = scored.sum(dim=1, keepdim=True).double()
     zero = torch.zeros_like(g)

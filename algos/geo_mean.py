@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class GeoMean(Algorithm):
@@ -41,13 +41,13 @@ class GeoMean(Algorithm):
         d_clip = d.clamp(-self.a.clip_eps_low, self.a.clip_eps_high)
         d_min = sgn * torch.minimum(sgn * d, sgn * d_clip)
         ratio = torch.exp((d_min * mb.mask).sum(-1) / mb.mask.sum(-1).clamp(min=1))
-        loss = -core.sequence_mean(adv * ratio, norms)
+        loss = -rl_math.sequence_mean(adv * ratio, norms)
         clipped = (d != d_clip).float()
         stats = {"clip_frac_low": masked_stat(clipped * (adv < 0).unsqueeze(-1), mb.mask),
                  "clip_frac_high": masked_stat(clipped * (adv > 0).unsqueeze(-1), mb.mask),
                  "ratio_mean": masked_stat(ratio, torch.ones_like(ratio))}
         if self.a.beta > 0:
             kl_tok, kl_stats = self.add_kl(torch.zeros_like(logp), logp, mb)
-            loss = loss + core.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
+            loss = loss + rl_math.aggregate(kl_tok, mb.mask, self.a.aggregation, norms)
             stats.update(kl_stats)
         return LossOutput(loss, stats)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, StepContext, check_max_gen_batches, masked_stat, resample
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
@@ -63,7 +63,7 @@ class GPG(Algorithm):
     @staticmethod
     def group_counts(batch: RolloutBatch) -> tuple[float, float]:
         """(B, M) over all ranks."""
-        uniform = core.uniform_groups(batch.rewards, batch.group_size)
+        uniform = rl_math.uniform_groups(batch.rewards, batch.group_size)
         c = dist.all_reduce_sum(torch.tensor([uniform.numel(), uniform.sum()], dtype=torch.float64))
         return float(c[0]), float(c[1])
 
@@ -90,18 +90,18 @@ class GPG(Algorithm):
     def replace_uniform_groups(batch: RolloutBatch, more: RolloutBatch) -> RolloutBatch:
         """This rank's uniform groups, in order, give way to ``more``'s valid groups, in order."""
         n = batch.num_groups
-        fresh = [n + g for g in core.valid_groups(more.rewards, more.group_size)]
-        good = set(core.valid_groups(batch.rewards, batch.group_size))
+        fresh = [n + g for g in rl_math.valid_groups(more.rewards, more.group_size)]
+        good = set(rl_math.valid_groups(batch.rewards, batch.group_size))
         groups = [g if g in good or not fresh else fresh.pop(0) for g in range(n)]
         return RolloutBatch.concat([batch, more]).select_groups(groups)
 
-    def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: core.StepNorms) -> LossOutput:
+    def loss(self, logp: torch.Tensor, mb: RolloutBatch, norms: rl_math.StepNorms) -> LossOutput:
         per_token, stats = self.tis(-self.alpha * logp * self.token_advantages(mb), logp, mb)
-        ratio = core.token_ratio(logp, self.old_logp(logp, mb)).detach()  # 1 on-policy; logged only
+        ratio = rl_math.token_ratio(logp, self.old_logp(logp, mb)).detach()  # 1 on-policy; logged only
         zero = torch.zeros_like(logp)
         stats.update({
             "clip_frac_low": masked_stat(zero, mb.mask),
             "clip_frac_high": masked_stat(zero, mb.mask),
             "ratio_mean": masked_stat(ratio, mb.mask),
         })
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

@@ -10,7 +10,7 @@ Formulas, defaults and decisions: docs/algorithms.md, section grpo.
 from __future__ import annotations
 
 from algos.base import Algorithm, LossOutput
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class GRPO(Algorithm):
@@ -23,4 +23,4 @@ class GRPO(Algorithm):
 
     def loss(self, logp, mb, norms):
         per_token, stats = self.ppo_token_loss(logp, mb)
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

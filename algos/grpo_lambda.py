@@ -12,7 +12,7 @@ carries the trace of the earlier tokens' log-probs.
 From reviews and notes on the paper:
 - "both" is written max((gamma lambda)^l, (gamma lambda)^(t-l)) with the lag l = t - k, i.e.
   (gamma lambda)^k with k counted from 0: the same weights as our 1-based (gamma lambda)^(k-1)
-  (core.eligibility_weights works 0-based).
+  (rl_math.eligibility_weights works 0-based).
 - Reviewers report "both" did better than "recent"; gamma = 1 and which style is the paper's
   default are not confirmed. We keep trace = "recent" as the default, as the specification says.
 - The paper's "epsilon-trace" and "epsilon-weight" variants are not implemented.
@@ -28,7 +28,7 @@ import torch
 
 from algos.base import LossOutput
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import ConfigError
 
 
@@ -63,7 +63,7 @@ class GRPOLambda(GRPO):
         return adv if self.opt.neg_adv_clamp is None else adv.clamp(min=self.opt.neg_adv_clamp)
 
     def loss(self, logp, mb, norms) -> LossOutput:
-        log_ratio = core.trace_log_ratio(logp, self.old_logp(logp, mb), mb.mask,
+        log_ratio = rl_math.trace_log_ratio(logp, self.old_logp(logp, mb), mb.mask,
                                          self.opt.gamma * self.opt.lam, self.opt.trace)
         per_token, stats = self.ppo_token_loss(logp, mb, torch.exp(log_ratio))
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

@@ -21,7 +21,7 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 @dataclass
@@ -48,8 +48,8 @@ class GRPOLead(GRPO):
         return o.weight_a + (o.weight_b - o.weight_a) / (1.0 + torch.exp(o.weight_k * (x - o.weight_rho0)))
 
     def shaped_rewards(self, rewards: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
-        correct = core.group_view(rewards >= self.opt.correct_threshold, group_size)
-        length = core.group_view(lengths.double(), group_size)
+        correct = rl_math.group_view(rewards >= self.opt.correct_threshold, group_size)
+        length = rl_math.group_view(lengths.double(), group_size)
         out = torch.full_like(length, -1.0)
         for g in range(length.shape[0]):
             lc = length[g][correct[g]]
@@ -63,8 +63,8 @@ class GRPOLead(GRPO):
     def advantages(self, batch, ctx) -> torch.Tensor:
         G = batch.group_size
         shaped = self.shaped_rewards(batch.rewards, batch.lengths, G)
-        adv = core.group_advantages(shaped, G, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
-        rho = core.group_view((batch.rewards >= self.opt.correct_threshold).double(), G).mean(1)
+        adv = rl_math.group_advantages(shaped, G, self.a.adv_std, self.a.adv_eps, self.a.adv_scope)
+        rho = rl_math.group_view((batch.rewards >= self.opt.correct_threshold).double(), G).mean(1)
         rho = rho.repeat_interleave(G)
         adv = torch.where(adv > 0, adv * self.weight(rho), adv * self.weight(1.0 - rho))
         log_mean(ctx, "grpo_lead/shaped_reward", shaped)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class GRPOPassK(GRPO):
@@ -26,7 +26,7 @@ class GRPOPassK(GRPO):
     knobs = ("adv_std", "adv_eps", "kl_in_reward")
 
     def advantages(self, batch, ctx) -> torch.Tensor:
-        s = core.group_view(self.scores(batch, ctx).double(), batch.group_size)
+        s = rl_math.group_view(self.scores(batch, ctx).double(), batch.group_size)
         top = s.topk(2, dim=1)
         gap = top.values[:, 0] - top.values[:, 1]
         if self.a.adv_std != "none":

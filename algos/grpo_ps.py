@@ -23,7 +23,7 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import ConfigError
 from grpo.foundation.plugins import STEP_REWARDS
 
@@ -107,6 +107,6 @@ class GRPOPS(GRPO):
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         ends = batch.extra["step_end"]
-        normed = core.standardize(batch.extra["step_reward"], ends, batch.group_size, "group",
+        normed = rl_math.standardize(batch.extra["step_reward"], ends, batch.group_size, "group",
                                   self.a.adv_std, self.a.adv_eps)
-        return core.suffix_sum(normed, batch.mask).to(batch.rewards.dtype)
+        return rl_math.suffix_sum(normed, batch.mask).to(batch.rewards.dtype)

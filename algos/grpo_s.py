@@ -19,7 +19,7 @@ import torch
 
 from algos.base import log_mean
 from algos.gspo import GSPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 @dataclass
@@ -43,11 +43,11 @@ class GRPOS(GSPO):
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         G = batch.group_size
-        mean_entropy = core.masked_mean(batch.entropy, batch.mask, dim=-1)
+        mean_entropy = rl_math.masked_mean(batch.entropy, batch.mask, dim=-1)
         success = batch.rewards >= self.opt.success_threshold
-        pos, neg = core.entropy_shaped_rewards(batch.rewards, mean_entropy, torch.ones_like(success), success, G,
+        pos, neg = rl_math.entropy_shaped_rewards(batch.rewards, mean_entropy, torch.ones_like(success), success, G,
                                                self.opt.beta1, self.opt.beta2)
         shaped = pos + neg
         log_mean(ctx, "grpo_s/success_frac", success.double())
         log_mean(ctx, "grpo_s/shaped_reward", shaped)
-        return core.group_advantages(shaped, G, self.a.adv_std, self.a.adv_eps, self.a.adv_scope).to(batch.rewards.dtype)
+        return rl_math.group_advantages(shaped, G, self.a.adv_std, self.a.adv_eps, self.a.adv_scope).to(batch.rewards.dtype)

@@ -12,7 +12,7 @@ Formulas, defaults and decisions: docs/algorithms.md, section gspo.
 from __future__ import annotations
 
 from algos.base import Algorithm, LossOutput
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class GSPO(Algorithm):
@@ -25,5 +25,5 @@ class GSPO(Algorithm):
     knobs = ("clip_eps_low", "clip_eps_high", "num_iterations")
 
     def loss(self, logp, mb, norms) -> LossOutput:
-        ratio = core.sequence_ratio(logp, self.old_logp(logp, mb), mb.mask)
+        ratio = rl_math.sequence_ratio(logp, self.old_logp(logp, mb), mb.mask)
         return self.sequence_ppo_loss(ratio, logp, mb, norms)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from algos.base import LossOutput
 from algos.gspo import GSPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class GSPOToken(GSPO):
@@ -22,6 +22,6 @@ class GSPOToken(GSPO):
     summary = "GSPO's sequence ratio carried per token (token-level advantages possible)"
 
     def loss(self, logp, mb, norms) -> LossOutput:
-        ratio = core.sequence_token_ratio(logp, self.old_logp(logp, mb), mb.mask)
+        ratio = rl_math.sequence_token_ratio(logp, self.old_logp(logp, mb), mb.mask)
         per_token, stats = self.ppo_token_loss(logp, mb, ratio)
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

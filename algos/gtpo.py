@@ -22,7 +22,7 @@ import torch
 
 from algos.base import log_mean
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 @dataclass
@@ -48,10 +48,10 @@ class GTPO(GRPO):
     def advantages(self, batch, ctx) -> torch.Tensor:
         G, mask = batch.group_size, batch.mask
         success = batch.rewards >= self.opt.success_threshold
-        pos, neg = core.entropy_shaped_rewards(batch.rewards, batch.entropy, mask, success, G,
+        pos, neg = rl_math.entropy_shaped_rewards(batch.rewards, batch.entropy, mask, success, G,
                                                self.opt.alpha1, self.opt.alpha2)
-        adv_pos = core.standardize(pos, mask, G, self.opt.scope, self.a.adv_std, self.a.adv_eps)
-        adv_neg = core.standardize(neg, mask, G, self.opt.scope, self.a.adv_std, self.a.adv_eps)
+        adv_pos = rl_math.standardize(pos, mask, G, self.opt.scope, self.a.adv_std, self.a.adv_eps)
+        adv_neg = rl_math.standardize(neg, mask, G, self.opt.scope, self.a.adv_std, self.a.adv_eps)
         log_mean(ctx, "gtpo/success_frac", success.double())
         log_mean(ctx, "gtpo/shaped_reward_pos", pos, mask * success.unsqueeze(-1))
         log_mean(ctx, "gtpo/shaped_reward_neg", neg, mask * (~success).unsqueeze(-1))

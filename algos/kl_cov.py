@@ -20,7 +20,7 @@ import torch
 from algos.base import LossOutput, masked_stat
 from algos.clip_cov import check_cov_ratio
 from algos.grpo import GRPO
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -52,9 +52,9 @@ class KLCov(GRPO):
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         adv = super().advantages(batch, ctx)
-        cov = core.token_covariance(adv, batch.old_logp, batch.mask)
+        cov = rl_math.token_covariance(adv, batch.old_logp, batch.mask)
         tokens = int(dist.all_reduce_sum(batch.mask.double().sum().reshape(1))[0])
-        top = core.global_top_k_mask(cov, batch.mask, max(1, int(tokens * self.opt.cov_ratio)))
+        top = rl_math.global_top_k_mask(cov, batch.mask, max(1, int(tokens * self.opt.cov_ratio)))
         batch.extra = {**batch.extra, "cov_top": top.to(batch.mask.dtype)}
         return adv
 
@@ -62,7 +62,7 @@ class KLCov(GRPO):
 
     def loss(self, logp, mb, norms) -> LossOutput:
         old = self.old_logp(logp, mb)
-        ratio = core.token_ratio(logp, old)
+        ratio = rl_math.token_ratio(logp, old)
         pg = -ratio * self.token_advantages(mb) + self.opt.kl_coef * (logp - old).abs() * mb.extra["cov_top"]
         zero = torch.zeros_like(logp)
         stats = {"clip_frac_low": masked_stat(zero, mb.mask), "clip_frac_high": masked_stat(zero, mb.mask),

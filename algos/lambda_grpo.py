@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from algos.base import LossOutput, masked_stat
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class LambdaGRPO(GRPO):
@@ -23,11 +23,11 @@ class LambdaGRPO(GRPO):
     summary = "per-token loss divided by the number of group members sharing the prefix"
 
     def process_batch(self, batch, ctx):
-        batch.extra["prefix_count"] = core.prefix_counts(batch.completion_ids, batch.group_size, batch.width)
+        batch.extra["prefix_count"] = rl_math.prefix_counts(batch.completion_ids, batch.group_size, batch.width)
         return batch
 
     def loss(self, logp, mb, norms) -> LossOutput:
         per_token, stats = self.ppo_token_loss(logp, mb)
         counts = mb.extra["prefix_count"].to(logp.dtype).clamp(min=1)
         stats["prefix_count_mean"] = masked_stat(counts, mb.mask)
-        return LossOutput(core.aggregate(per_token / counts, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token / counts, mb.mask, self.a.aggregation, norms), stats)

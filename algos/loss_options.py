@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.plugins import StepContext
 
@@ -32,7 +32,7 @@ def masked_stat(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def log_mean(ctx: "StepContext", name: str, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> None:
     """ctx.metrics[name] = mean of x (over the mask) on all ranks; every rank must call it."""
-    ctx.metrics[name] = float(core.global_mean_std(x.detach(), mask=mask)[0])
+    ctx.metrics[name] = float(rl_math.global_mean_std(x.detach(), mask=mask)[0])
 
 
 class LossOptions:
@@ -41,7 +41,7 @@ class LossOptions:
     def token_rewards(self, batch: RolloutBatch, ctx: Optional[StepContext] = None) -> torch.Tensor:
         """[rows, T] float64: the outcome reward on each row's last token, minus ``algo.kl_in_reward`` * k1 on
         every token (k1 = l_old - l_ref, verl's ``apply_kl_penalty``)."""
-        out = core.outcome_token_rewards(batch.rewards, batch.mask)
+        out = rl_math.outcome_token_rewards(batch.rewards, batch.mask)
         coef = self.a.kl_in_reward
         if coef > 0:
             k1 = (batch.old_logp.double() - batch.ref_logp.double()) * batch.mask.double()
@@ -73,7 +73,7 @@ class LossOptions:
             batch.extra = {**batch.extra, "entropy_keep": keep.to(batch.mask.dtype)}
             log_mean(ctx, "entropy_mask/kept_frac", keep.double(), batch.mask)
         if self.a.entropy_target is not None:
-            self.adapt_entropy_coef(float(core.global_mean_std(batch.entropy.double(), mask=batch.mask)[0]))
+            self.adapt_entropy_coef(float(rl_math.global_mean_std(batch.entropy.double(), mask=batch.mask)[0]))
         if self.entropy_bonus:
             ctx.metrics["entropy_bonus/coef"] = self.entropy_alpha
         return batch
@@ -89,13 +89,13 @@ class LossOptions:
         self.entropy_c = min(max(self.entropy_c + step, a.entropy_coef_min), a.entropy_coef_max)
 
     def loss_with_bonus(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBatch,
-                        norms: core.StepNorms) -> LossOutput:
+                        norms: rl_math.StepNorms) -> LossOutput:
         """The algorithm's loss, minus alpha * H aggregated as the loss (``algo.aggregation``) when the entropy
         bonus is on (``entropy``: the current policy's, with its gradient; None otherwise)."""
         out = self.loss(logp, mb, norms)
         if entropy is None:
             return out
-        bonus = core.aggregate(-self.entropy_alpha * entropy, mb.mask, self.a.aggregation, norms)
+        bonus = rl_math.aggregate(-self.entropy_alpha * entropy, mb.mask, self.a.aggregation, norms)
         return LossOutput(out.loss + bonus, {**out.stats, "entropy_bonus/entropy": masked_stat(entropy, mb.mask)})
 
     def options_state_dict(self) -> dict:
@@ -118,7 +118,7 @@ class LossOptions:
         per_token, stats = self.tis_weight(per_token, logp, mb)
         if self.a.off_policy_mask_threshold is not None:
             ref = mb.sampler_logp if mb.sampler_logp is not None else self.old_logp(logp, mb)
-            seq_kl = core.masked_mean(ref - logp.detach(), mb.mask, dim=-1).unsqueeze(-1)
+            seq_kl = rl_math.masked_mean(ref - logp.detach(), mb.mask, dim=-1).unsqueeze(-1)
             keep = ((self.token_advantages(mb) >= 0) | (seq_kl <= self.a.off_policy_mask_threshold)).to(logp.dtype)
             keep = keep.expand_as(logp)
             per_token = per_token * keep
@@ -139,15 +139,15 @@ class LossOptions:
                 f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use an engine that reports them "
                 f"(rollout.engine=static or vllm) or set algo.tis_cap=null"
             )
-        w = core.tis_weight(self.old_logp(logp, mb), mb.sampler_logp, mb.mask, cap)
+        w = rl_math.tis_weight(self.old_logp(logp, mb), mb.sampler_logp, mb.mask, cap)
         return per_token * w, {"tis/weight_mean": masked_stat(w, mb.mask),
                                "tis/capped_frac": masked_stat((w >= cap).float(), mb.mask)}
 
     def add_kl(self, per_token: torch.Tensor, logp: torch.Tensor, mb: RolloutBatch) -> tuple[torch.Tensor, dict]:
         if self.a.beta <= 0:
             return per_token, {}
-        kl = core.kl_estimate(logp, mb.ref_logp, self.a.kl_estimator)
+        kl = rl_math.kl_estimate(logp, mb.ref_logp, self.a.kl_estimator)
         stats = {"kl": masked_stat(kl, mb.mask)}
         if self.a.use_bias_correction_kl:  # TRL: the KL estimate is pi_old's sample; reweight it to pi's
-            kl = kl * core.token_ratio(logp, self.old_logp(logp, mb))
+            kl = kl * rl_math.token_ratio(logp, self.old_logp(logp, mb))
         return per_token + self.a.beta * kl, stats

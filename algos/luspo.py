@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from algos.base import LossOutput
 from algos.gspo import GSPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class LUSPO(GSPO):
@@ -24,5 +24,5 @@ class LUSPO(GSPO):
     summary = "GSPO with each sequence's clipped term times its length |o_i|"
 
     def loss(self, logp, mb, norms) -> LossOutput:
-        ratio = core.sequence_ratio(logp, self.old_logp(logp, mb), mb.mask)
+        ratio = rl_math.sequence_ratio(logp, self.old_logp(logp, mb), mb.mask)
         return self.sequence_ppo_loss(ratio, logp, mb, norms, scale=mb.mask.sum(-1))

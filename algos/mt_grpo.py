@@ -24,7 +24,7 @@ import torch
 
 from algos.base import StepContext
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
 
 
@@ -60,9 +60,9 @@ class MTGRPO(GRPO):
                                  f"{sorted(batch.reward_terms)}); set algo.turn_reward / algo.outcome_reward")
         G, std, eps = batch.group_size, self.a.adv_std, self.a.adv_eps
         rt, ro = batch.reward_terms[o.turn_reward].double(), batch.reward_terms[o.outcome_reward].double()
-        a_t = core.group_advantages(rt, G, std, eps)
-        a_o = core.group_advantages(ro, G, std, eps)
-        a_to = core.group_advantages(rt + ro, G, std, eps)
+        a_t = rl_math.group_advantages(rt, G, std, eps)
+        a_o = rl_math.group_advantages(ro, G, std, eps)
+        a_to = rl_math.group_advantages(rt + ro, G, std, eps)
         adv = torch.zeros(len(batch), batch.width, dtype=torch.float64)
         for i, turns in enumerate(batch.turns):
             if not any(t.obs_end > t.end for t in turns):  # no environment result: one advantage

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class OPO(GRPO):
@@ -26,8 +26,8 @@ class OPO(GRPO):
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         G = batch.group_size
-        s = core.group_view(self.scores(batch, ctx).double(), G)
-        n = core.group_view(batch.mask.sum(-1).double(), G)
+        s = rl_math.group_view(self.scores(batch, ctx).double(), G)
+        n = rl_math.group_view(batch.mask.sum(-1).double(), G)
         baseline = (n * s).sum(1, keepdim=True) / n.sum(1, keepdim=True).clamp(min=1)
         return (s - baseline).reshape(-1).to(batch.rewards.dtype)
 

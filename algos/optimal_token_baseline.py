@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -52,17 +52,17 @@ class OptimalTokenBaseline(GRPO):
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         G, mask = batch.group_size, batch.mask.double()
-        returns = core.discounted_returns(self.token_rewards(batch, ctx), batch.mask)
+        returns = rl_math.discounted_returns(self.token_rewards(batch, ctx), batch.mask)
         w = 1 - 2 * batch.old_logp.double().exp() + batch.extra["sum_pi_squared"].double()
         if self.a.tis_cap is not None and batch.sampler_logp is not None:
-            w = w * core.tis_weight(batch.old_logp, batch.sampler_logp, batch.mask, self.a.tis_cap).double() ** 2
+            w = w * rl_math.tis_weight(batch.old_logp, batch.sampler_logp, batch.mask, self.a.tis_cap).double() ** 2
         W = (w * mask).cumsum(-1)
         T = mask.shape[1]
         num = (returns * W * mask).view(-1, G, T).sum(1)  # [groups, T]
         den = (W * mask).view(-1, G, T).sum(1) + 1e-8
         baseline = (num / den).repeat_interleave(G, dim=0)  # [rows, T]
         if self.opt.zero_tail:
-            lengths = core.group_view(batch.mask.sum(-1), G)  # [groups, G]
+            lengths = rl_math.group_view(batch.mask.sum(-1), G)  # [groups, G]
             top2 = lengths.topk(min(2, G), dim=1).values
             for g in range(lengths.shape[0]):
                 longest = (lengths[g] == top2[g, 0]).nonzero().flatten()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import ConfigError
 
 
@@ -42,10 +42,10 @@ class PSPO(Algorithm):
             raise ConfigError(f"algo.alpha={alpha!r} is invalid: it must be in [0, 1]")
 
     def loss(self, logp, mb, norms) -> LossOutput:
-        rho = core.token_ratio(logp, self.old_logp(logp, mb))
+        rho = rl_math.token_ratio(logp, self.old_logp(logp, mb))
         smoothed = (1.0 - self.opt.alpha) * rho + self.opt.alpha
         per_token, stats = self.tis(-smoothed * self.token_advantages(mb), logp, mb)
         per_token, kl_stats = self.add_kl(per_token, logp, mb)
         stats.update(kl_stats)
         stats.update(ratio_mean=masked_stat(rho, mb.mask), smoothed_ratio_mean=masked_stat(smoothed, mb.mask))
-        return LossOutput(core.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)
+        return LossOutput(rl_math.aggregate(per_token, mb.mask, self.a.aggregation, norms), stats)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -44,7 +44,7 @@ class ReinforcePP(GRPO):
             raise ConfigError(f"algo.gamma={g} is invalid: it must lie in (0, 1] (verl's default: 1.0)")
 
     def advantages(self, batch, ctx) -> torch.Tensor:
-        returns = core.discounted_returns(self.token_rewards(batch, ctx), batch.mask, self.opt.gamma)
-        return core.whiten(returns, batch.mask).to(batch.rewards.dtype)
+        returns = rl_math.discounted_returns(self.token_rewards(batch, ctx), batch.mask, self.opt.gamma)
+        return rl_math.whiten(returns, batch.mask).to(batch.rewards.dtype)
 
     advantages.uses_scores = True  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class ReinforcePPBaseline(GRPO):
@@ -26,8 +26,8 @@ class ReinforcePPBaseline(GRPO):
     knobs = ("kl_in_reward", "clip_eps_low", "clip_eps_high")
 
     def advantages(self, batch, ctx) -> torch.Tensor:
-        centred = core.group_advantages(self.scores(batch, ctx).double(), batch.group_size, "none")
+        centred = rl_math.group_advantages(self.scores(batch, ctx).double(), batch.group_size, "none")
         per_token = centred.unsqueeze(-1) * batch.mask.double()
-        return core.whiten(per_token, batch.mask).to(batch.rewards.dtype)
+        return rl_math.whiten(per_token, batch.mask).to(batch.rewards.dtype)
 
     advantages.uses_scores = True  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from algos.base import StepContext, log_mean
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from algos.grpo import GRPO
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
@@ -57,7 +57,7 @@ class ReMax(GRPO):
         baseline = batch.extra["remax_baseline"]
         if self.a.kl_in_reward <= 0:  # the reward-to-go is r_i on every token: one advantage per row
             return batch.rewards - baseline
-        returns = core.discounted_returns(self.token_rewards(batch, ctx), batch.mask)
+        returns = rl_math.discounted_returns(self.token_rewards(batch, ctx), batch.mask)
         return (returns - baseline.double().unsqueeze(1) * batch.mask.double()).to(batch.rewards.dtype)
 
     advantages.uses_scores = True  # type: ignore[attr-defined]

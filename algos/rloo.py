@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 class RLOO(GRPO):
@@ -25,6 +25,6 @@ class RLOO(GRPO):
     knobs = ("clip_eps_low", "clip_eps_high", "kl_in_reward")
 
     def advantages(self, batch, ctx) -> torch.Tensor:
-        return core.leave_one_out(self.scores(batch, ctx), batch.group_size).to(batch.rewards.dtype)
+        return rl_math.leave_one_out(self.scores(batch, ctx), batch.group_size).to(batch.rewards.dtype)
 
     advantages.uses_scores = True  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
 
 
@@ -45,8 +45,8 @@ class SAPO(Algorithm):
             if v <= 0:
                 raise ConfigError(f"algo.{key}={v} is invalid: a gate temperature must be > 0 (paper: 1.0 / 1.05)")
 
-    def loss(self, logp: torch.Tensor, mb, norms: core.StepNorms) -> LossOutput:
-        ratio = core.token_ratio(logp, self.old_logp(logp, mb))
+    def loss(self, logp: torch.Tensor, mb, norms: rl_math.StepNorms) -> LossOutput:
+        ratio = rl_math.token_ratio(logp, self.old_logp(logp, mb))
         adv = self.token_advantages(mb)
         tau = torch.where(adv > 0, torch.full_like(adv, self.opt.tau_pos), torch.full_like(adv, self.opt.tau_neg))
         gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau

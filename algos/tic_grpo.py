@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 
 from algos.base import Algorithm, LossOutput
-from grpo.foundation import core
+from grpo.foundation import rl_math
 
 
 @dataclass
@@ -41,7 +41,7 @@ class TICGRPO(Algorithm):
     knobs = ("clip_eps_low", "clip_eps_high", "upper_only_clip", "length_corrected")
 
     def loss(self, logp, mb, norms) -> LossOutput:
-        ratio = core.trajectory_ratio(logp, self.old_logp(logp, mb), mb.mask)
+        ratio = rl_math.trajectory_ratio(logp, self.old_logp(logp, mb), mb.mask)
         eps_low = math.inf if self.opt.upper_only_clip else None
         scale = 1.0 / mb.mask.sum(-1).clamp(min=1) if self.opt.length_corrected else None
         return self.sequence_ppo_loss(ratio, logp, mb, norms, eps_low=eps_low, scale=scale)

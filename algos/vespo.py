@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
 
 LOG_W_MIN = math.log(1e-8)
@@ -57,7 +57,7 @@ class VESPO(Algorithm):
                 raise ConfigError(f"algo.{key}={getattr(o, key)} is invalid: it must be > 0 "
                                   f"(paper: k_pos 2, lambda_pos 3, k_neg 3, lambda_neg 2)")
 
-    def loss(self, logp: torch.Tensor, mb, norms: core.StepNorms) -> LossOutput:
+    def loss(self, logp: torch.Tensor, mb, norms: rl_math.StepNorms) -> LossOutput:
         adv = mb.advantages
         if adv.dim() != 1:
             raise ValueError(f"{self.name}: the sequence weight needs one advantage per completion")

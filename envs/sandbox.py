@@ -1,4 +1,4 @@
-"""Tool calls in sandboxed worker processes: rewards/pool.py's pool (own process per worker, a hard
+"""Tool calls in sandboxed worker processes: rewards/worker_pool.py's pool (own process per worker, a hard
 timeout per call, a hung worker killed and replaced, exceptions returned as tracebacks).
 
 A :class:`ToolBox` is what an environment gets: ``call(name, args) -> ToolResult``. A call that
@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rewards.pool import Outcome, WarmUp, WorkerPool, clip_text
+from rewards.worker_pool import Outcome, WarmUp, WorkerPool, clip_text
 
 log = logging.getLogger("tools")
 

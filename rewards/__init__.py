@@ -2,7 +2,7 @@
 
 A run's ``rewards:`` lists sources, each one of
   - ``fn``: a function, built-in or ``package.module:function``, called the way TRL's GRPOTrainer calls
-    it or this project's plain way (rewards/calls.py); in the worker pool (rewards/pool.py, a hard timeout
+    it or this project's plain way (rewards/calls.py); in the worker pool (rewards/worker_pool.py, a hard timeout
     per call) or, with ``isolation: inline``, in the trainer process;
   - ``model``: a learned reward model, a sequence classifier (rewards/models.py), in the trainer process or
     on the reference server (``where: server``);
@@ -33,7 +33,7 @@ from rewards.format import format_soft, format_strict
 from rewards.math_answer import math_correct
 from rewards.calls import (FunctionCall, Rows, StepInfo, binding_problem, call_style, fix_hint, run_inline,
                            send_by_value)
-from rewards.pool import Outcome, WarmUp, WorkerPool
+from rewards.worker_pool import Outcome, WarmUp, WorkerPool
 
 log = logging.getLogger("rewards")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from grpo.foundation.config import ConfigError
-from rewards.pool import Outcome
+from rewards.worker_pool import Outcome
 
 
 @dataclass

@@ -54,7 +54,7 @@ def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dic
     import torch
     from deepspeed.utils import safe_get_full_grad
 
-    from grpo.foundation import core, dist
+    from grpo.foundation import rl_math, dist
     from grpo.foundation.batch import micro_batches
     from grpo.training.configure import load_config
     import grpo.training.deepspeed_engine as ds_module
@@ -98,7 +98,7 @@ def one_run(micro: str, zero: int, model: str, lora: bool, out_dir: Path) -> dic
         chunks = [-(-int(batch.mask[mb].sum()) // CHUNK_Z3) for mb in mbs]
         results["head_chunks_per_rank"] = dist.all_gather_object(chunks)
     # every aggregation; then an entropy bonus (algo.entropy_coef: the entropy's gradient through the LM head)
-    for name in [*core.AGGREGATIONS, "entropy-bonus"]:
+    for name in [*rl_math.AGGREGATIONS, "entropy-bonus"]:
         if name == "entropy-bonus":
             cfg.algo.aggregation, cfg.algo.entropy_coef = "seq-mean-token-mean", 0.5
             trainer.algo.entropy_alpha = 0.5

@@ -1,5 +1,5 @@
 """Agents end to end: mt-grpo learns the calculator environment and gigpo the maze in short 1-rank runs
-(the tiny model; the full runs are scripts/learn_agents.py). Both train on 2 DeepSpeed ranks in
+(the tiny model; the full runs are scripts/benchmarks/learn_agents.py). Both train on 2 DeepSpeed ranks in
 tests/test_algos_train.py's launch (mt-grpo with its tool pool; gigpo's 5-turn maze under ZeRO-3, where the
 ranks' trajectories have unequal token counts)."""
 
@@ -14,7 +14,7 @@ from grpo.training.configure import load_config
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["logging.progress_bar=false", "logging.plot=false", "train.save_every=0"]
 
-# The short learning checks (kept in step with scripts/learn_agents.py, which runs the presets longer)
+# The short learning checks (kept in step with scripts/benchmarks/learn_agents.py, which runs the presets longer)
 SHORT = {
     "mt-grpo": ["train.max_steps=50"],  # the preset's 500 steps cut short
     "gigpo": ["train.max_steps=25", "rollout.prompts_per_step=8", "rollout.num_generations=8", "train.lr=3e-3",
@@ -39,7 +39,7 @@ def risen(algo: str, history: list[dict]) -> bool:
 @pytest.mark.parametrize("algo", sorted(SHORT))
 def test_short_learning_check(algo, single_rank_env, tmp_path):
     """mt-grpo: the calculator's reward (R^T + R^O, at most 2.2) rises by >= 0.3 and its exact-answer
-    accuracy by >= 0.05 (the full run: scripts/learn_agents.py);
+    accuracy by >= 0.05 (the full run: scripts/benchmarks/learn_agents.py);
     gigpo: the maze's reward (+1 at the goal, -0.1 per invalid action) rises by >= 0.3.
     Steps run until the rise is shown (train.max_steps is the limit): the trainer's own step, then the
     algorithm's end-of-step hook, as its training loop runs them."""
@@ -49,7 +49,7 @@ def test_short_learning_check(algo, single_rank_env, tmp_path):
 
     cfg = load_config(ROOT / "configs" / f"{algo}.yaml", None, [f"train.output_dir={tmp_path}", *QUIET, *SHORT[algo]])
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as scripts/learn_agents.py: two threads on a busy 2-core machine spin 5-10x slower
+    torch.set_num_threads(1)  # as scripts/benchmarks/learn_agents.py: two threads on a busy 2-core machine spin 5-10x slower
     trainer, history = Trainer(cfg), []
     try:
         while trainer.step < cfg.train.max_steps and not risen(algo, history):

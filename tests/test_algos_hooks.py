@@ -20,7 +20,7 @@ from algos.base import StepContext
 from algos.cppo import kept_count
 from algos.dapo import DynamicSamplingError
 from algos.edge_grpo import CONTINUE, HINT, REPLACE, correction_case
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
 from grpo.foundation.dist import shutdown
@@ -74,8 +74,8 @@ def ref_group_adv(rewards, G, std="unbiased", eps=1e-4):
     return torch.tensor(out, dtype=F64)
 
 
-def norms_of(batch: RolloutBatch) -> core.StepNorms:
-    return core.StepNorms(num_seqs=float(len(batch)), num_tokens=float(batch.mask.sum()), max_len=batch.width)
+def norms_of(batch: RolloutBatch) -> rl_math.StepNorms:
+    return rl_math.StepNorms(num_seqs=float(len(batch)), num_tokens=float(batch.mask.sum()), max_len=batch.width)
 
 
 def run_loss(algo, batch, logp0, splits):
@@ -246,7 +246,7 @@ def test_dapo_dynamic_sampling_refills_to_the_batch_size():
     out = algo.process_batch(first, ctx)
     assert len(calls) == 3
     assert len(out) == 4 * G and out.num_groups == 4
-    assert not core.uniform_groups(out.rewards, G).any()
+    assert not rl_math.uniform_groups(out.rewards, G).any()
     assert [out.prompt_index[g * G] for g in range(4)] == [1, 110, 112, 120]  # generation order, then truncated
     assert ctx.metrics["dapo/kept_frac"] == pytest.approx(6 / 16)
     assert ctx.metrics["dapo/gen_batches"] == 4
@@ -505,7 +505,7 @@ def test_cppo_dynamic_allocation_samples_more_prompts():
 
 def test_dcpo_dynamic_bounds():
     q = torch.tensor([0.001, 0.05, 0.3, 0.64, 0.9, 1.0], dtype=F64)
-    low, high = core.dynamic_clip_bounds(q.log(), 0.16, 0.2, 10.0)
+    low, high = rl_math.dynamic_clip_bounds(q.log(), 0.16, 0.2, 10.0)
     for k, qk in enumerate(q.tolist()):
         want_low = 0.5 + 0.5 * math.sqrt(max(1 - 4 * 0.16 / qk, 0.0))
         want_high = min(0.5 + 0.5 * math.sqrt(1 + 4 * 0.2 / qk), 10.0)

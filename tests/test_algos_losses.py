@@ -16,7 +16,7 @@ import torch
 
 from algos import get_algorithm
 from algos.base import StepContext
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
 from grpo.training.configure import load_config
@@ -70,8 +70,8 @@ def policy_logp(batch: RolloutBatch, scale: float = 0.3, seed: int = 1, offsets=
     return ((batch.old_logp + delta) * batch.mask).float()
 
 
-def norms_of(batch: RolloutBatch) -> core.StepNorms:
-    return core.StepNorms(num_seqs=float(len(batch)), num_tokens=float(batch.mask.sum()), max_len=WIDTH)
+def norms_of(batch: RolloutBatch) -> rl_math.StepNorms:
+    return rl_math.StepNorms(num_seqs=float(len(batch)), num_tokens=float(batch.mask.sum()), max_len=WIDTH)
 
 
 def run_algo(name: str, batch: RolloutBatch, logp: torch.Tensor, step: int = 0, **options):
@@ -443,7 +443,7 @@ def test_lambda_grpo_prefix_counts_and_loss():
 
 def test_lambda_grpo_counts_duplicates():
     ids = [[7, 8, 9], [7, 8, 9], [7, 8, 2], [1, 8, 9]]
-    c = core.prefix_counts(ids, 4, 3)
+    c = rl_math.prefix_counts(ids, 4, 3)
     assert c.tolist() == [[3, 3, 2], [3, 3, 2], [3, 3, 1], [1, 1, 1]]
 
 
@@ -559,7 +559,7 @@ def test_gtpo_one_sided_groups_leave_the_other_side_empty():
     """All-success group: no negative shaped rewards; all-failure group: no positive ones."""
     rewards = [1.0] * 4 + [0.0] * 4 + [1.0, 0.0, 1.0, 0.0]
     batch = make_batch(rewards=rewards)
-    pos, neg = core.entropy_shaped_rewards(batch.rewards, batch.entropy, batch.mask, batch.rewards >= 1, G, 1.0, 0.1)
+    pos, neg = rl_math.entropy_shaped_rewards(batch.rewards, batch.entropy, batch.mask, batch.rewards >= 1, G, 1.0, 0.1)
     assert (neg[:4] == 0).all() and (pos[4:8] == 0).all()
     # at t = 0 all four successes are active: their entropy shares sum to d_0 = 4
     assert float((pos[:4, 0] - 1.0).sum()) == pytest.approx(0.1 * 4)
@@ -751,7 +751,7 @@ def test_grpo_ps_step_segmentation_rewards_and_advantages():
         total = total + s / L
     ref_loss = -total / len(lengths)
     ref_loss.backward()
-    norms = core.StepNorms(float(len(lengths)), float(sum(lengths)), width)
+    norms = rl_math.StepNorms(float(len(lengths)), float(sum(lengths)), width)
     lp = logp.clone().requires_grad_(True)
     out = algo.loss(lp, batch, norms)
     out.loss.backward()

@@ -14,7 +14,7 @@ import torch
 
 from algos import get_algorithm
 from algos.base import StepContext
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.batch import Turn
 from tests.helpers import config, make_batch, policy_logp
 
@@ -83,7 +83,7 @@ def test_mt_grpo_loss_and_gradient_are_the_token_mean_clipped_surrogate():
     assert algo.a.aggregation == "token-mean" and algo.a.beta == 0 and algo.a.num_iterations == 2
     b.advantages = algo.advantages(b, StepContext(algo.cfg, 0))
     logp = policy_logp(b, spread=0.5)
-    norms = core.StepNorms(float(len(b)), float(b.mask.sum()), W)
+    norms = rl_math.StepNorms(float(len(b)), float(b.mask.sum()), W)
     out = algo.loss(logp, b, norms)
     out.loss.backward()
     lp = logp.detach().clone().requires_grad_(True)
@@ -197,7 +197,7 @@ def test_gigpo_loss_masks_observations_and_adds_the_k3_kl():
     algo = get_algorithm("gigpo")(config("gigpo", **ENV))
     b.advantages = algo.advantages(b, StepContext(algo.cfg, 0))
     logp = policy_logp(b, spread=0.5)
-    out = algo.loss(logp, b, core.StepNorms(float(len(b)), float(b.mask.sum()), W))
+    out = algo.loss(logp, b, rl_math.StepNorms(float(len(b)), float(b.mask.sum()), W))
     total, count = 0.0, 0
     for i in range(len(b)):
         for t in range(W):

@@ -1,4 +1,4 @@
-"""scripts/bench_ref_http.py: a real server on loopback, the HTTP path measured per request."""
+"""scripts/benchmarks/bench_ref_http.py: a real server on loopback, the HTTP path measured per request."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def _script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_ref_http.py"
+    path = Path(__file__).resolve().parent.parent / "scripts" / "benchmarks" / "bench_ref_http.py"
     spec = importlib.util.spec_from_file_location("bench_ref_http", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

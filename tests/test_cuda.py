@@ -51,7 +51,7 @@ def test_bf16_training_steps_run_on_the_gpu(single_rank_env, tmp_path):
 def test_policy_logprobs_on_the_gpu_equal_the_cpu(tmp_path):
     from grpo.foundation.logprobs import pack
     from grpo.foundation.modeling import load_model, load_tokenizer
-    from grpo.reference.base import sliced_logprobs
+    from grpo.reference.protocol import sliced_logprobs
 
     cfg = demo_config(tmp_path)
     model = load_model(cfg.model)

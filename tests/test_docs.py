@@ -188,3 +188,38 @@ def test_the_slowest_first_order_names_test_files_that_exist():
     assert not missing, f"tests/conftest.py SLOWEST_FIRST names files that do not exist: {missing}"
     assert len(set(SLOWEST_FIRST)) == len(SLOWEST_FIRST)
     assert "--no-loadscope-reorder" in (ROOT / "Makefile").read_text()
+
+
+def architecture_tree() -> set[str]:
+    """The paths docs/architecture.md's tree picture names (its first fenced block drawn with ├── / └──):
+    depth from the branch's column, "a.py, b.py" siblings, "<name>.py" (every algorithm) left out."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = next(b for b in re.findall(r"```\n(.*?)```", text, re.S) if "├── " in b)
+    paths: set[str] = set()
+    stack: list[str] = []
+    for line in block.splitlines():
+        at = max(line.find("├── "), line.find("└── "))
+        if at < 0:
+            if line.strip() and not line.lstrip().startswith("│"):
+                stack = []  # a floor's heading: its tree starts at the root
+            continue
+        depth = at // 4
+        entry = re.split(r"\s{2,}", line[at + 4:].strip())[0]
+        names = [n.strip() for n in entry.split(",")]
+        stack = stack[:depth] + [names[0] if names[0].endswith("/") else ""]
+        for name in names:
+            if not name.startswith("<"):
+                paths.add("".join(stack[:depth]) + name)
+    return paths
+
+
+def test_architecture_picture_matches_the_tree():
+    named = architecture_tree()
+    gone = sorted(p for p in named if not (ROOT / p).exists())
+    assert not gone, f"docs/architecture.md names what the tree does not have: {gone}"
+    modules = {str(p.relative_to(ROOT)) for top in ("grpo", "rewards", "envs", "scripts")
+               for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".sh") and p.name != "__init__.py"}
+    modules |= {"train.py", "ref_client.py", "algos/base.py", "algos/loss_options.py"}
+    missing = sorted(modules - named)
+    assert not missing, f"docs/architecture.md's tree picture does not name: {missing}"
+    assert {"grpo/foundation/rl_math.py", "grpo/reference/in_process.py", "rewards/worker_pool.py"} <= named

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py runs every stage on CPU with --tiny: each stage's JSON appended as it finishes, and the table."""
+"""scripts/benchmarks/gpu_check.py runs every stage on CPU with --tiny: each stage's JSON appended as it finishes, and the table."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_tiny_on_cpu(tmp_path):
     out = tmp_path / "gc"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "gpu_check.py"), "--out", str(out), "--device", "cpu",
                            "--tiny", "--set", "train.logprob_chunk_size=64"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

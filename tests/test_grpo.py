@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from tests.helpers import config, make_batch, policy_logp
 
 LENGTHS = [3, 5, 1, 4, 2, 2, 5, 3]
@@ -32,15 +32,15 @@ def test_advantages_by_hand():
     adv = GRPO(config()).advantages(batch, None)
     assert adv[4:].abs().max() == 0  # all-equal group -> A = 0
     torch.testing.assert_close(adv, torch.tensor(hand_advantages(REWARDS, G), dtype=torch.float64))
-    pop = core.group_advantages(batch.rewards, G, std="population")
+    pop = rl_math.group_advantages(batch.rewards, G, std="population")
     torch.testing.assert_close(pop, torch.tensor(hand_advantages(REWARDS, G, unbiased=False), dtype=torch.float64))
-    none = core.group_advantages(batch.rewards, G, std="none")
+    none = rl_math.group_advantages(batch.rewards, G, std="none")
     torch.testing.assert_close(none[:4], torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=torch.float64))
 
 
 def test_batch_scope_std():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    adv = core.group_advantages(rewards, 4, std="unbiased", eps=0.0, scope="batch")
+    adv = rl_math.group_advantages(rewards, 4, std="unbiased", eps=0.0, scope="batch")
     means = torch.tensor([0.25] * 4 + [1.0] * 4, dtype=torch.float64)
     torch.testing.assert_close(adv, (rewards - means) / rewards.std())
 
@@ -70,7 +70,7 @@ def test_loss_and_gradient_by_hand():
     algo = GRPO(config())
     batch.advantages = algo.advantages(batch, None)
     logp = policy_logp(batch)
-    norms = core.StepNorms(len(batch), float(batch.mask.sum()), W)
+    norms = rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)
     out = algo.loss(logp, batch, norms)
     expected = hand_grpo_loss(batch, logp.detach())
     assert out.loss.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -97,19 +97,19 @@ def test_on_policy_first_step_gradient_is_policy_gradient():
     algo = GRPO(config(**{"algo.beta": 0}))
     batch.advantages = algo.advantages(batch, None)
     logp = policy_logp(batch)
-    algo.loss(logp, batch, core.StepNorms(len(batch), float(batch.mask.sum()), W)).loss.backward()
+    algo.loss(logp, batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)).loss.backward()
     expected = -(batch.advantages / batch.mask.sum(-1) / len(batch)).unsqueeze(1) * batch.mask
     torch.testing.assert_close(logp.grad, expected)
 
 
-@pytest.mark.parametrize("aggregation", list(core.AGGREGATIONS))
+@pytest.mark.parametrize("aggregation", list(rl_math.AGGREGATIONS))
 @pytest.mark.parametrize("split", [[8], [3, 5], [1, 2, 2, 3], [1] * 8])
 def test_gradient_does_not_depend_on_micro_batch_split(aggregation, split):
     """Summing micro-batch shares (step-wide normalisers) gives the full batch's loss and gradient."""
     batch = make_batch(LENGTHS, REWARDS, G, W)
     algo = GRPO(config(**{"algo.aggregation": aggregation}))
     batch.advantages = algo.advantages(batch, None)
-    norms = core.StepNorms(len(batch), float(batch.mask.sum()), W)
+    norms = rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)
     full_logp = policy_logp(batch)
     full = algo.loss(full_logp, batch, norms).loss
     full.backward()
@@ -131,8 +131,8 @@ def test_gradient_does_not_depend_on_micro_batch_split(aggregation, split):
 def test_aggregations_by_hand():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.float64)
-    norms = core.StepNorms(num_seqs=2, num_tokens=4, max_len=3)
-    agg = lambda k: core.aggregate(loss, mask, k, norms).item()  # noqa: E731
+    norms = rl_math.StepNorms(num_seqs=2, num_tokens=4, max_len=3)
+    agg = lambda k: rl_math.aggregate(loss, mask, k, norms).item()  # noqa: E731
     assert agg("seq-mean-token-mean") == pytest.approx((6 / 3 + 4 / 1) / 2)
     assert agg("token-mean") == pytest.approx(10 / 4)
     assert agg("seq-mean-token-sum-norm") == pytest.approx(10 / (2 * 3))
@@ -144,16 +144,16 @@ def test_kl_estimators_by_hand():
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64)
     ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     d = [-0.5, 1.0]
-    torch.testing.assert_close(core.kl_estimate(logp, ref, "k1"), torch.tensor([0.5, -1.0], dtype=torch.float64))
-    torch.testing.assert_close(core.kl_estimate(logp, ref, "k2"), torch.tensor([0.125, 0.5], dtype=torch.float64))
-    torch.testing.assert_close(core.kl_estimate(logp, ref, "k3"),
+    torch.testing.assert_close(rl_math.kl_estimate(logp, ref, "k1"), torch.tensor([0.5, -1.0], dtype=torch.float64))
+    torch.testing.assert_close(rl_math.kl_estimate(logp, ref, "k2"), torch.tensor([0.125, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(rl_math.kl_estimate(logp, ref, "k3"),
                                torch.tensor([math.exp(x) - x - 1 for x in d], dtype=torch.float64))
 
 
 def test_dual_clip_by_hand():
     ratio = torch.tensor([5.0, 5.0, 0.5], dtype=torch.float64)
     adv = torch.tensor([-1.0, 1.0, -1.0], dtype=torch.float64)
-    s = core.clipped_surrogate(ratio, adv, 0.2, 0.2, dual_clip=3.0)
+    s = rl_math.clipped_surrogate(ratio, adv, 0.2, 0.2, dual_clip=3.0)
     # A<0, rho=5: min(-5, -1.2) = -5, dual clip max(-5, -3) = -3; A>0: min(5, 1.2) = 1.2; A<0, rho=.5: min(-.5,-.8) = -.8
     torch.testing.assert_close(s.value, torch.tensor([-3.0, 1.2, -0.8], dtype=torch.float64))
 
@@ -163,7 +163,7 @@ def test_k3_clamps_the_log_ratio_and_is_exact_inside_the_clamp():
     ref = torch.zeros(8, dtype=torch.float64)
     d = [1.0, -0.5, 2.78, 5.0, -15.0, 19.5, 50.0, -1000.0]  # the last two past the clamp (e^1000 is inf)
     logp = torch.tensor([-x for x in d], dtype=torch.float64, requires_grad=True)
-    k3 = core.kl_estimate(logp, ref, "k3")
+    k3 = rl_math.kl_estimate(logp, ref, "k3")
     k3.sum().backward()
     inside = d[:6]
     want = [math.exp(x) - x - 1 for x in inside] + [math.exp(20) - 21, math.exp(-20) + 19]
@@ -172,6 +172,6 @@ def test_k3_clamps_the_log_ratio_and_is_exact_inside_the_clamp():
     torch.testing.assert_close(logp.grad, torch.tensor(want_grad, dtype=torch.float64))
     # float32, as the trainer computes it: a reference far above and far below the policy stays finite
     logp = torch.tensor([-1000.0, 1000.0], dtype=torch.float32, requires_grad=True)
-    k3 = core.kl_estimate(logp, torch.zeros(2), "k3")
+    k3 = rl_math.kl_estimate(logp, torch.zeros(2), "k3")
     k3.sum().backward()
     assert torch.isfinite(k3).all() and torch.isfinite(logp.grad).all()

@@ -115,7 +115,7 @@ def fixed_packed(tr, groups: int = 3, G: int = 4):
 def plain_logprobs(model, packed, cfg) -> torch.Tensor:
     """Log-probs as the in-process reference computes them (eval mode, the same row slices, the trainer's
     device: bit-equality holds only between the same kernels), on the CPU."""
-    from grpo.reference.base import sliced_logprobs
+    from grpo.reference.protocol import sliced_logprobs
 
     return sliced_logprobs(model.to(DEVICE).eval(), packed, cfg.rollout.temperature, cfg.train.logprob_chunk_size,
                            max_rows=cfg.train.micro_batch_size)[0].cpu()

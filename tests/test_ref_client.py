@@ -22,7 +22,7 @@ from grpo.reference.wire import CONTENT_TYPE, encode_request
 from grpo.reference.launch import free_port
 from grpo.reference.server import app as server_app
 from grpo.reference.server.app import AccessLog, build_server, check_bind
-from grpo.reference.base import ReferenceServerError, sliced_logprobs
+from grpo.reference.protocol import ReferenceServerError, sliced_logprobs
 from grpo.foundation.tiny import build_tiny, make_char_tokenizer, write_tiny
 from tests.ref_support import assert_same, ragged_batch
 from tests.patience import SERVER_S, WAIT_S

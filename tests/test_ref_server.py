@@ -21,7 +21,8 @@ from grpo.training.configure import load_config
 from grpo.reference.http import HTTPReference
 from grpo.reference.launch import ServerProcess, free_port
 from grpo.reference.wire import CONTENT_TYPE, decode_response, encode, encode_request, flatten_packed
-from grpo.reference.base import InProcessReference, sliced_logprobs
+from grpo.reference.protocol import sliced_logprobs
+from grpo.reference.in_process import InProcessReference
 from grpo.foundation.tiny import make_char_tokenizer, make_tiny_model, write_tiny
 from tests.ref_support import assert_same, log_events, one_thread, ragged_batch  # noqa: F401 (one_thread: autouse)
 from tests.patience import SERVER_S, WAIT_S

@@ -21,7 +21,7 @@ from grpo.reference.wire import (
     parse_request,
     unflatten,
 )
-from grpo.reference.base import row_slices
+from grpo.reference.protocol import row_slices
 from tests.ref_support import ragged_batch
 
 VOCAB = 93

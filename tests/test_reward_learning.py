@@ -1,4 +1,4 @@
-"""GRPO against a learned reward model alone (scripts/learn_reward_model.py at CI size, ~30-40 s on 2 cores).
+"""GRPO against a learned reward model alone (scripts/benchmarks/learn_reward_model.py at CI size, ~30-40 s on 2 cores).
 
 A tiny classifier is trained on rule-labelled completions of the digits task; GRPO then optimises it as the only
 reward. The model's reward must rise, and the rule reward (never trained on: weight 0 on the training rows, and
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "benchmarks"))
 
 import learn_reward_model as lrm  # noqa: E402
 

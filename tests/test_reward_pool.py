@@ -175,7 +175,7 @@ def test_a_worker_imports_its_functions_slow_imports_before_their_first_call():
 def test_a_worker_that_cannot_start_gives_its_slot_back():
     """run() raises when a worker cannot start even after a replacement; its slot must return to the pool, or
     threads waiting for a worker (a turn's environments stepping at once) would wait forever."""
-    from rewards.pool import WarmUp, WorkerPool
+    from rewards.worker_pool import WarmUp, WorkerPool
 
     pool = WorkerPool(2, timeout=30.0)
     real, broken = pool._ready, [True]

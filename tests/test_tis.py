@@ -9,7 +9,7 @@ import torch
 
 from algos.gpg import GPG
 from algos.grpo import GRPO
-from grpo.foundation import core
+from grpo.foundation import rl_math
 from grpo.foundation.config import ConfigError
 from grpo.training.metrics import SamplerGap
 from tests.helpers import config, make_batch, policy_logp
@@ -54,7 +54,7 @@ def test_grpo_loss_and_gradient_with_tis_by_hand():
     batch.advantages = algo.advantages(batch, None)
     adv = batch.advantages.tolist()
     logp = policy_logp(batch)
-    norms = core.StepNorms(len(batch), float(batch.mask.sum()), W)
+    norms = rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)
     out = algo.loss(logp, batch, norms)
     assert out.loss.item() == pytest.approx(hand_grpo_tis_loss(batch, logp.detach(), adv, cap), rel=1e-12, abs=1e-12)
     # the cap binds on some tokens and not on others
@@ -84,7 +84,7 @@ def test_gpg_with_tis_by_hand():
     batch.advantages = algo.advantages(batch, None)
     algo.alpha = 1.0
     logp = policy_logp(batch)
-    out = algo.loss(logp, batch, core.StepNorms(len(batch), float(batch.mask.sum()), W))
+    out = algo.loss(logp, batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), W))
     lp, samp, mask, adv = logp.tolist(), batch.sampler_logp.tolist(), batch.mask.tolist(), batch.advantages.tolist()
     # GPG: token-mean over the step, L = -(1/sum|o_i|) sum_i sum_t l A_i w (alpha = 1 here)
     total, tokens = 0.0, 0
@@ -98,9 +98,9 @@ def test_gpg_with_tis_by_hand():
 def test_padding_never_overflows_the_weight():
     old = torch.tensor([[-1.0, 500.0]], dtype=torch.float64)
     samp = torch.tensor([[-2.0, -500.0]], dtype=torch.float64)
-    w = core.tis_weight(old, samp, torch.tensor([[1.0, 0.0]], dtype=torch.float64), 2.0)
+    w = rl_math.tis_weight(old, samp, torch.tensor([[1.0, 0.0]], dtype=torch.float64), 2.0)
     assert w.tolist() == [[2.0, 1.0]]
-    assert core.tis_weight(old[:, :1], samp[:, :1] + 0.5, torch.ones(1, 1), 5.0).item() == pytest.approx(math.exp(0.5))
+    assert rl_math.tis_weight(old[:, :1], samp[:, :1] + 0.5, torch.ones(1, 1), 5.0).item() == pytest.approx(math.exp(0.5))
 
 
 def test_tis_needs_the_samplers_log_probs():
@@ -108,7 +108,7 @@ def test_tis_needs_the_samplers_log_probs():
     algo = GRPO(config(**{"algo.tis_cap": 2.0, ENGINE: SCRIPTED}))
     batch.advantages = algo.advantages(batch, None)
     with pytest.raises(RuntimeError, match="returned none"):
-        algo.loss(policy_logp(batch), batch, core.StepNorms(len(batch), float(batch.mask.sum()), W))
+        algo.loss(policy_logp(batch), batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), W))
 
 
 @pytest.mark.parametrize("overrides, match", [

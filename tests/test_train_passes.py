@@ -52,9 +52,9 @@ def test_chunk_size_zero_is_chosen_by_device():
 
 
 def _gradient(trainer, batch):
-    from grpo.foundation import core
+    from grpo.foundation import rl_math
 
-    loss = trainer.accumulate_gradients(batch, core.StepNorms(len(batch), float(batch.mask.sum()), batch.width), {})
+    loss = trainer.accumulate_gradients(batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), batch.width), {})
     grad = torch.cat([p.grad.reshape(-1).double() for p in trainer.model.parameters() if p.grad is not None])
     trainer.engine.zero_grad()
     return loss, grad
@@ -164,7 +164,7 @@ def test_training_pass_reads_the_device_once_not_per_micro_batch(single_rank_env
     """accumulate_gradients with 1 and with 6 micro-batches: the same number of our host reads (the loss
     and stats are summed on the device and read together at the end)."""
     from tests.dist_grad_worker import global_batch
-    from grpo.foundation import core
+    from grpo.foundation import rl_math
     from grpo.training.trainer import Trainer
 
     cfg = load_config(overrides=[*SMALL, f"train.output_dir={tmp_path}"])
@@ -177,7 +177,7 @@ def test_training_pass_reads_the_device_once_not_per_micro_batch(single_rank_env
             cfg.train.micro_batch_size = rows
             with _OurSyncs() as c:
                 stats: dict = {}
-                tr.accumulate_gradients(batch, core.StepNorms(len(batch), float(batch.mask.sum()), batch.width), stats)
+                tr.accumulate_gradients(batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), batch.width), stats)
             tr.engine.zero_grad()
             counts[rows] = (c.ours, c.transformers, len(tr.micro_batches(batch)))
             assert stats and all(float(c_) > 0 for _, c_ in stats.values())  # the stats still arrive

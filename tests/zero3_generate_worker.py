@@ -111,7 +111,7 @@ def partitioned_checks(folder: str, rank: int) -> dict[str, bool]:
 
     from grpo.foundation.logprobs import pack
     from grpo.foundation.modeling import load_model
-    from grpo.reference.base import sliced_logprobs
+    from grpo.reference.protocol import sliced_logprobs
     from grpo.training.deepspeed_engine import deepspeed_config
     from grpo.training.partitioned import frozen_partitioned, load_partitioned
 
@@ -174,7 +174,7 @@ def partitioned_sync_checks(cfg, conf: dict, folder: str, whole: torch.nn.Module
     from deepspeed.runtime.zero import GatheredParameters
 
     from grpo.foundation.modeling import load_model, load_tokenizer
-    from grpo.reference.base import InProcessReference
+    from grpo.reference.in_process import InProcessReference
     from grpo.reference.handle import ReferenceHandle
     from grpo.training.checkpoint import write_weights
     from grpo.training.partitioned import frozen_partitioned

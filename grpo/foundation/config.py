@@ -228,7 +228,7 @@ class RolloutConfig:
 
 @dataclass
 class WorkerLimits:
-    """Resource limits of a reward or tool worker process (rewards/pool.py): generous, against runaways only.
+    """Resource limits of a reward or tool worker process (rewards/worker_pool.py): generous, against runaways only.
 
     Past ``memory_mb`` an allocation fails (MemoryError: the call is an error and the worker is replaced); past
     ``cpu_seconds`` of CPU in one call the kernel kills the worker (counted, replaced); past ``file_size_mb`` a
@@ -495,7 +495,7 @@ class SandboxConfig:
 
 @dataclass
 class RewardPoolConfig:
-    """Where reward functions run: worker processes with a hard per-call timeout (rewards/pool.py)."""
+    """Where reward functions run: worker processes with a hard per-call timeout (rewards/worker_pool.py)."""
 
     num_workers: int = at_least_zero(2)  # 0 = in the trainer process, without a timeout (debugging only)
     timeout: float = positive(10.0)  # seconds per call; a call past it scores 0 and is counted

@@ -26,7 +26,8 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.config import Config
 from grpo.foundation.logprobs import Packed
-from grpo.reference.base import AdapterDisabledReference, InProcessReference, Loader, Reference
+from grpo.reference.protocol import Reference
+from grpo.reference.in_process import AdapterDisabledReference, InProcessReference, Loader
 
 StateDict = dict[str, torch.Tensor]
 

@@ -34,7 +34,7 @@ import torch
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.logprobs import Packed
 from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
-from grpo.reference.base import ReferenceServerError
+from grpo.reference.protocol import ReferenceServerError
 
 log = logging.getLogger("reference")
 RETRY_LOG_S = 10.0  # an outage is logged at its first retry, then this often while it lasts
@@ -216,7 +216,7 @@ def check_reload(cfg: Config) -> None:
 
 
 class HTTPReference:
-    """Reference log-probs from a server; implements grpo.reference.base.Reference."""
+    """Reference log-probs from a server; implements grpo.reference.protocol.Reference."""
 
     def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None):
         r = cfg.ref

@@ -1,6 +1,6 @@
 """Start ``ref_client.py`` as a child process, wait until it is healthy, stop it gracefully.
 
-Used by ``scripts/demo.py``, ``scripts/bench_ref.py`` and the tests.
+Used by ``scripts/demo.py``, ``scripts/benchmarks/bench_ref.py`` and the tests.
 """
 
 from __future__ import annotations

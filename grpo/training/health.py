@@ -25,7 +25,7 @@ import torch
 from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.plugins import RewardServiceError
-from grpo.reference.base import ReferenceServerError
+from grpo.reference.protocol import ReferenceServerError
 
 def reward_failed_frac(m: dict[str, float]) -> float:
     """The largest share of rows any reward source failed on (errors + timeouts) this step."""

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
 
@@ -280,7 +280,7 @@ def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss
     m: dict[str, float] = {}
 
     def moments(prefix: str, x: torch.Tensor, with_range: bool = False, mask: Optional[torch.Tensor] = None) -> None:
-        mean, std = core.global_mean_std(x.reshape(-1), "population", mask=mask)
+        mean, std = rl_math.global_mean_std(x.reshape(-1), "population", mask=mask)
         m[f"{prefix}/mean"], m[f"{prefix}/std"] = float(mean), float(std)
         if with_range:
             m[f"{prefix}/max"] = float(dist.all_reduce_max(x.max().double().reshape(1)))
@@ -292,16 +292,16 @@ def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss
         moments(f"reward/{name}", torch.nan_to_num(vals.reshape(-1), nan=0.0), mask=scored)
     adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[batch.mask.bool()]
     moments("advantage", adv, with_range=True)
-    zero = core.uniform_groups(batch.rewards, batch.group_size).double()
+    zero = rl_math.uniform_groups(batch.rewards, batch.group_size).double()
     zs = dist.all_reduce_sum(torch.stack([zero.sum(), torch.tensor(float(zero.numel()), dtype=torch.float64)]))
     m["advantage/zero_group_frac"] = float(zs[0] / zs[1])
     # lengths as generated (DAPO's overlong filter zeroes the masks of truncated completions)
     lengths = torch.tensor([float(len(c)) for c in batch.completion_ids], dtype=torch.float64)
-    m["completion/length_mean"] = float(core.global_mean_std(lengths)[0])
+    m["completion/length_mean"] = float(rl_math.global_mean_std(lengths)[0])
     m["completion/length_max"] = float(dist.all_reduce_max(lengths.max().reshape(1)))
-    m["completion/truncated_frac"] = float(core.global_mean_std(batch.truncated.double())[0])
+    m["completion/truncated_frac"] = float(rl_math.global_mean_std(batch.truncated.double())[0])
     if entropy is not None:
-        m["entropy"] = float(core.global_mean_std(entropy, mask=mask)[0])
+        m["entropy"] = float(rl_math.global_mean_std(entropy, mask=mask)[0])
     if stats:
         names = sorted(stats)
         red = dist.all_reduce_sum(torch.stack([torch.stack(stats[n]) for n in names]))

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
 from grpo.foundation.config import Config
 from grpo.foundation.plugins import StepContext
@@ -68,12 +68,12 @@ class PolicyPasses:
         out = (lp.cpu(), (ent.cpu() if ent is not None else None))
         return (*out, sq.cpu()) if sq is not None else out
 
-    def step_norms(self, batch: RolloutBatch) -> core.StepNorms:
+    def step_norms(self, batch: RolloutBatch) -> rl_math.StepNorms:
         """Sequence and token counts of the whole step, over all ranks."""
         counts = dist.all_reduce_sum(torch.tensor([float(len(batch)), float(batch.mask.sum())], dtype=torch.float64))
-        return core.StepNorms(float(counts[0]), float(counts[1]), self.L_max)
+        return rl_math.StepNorms(float(counts[0]), float(counts[1]), self.L_max)
 
-    def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict,
+    def accumulate_gradients(self, batch: RolloutBatch, norms: rl_math.StepNorms, stats: dict,
                              gap: Optional[SamplerGap] = None) -> torch.Tensor:
         """Backward over every micro-batch of this rank; returns this rank's share of the loss.
         ``gap``: the first pass of the step measures the sampler/trainer gap on the way.
@@ -137,7 +137,7 @@ class Step:
     scored: RolloutBatch  # the batch the step's reward and advantage metrics describe
     timings: dict[str, float]
     t_start: float
-    norms: Optional[core.StepNorms] = None
+    norms: Optional[rl_math.StepNorms] = None
     stats: dict = field(default_factory=dict)
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     grad_norm: float = float("nan")

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from grpo.foundation import core, dist
+from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError, dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
@@ -43,7 +43,7 @@ from grpo.training.partitioned import frozen_partitioned
 from grpo.training.passes import PolicyPasses, Step, total_lengths
 from grpo.training.reference_sync import sync_reference
 from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_what_came_before
-from grpo.reference.base import ReferenceServerError
+from grpo.reference.protocol import ReferenceServerError
 
 
 class Trainer:
@@ -145,10 +145,10 @@ class Trainer:
     def policy_logprobs(self, batch: RolloutBatch, with_entropy: bool, sum_pi_squared: bool = False) -> tuple:
         return self.passes.logprobs(batch, with_entropy, sum_pi_squared)
 
-    def step_norms(self, batch: RolloutBatch) -> core.StepNorms:
+    def step_norms(self, batch: RolloutBatch) -> rl_math.StepNorms:
         return self.passes.step_norms(batch)
 
-    def accumulate_gradients(self, batch: RolloutBatch, norms: core.StepNorms, stats: dict,
+    def accumulate_gradients(self, batch: RolloutBatch, norms: rl_math.StepNorms, stats: dict,
                              gap: Optional[SamplerGap] = None) -> torch.Tensor:
         return self.passes.accumulate_gradients(batch, norms, stats, gap)
 

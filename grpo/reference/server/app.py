@@ -419,7 +419,7 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
         if failed is not None:
             return failed
         lp, ent, seconds, version = result
-        # where the server's time went besides the forward (scripts/bench_ref_http.py): reading and checking the
+        # where the server's time went besides the forward (scripts/benchmarks/bench_ref_http.py): reading and checking the
         # body, and the wait for the device thread beyond its compute (queue, hand-off)
         parse_ms, wait_ms = (t1 - t0) * 1000, (time.perf_counter() - t1 - seconds) * 1000
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,

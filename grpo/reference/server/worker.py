@@ -38,7 +38,7 @@ import torch
 from grpo.foundation.config import ConfigError, ModelConfig
 from grpo.foundation.modeling import load_model, load_tokenizer, tokenizer_fingerprint
 from grpo.reference.wire import LogprobRequest, flatten_rows
-from grpo.reference.base import row_slices, sliced_logprobs
+from grpo.reference.protocol import row_slices, sliced_logprobs
 
 
 class QueueFull(Exception):

@@ -1,6 +1,7 @@
-"""Reward calls in worker processes, with a hard per-call timeout.
+"""The worker pool: reward functions and environments' tools (envs/sandbox.py) run in worker processes, with a
+hard per-call timeout.
 
-Reward code is untrusted in the sense that matters for a long run: math-verify can hang
+Reward and tool code is untrusted in the sense that matters for a long run: math-verify can hang
 on pathological input (sympy stuck inside one C call that no signal interrupts), a user
 function can raise or be slow. So each call (one chunk of completions for one function)
 runs in a worker process; a call that passes its deadline is answered with a timeout

@@ -1,7 +1,7 @@
 """Peak memory of a few training steps: full fine-tuning against LoRA, same settings, beta > 0.
 
-    python scripts/measure_memory.py                         # SmolLM2-135M-Instruct, beta 0.04, 3 steps each
-    python scripts/measure_memory.py --steps 5 --max-new 128 --lora '{r: 16, alpha: 32}' [key=value ...]
+    python scripts/benchmarks/measure_memory.py                         # SmolLM2-135M-Instruct, beta 0.04, 3 steps each
+    python scripts/benchmarks/measure_memory.py --steps 5 --max-new 128 --lora '{r: 16, alpha: 32}' [key=value ...]
 
 Each side runs in its own process, one after the other (``--child``), as a world of one: the trainer
 is built from configs/smollm2_arith.yaml (the arithmetic task) with the KL term on (beta 0.04) and no
@@ -33,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from memory_sides import rss_mb, run_side, side_env, status_mb, write_results  # noqa: E402 (scripts/, beside this file)
+from memory_sides import rss_mb, run_side, side_env, status_mb, write_results  # noqa: E402 (beside this file)
 DEFAULT_LORA = "{r: 16, alpha: 32}"
 
 

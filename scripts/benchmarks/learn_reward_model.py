@@ -8,8 +8,8 @@
    completions (a second entry with weight 0) and as held-out greedy accuracy (``eval.correctness:
    digits_match`` on 100 items held out of training).
 
-    PYTHONPATH=. python scripts/learn_reward_model.py --out runs/rm_learning            # ~2-3 min on 2 CPU cores
-    PYTHONPATH=. python scripts/learn_reward_model.py --out runs/x --steps 40 --rm-seconds 10 --json
+    PYTHONPATH=. python scripts/benchmarks/learn_reward_model.py --out runs/rm_learning            # ~2-3 min on 2 CPU cores
+    PYTHONPATH=. python scripts/benchmarks/learn_reward_model.py --out runs/x --steps 40 --rm-seconds 10 --json
 
 Prints the reward model's held-out error, then the first and last 20% of the run's model reward and rule reward,
 the held-out rule reward (mean digits_match of greedy answers) at each evaluation, the held-out exact accuracy,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from grpo.foundation.tiny import CHARSET, write_tiny_classifier  # noqa: E402

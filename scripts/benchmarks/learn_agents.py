@@ -1,8 +1,8 @@
 """Agents on a CPU: mt-grpo learns the calculator environment, gigpo the maze (the tiny model).
 
-    python scripts/learn_agents.py mt-grpo      # configs/mt-grpo.yaml: two turns, a calculator call
-    python scripts/learn_agents.py gigpo        # configs/gigpo.yaml: a 3x3 maze, one action per turn
-    python scripts/learn_agents.py gigpo --ranks 2    # the same through the deepspeed launcher, 2 CPU ranks
+    python scripts/benchmarks/learn_agents.py mt-grpo      # configs/mt-grpo.yaml: two turns, a calculator call
+    python scripts/benchmarks/learn_agents.py gigpo        # configs/gigpo.yaml: a 3x3 maze, one action per turn
+    python scripts/benchmarks/learn_agents.py gigpo --ranks 2    # the same through the deepspeed launcher, 2 CPU ranks
 
 Trains the preset (key=value overrides after the name), then prints the reward of the first and last
 10% of steps and the environment's metrics, writes OUT/summary.md and OUT/agents.png (reward, turns,
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # name -> {metric: (the mean that the last 10% of steps must reach, the rise over the first 10% it must show)};

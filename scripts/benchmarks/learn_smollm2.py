@@ -1,7 +1,7 @@
 """Evidence that a real model learns: SmolLM2-135M-Instruct on arithmetic word problems, CPU only.
 
-    python scripts/learn_smollm2.py                 # seeds 0 and 1, in parallel, one CPU thread each
-    python scripts/learn_smollm2.py --seeds 0 1 2 --threads 2 [key=value ...]
+    python scripts/benchmarks/learn_smollm2.py                 # seeds 0 and 1, in parallel, one CPU thread each
+    python scripts/benchmarks/learn_smollm2.py --seeds 0 1 2 --threads 2 [key=value ...]
 
 Fetches the model if needed (scripts/fetch_smollm2.py), starts the reference server
 (``ref_client.py``, one for all seeds: the reference is the same frozen model), trains one run
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from grpo.training.metrics import read_metrics  # noqa: E402

@@ -1,8 +1,8 @@
 """Host memory of ZeRO-3 over 2 ranks: the policy and the in-process reference built partitioned from the
 start (``train.zero3_init=true``, the default) against whole on every rank first (``false``).
 
-    python scripts/zero3_memory.py --make-model DIR      # a random-weight model of SmolLM2-135M's shape
-    python scripts/zero3_memory.py --model DIR [--steps 2] [--mmap-threshold 65536] [key=value ...]
+    python scripts/benchmarks/zero3_memory.py --make-model DIR      # a random-weight model of SmolLM2-135M's shape
+    python scripts/benchmarks/zero3_memory.py --model DIR [--steps 2] [--mmap-threshold 65536] [key=value ...]
 
 Each side is one launch of 2 CPU ranks (``deepspeed --num_gpus 2 ... --child SIDE``), one after the
 other, with the trainer built from configs/smollm2_arith.yaml: ZeRO-3, fp32, the KL term on (beta 0.04,
@@ -21,7 +21,7 @@ process, every completion exactly ``--max-new`` tokens. Every rank reports:
 
 ``--mmap-threshold BYTES`` fixes glibc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``) on both sides:
 every block above it is mapped and unmapped on its own, so RSS follows live memory instead of what the
-allocator keeps after frees (see scripts/measure_memory.py). Writes JSON and a Markdown table to ``--out``.
+allocator keeps after frees (see scripts/benchmarks/measure_memory.py). Writes JSON and a Markdown table to ``--out``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from memory_sides import rss_mb, run_side, side_env, status_mb, write_results  # noqa: E402 (scripts/, beside this file)
+from memory_sides import rss_mb, run_side, side_env, status_mb, write_results  # noqa: E402 (beside this file)
 SIDES = {"whole": "false", "partitioned": "true"}  # side -> train.zero3_init
 
 

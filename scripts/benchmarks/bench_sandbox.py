@@ -1,7 +1,7 @@
 """Time the sandbox: one ``run_python("print(1)")`` and one ``code_tests`` row of three asserts, medians.
 
-    python scripts/bench_sandbox.py                                  # this checkout
-    python scripts/bench_sandbox.py --repo /tmp/old --python /usr/bin/python3   # another checkout, same program
+    python scripts/benchmarks/bench_sandbox.py                                  # this checkout
+    python scripts/benchmarks/bench_sandbox.py --repo /tmp/old --python /usr/bin/python3   # another checkout, same program
 
 ``--python`` is the program's interpreter (``sandbox.python``; an older checkout picks its own: give the same
 one to compare). Prints one line; docs/results.md, "Sandbox".

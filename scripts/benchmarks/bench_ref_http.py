@@ -1,7 +1,7 @@
 """The reference server's HTTP path on loopback: round trip minus the server's own forward, per request.
 
-    python scripts/bench_ref_http.py                        # 64 rows x (40 + 256) tokens, 20 requests
-    python scripts/bench_ref_http.py --rows 64 --prompt 40 --completion 256 --requests 50 --model builtin:tiny-char
+    python scripts/benchmarks/bench_ref_http.py                        # 64 rows x (40 + 256) tokens, 20 requests
+    python scripts/benchmarks/bench_ref_http.py --rows 64 --prompt 40 --completion 256 --requests 50 --model builtin:tiny-char
 
 The sizes on the wire depend on rows x tokens only (int32 token ids up, float32 log-probs down), not on the
 model: the built-in tiny model keeps the forward short, so what is measured is the path (client encode,
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

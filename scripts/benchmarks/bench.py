@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Speed and memory: our trainer side by side with TRL's GRPOTrainer, and the arithmetic floor.
 
-    python scripts/bench.py --model models/smollm2-135m-instruct --vs trl --algo dapo --steps 3
-    python scripts/bench.py --model models/smollm2-135m-instruct --sweep
+    python scripts/benchmarks/bench.py --model models/smollm2-135m-instruct --vs trl --algo dapo --steps 3
+    python scripts/benchmarks/bench.py --model models/smollm2-135m-instruct --sweep
 
 Each side runs in its own process (``--child``), one after the other, with the same model
 (fp32), prompts, G, prompts per step, micro-batch, max completion length, temperature, loss,
@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 
 # Prompts of a few dozen tokens; the answers feed the reward (digits_match-like, never a bottleneck).
@@ -265,7 +265,7 @@ def child_ours(spec: dict) -> dict:
         f"train.max_steps={spec['steps'] + spec['warmup']}", f"train.lr={spec['lr']}",
         f"train.micro_batch_size={spec['micro_batch']}", f"train.seed={spec['seed']}", "train.grad_clip=1.0",
         f"train.output_dir={spec['workdir']}/ours", "logging.progress_bar=false", "logging.plot=false",
-        "rewards=[{fn: 'scripts.bench:bench_reward'}]", "algo.num_iterations=1",
+        "rewards=[{fn: 'scripts.benchmarks.bench:bench_reward'}]", "algo.num_iterations=1",
     ]
     if algo == "dapo":
         if "dapo" in ALGORITHMS:  # DAPO's loss; its sampling tricks off so both sides do the same work
@@ -442,7 +442,7 @@ def compare(args, workdir: Path) -> dict:
     flops = step_flops(shape, prompt_lens, args.group, args.max_new, reference=args.algo == "grpo")
     floor_s = flops["total"] / rate["peak"]
     report = {
-        "command": " ".join([Path(sys.executable).name, "scripts/bench.py"] + sys.argv[1:]),
+        "command": " ".join([Path(sys.executable).name, "scripts/benchmarks/bench.py"] + sys.argv[1:]),
         "spec": spec, "summary": summary, "results": results, "flops": flops, "matmul_rate": rate,
         "floor_s": floor_s, "ours_over_floor": summary["ours"]["step_median_s"] / floor_s,
         "load_before": load_before, "load_after": load_after, "machine": machine(),

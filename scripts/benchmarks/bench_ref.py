@@ -1,7 +1,7 @@
 """Reference log-probs through the server (ref_client.py, loopback HTTP) against in-process.
 
-    python scripts/bench_ref.py                    # both batches, 3 timed runs each
-    python scripts/bench_ref.py --only smollm2 --repeats 5
+    python scripts/benchmarks/bench_ref.py                    # both batches, 3 timed runs each
+    python scripts/benchmarks/bench_ref.py --only smollm2 --repeats 5
 
 Two batches: the demo's (tiny model, one rank's 256 rows of 3 prompt + 3 completion
 tokens) and a SmolLM2-135M-sized one (16 rows x (100 prompt + 128 completion) tokens). The
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -51,7 +51,7 @@ from grpo.foundation.logprobs import Packed, pack  # noqa: E402
 from grpo.foundation.modeling import load_model, load_tokenizer  # noqa: E402
 from grpo.reference.http import HTTPReference  # noqa: E402
 from grpo.reference.launch import ServerProcess, free_port  # noqa: E402
-from grpo.reference.base import sliced_logprobs  # noqa: E402
+from grpo.reference.protocol import sliced_logprobs  # noqa: E402
 from grpo.foundation.tiny import BUILTIN_NAME  # noqa: E402
 
 SMOLLM_DIR = ROOT / "models" / "smollm2-135m-instruct"

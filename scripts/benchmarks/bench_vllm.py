@@ -1,6 +1,6 @@
 """Generation speed of the ``hf`` and ``vllm`` engines with the same settings, and vLLM's sampler/trainer gap.
 
-    .venv-vllm/bin/python scripts/bench_vllm.py --model models/smollm2-135m-instruct --dtype bf16
+    .venv-vllm/bin/python scripts/benchmarks/bench_vllm.py --model models/smollm2-135m-instruct --dtype bf16
 
 For each engine: one warm-up call, then ``--repeats`` timed calls of ``--prompts`` prompts x ``--n`` samples,
 ``--max-tokens`` tokens each (EOS ignored, so both engines produce exactly the same number of tokens).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from grpo.foundation.logprobs import completion_logprobs, pack  # noqa: E402

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Every GPU measurement of issue 21 in one command, stage by stage.
 
-    python scripts/gpu_check.py --out runs/gpu-check                      # 135M and 1.7B shapes on cuda
-    python scripts/gpu_check.py --out runs/gpu-check --shapes 135m         # one shape
-    python scripts/gpu_check.py --out /tmp/gc --device cpu --tiny          # the same stages, tiny and fast (tests)
+    python scripts/benchmarks/gpu_check.py --out runs/gpu-check                      # 135M and 1.7B shapes on cuda
+    python scripts/benchmarks/gpu_check.py --out runs/gpu-check --shapes 135m         # one shape
+    python scripts/benchmarks/gpu_check.py --out /tmp/gc --device cpu --tiny          # the same stages, tiny and fast (tests)
 
 Models have random weights of SmolLM2-135M's or SmolLM2-1.7B's shape, built on the device from the shape
 (``--model FOLDER`` measures a real one instead), with a word-level tokenizer of the same vocabulary. Stages,
@@ -18,7 +18,7 @@ per shape:
     step_1024    the same at 1024 new tokens        of the steps after the warm-up, peak memory, and the parts of it
                  (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
                  rest = peak - those), step-time outliers (> 1.5x the running median)
-    ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/bench_ref_http.py)
+    ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/benchmarks/bench_ref_http.py)
     compile_probe  which part of the static decode step torch.compile fails on (sampler, forward, whole step),
                  two layers of the shape (not in the default stages)
     decode_profile the static engine's decode step under torch.profiler: kernels and device ms per token, the
@@ -44,12 +44,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from scripts.bench_ref import SMOLLM_SHAPE, random_smollm2  # noqa: E402
+from scripts.benchmarks.bench_ref import SMOLLM_SHAPE, random_smollm2  # noqa: E402
 
 SHAPES = {
     "135m": SMOLLM_SHAPE,
@@ -184,7 +184,7 @@ def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int,
 
 
 def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
-               engine: str = "auto", rewards: str = "[{fn: 'scripts.bench:bench_reward'}]",
+               engine: str = "auto", rewards: str = "[{fn: 'scripts.benchmarks.bench:bench_reward'}]",
                overrides: tuple[str, ...] = ()) -> dict:
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
@@ -238,7 +238,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
 
 def stage_ref_http(folder: str, device: str, dtype: str, spec: dict) -> dict:
     from grpo.foundation import dist
-    from scripts.bench_ref_http import run
+    from scripts.benchmarks.bench_ref_http import run
 
     dist.host_threads(device.startswith("cuda"))  # the client's threads as in the trainer (its server sets its own)
     rows, prompt, completion = spec["ref"]
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
                     random_smollm2(rm, {k: conf.get(k, v) for k, v in SHAPES["135m"].items()}, args.device,
                                    torch.bfloat16 if dtype == "bf16" else torch.float32, classifier=True)
                 res = stage_step(folder, args.device, dtype, spec, spec["short"], out, states, args.step_engine,
-                                 rewards=f"[{{model: '{rm}', name: rm}}, {{fn: 'scripts.bench:bench_reward', "
+                                 rewards=f"[{{model: '{rm}', name: rm}}, {{fn: 'scripts.benchmarks.bench:bench_reward', "
                                          f"weight: 0}}]", overrides=tuple(args.set))
                 res["reward_model"] = str(rm)
             else:
