@@ -26,12 +26,6 @@ class NoOptions:
     """This algorithm has no options of its own."""
 
 
-def check_max_gen_batches(value: int) -> None:
-    """The resampling budget of ``resample``: generation batches per step, 0 = unlimited."""
-    if value < 0:
-        raise ConfigError(f"algo.max_gen_batches={value} is invalid: it must be >= 0 (0 = unlimited)")
-
-
 def resample(state: Any, ctx: StepContext, done: Callable[[Any], bool], add: Callable[[Any, RolloutBatch], Any],
              max_gen_batches: int) -> tuple[Any, int, bool]:
     """Generate further batches until ``done(state)`` (one resampling loop for every algorithm).

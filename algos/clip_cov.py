@@ -22,19 +22,14 @@ import torch
 from algos.base import LossOutput, masked_stat
 from algos.grpo import GRPO
 from grpo.foundation import rl_math, dist
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, ranged
 
 
 @dataclass
 class ClipCovOptions:
-    cov_ratio: float = 2e-4  # share of the step's tokens taken out of the gradient
+    cov_ratio: float = ranged(2e-4, "in (0, 1]", "verl: 0.0002")  # share of the step's tokens taken out of the gradient
     cov_lb: float = 1.0  # candidates: lb < cov < ub
     cov_ub: float = 5.0  # upper bound of the candidates' centred covariance
-
-
-def check_cov_ratio(value: float) -> None:
-    if not 0 < value <= 1:
-        raise ConfigError(f"algo.cov_ratio={value} is invalid: it must lie in (0, 1] (verl: 0.0002)")
 
 
 class ClipCov(GRPO):
@@ -49,7 +44,6 @@ class ClipCov(GRPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         o = cfg.algo.options
-        check_cov_ratio(o.cov_ratio)
         if not o.cov_lb < o.cov_ub:
             raise ConfigError(f"algo.cov_lb={o.cov_lb} must be < algo.cov_ub={o.cov_ub} (verl: 1 and 5)")
 

@@ -28,12 +28,12 @@ from algos.base import StepContext
 from algos.grpo import GRPO
 from grpo.foundation import dist
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, ranged
 
 
 @dataclass
 class CPPOOptions:
-    pruning: float = 0.5  # P: the fraction of completions dropped
+    pruning: float = ranged(0.5, "in [0, 1)", "paper: 0.5")  # P: the fraction of completions dropped
     scope: Literal["group", "batch"] = "group"  # batch: the top rows of the rank's batch
     allocation: bool = False  # sample ceil(b / (1 - P)) prompts so the update batch keeps its size
 
@@ -62,8 +62,6 @@ class CPPO(GRPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         P, G = cfg.algo.options.pruning, cfg.rollout.num_generations
-        if not 0 <= P < 1:
-            raise ConfigError(f"algo.pruning={P} is invalid: it must lie in [0, 1) (paper: 0.5)")
         if cfg.algo.options.scope == "group" and kept_count(G, P) < 1:
             raise ConfigError(
                 f"algo.pruning={P} keeps floor({G} * (1 - {P})) = 0 completions per group: lower it or raise "

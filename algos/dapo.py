@@ -24,11 +24,11 @@ from typing import Literal, Optional
 
 import torch
 
-from algos.base import StepContext, check_max_gen_batches, resample
+from algos.base import StepContext, resample
 from algos.grpo import GRPO
 from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, at_least_zero
 from rewards.length import overlong_penalty
 
 
@@ -40,9 +40,9 @@ class DynamicSamplingError(RuntimeError):
 class DAPOOptions:
     dynamic_sampling: bool = True  # drop all-equal groups, refill
     filter_on: Literal["reward", "task_reward"] = "reward"  # task_reward: before overlong shaping
-    max_gen_batches: int = 10  # generation batches per step, the first included; 0 = unlimited (verl: 10)
+    max_gen_batches: int = at_least_zero(10, "0 = unlimited")  # generation batches per step, the first included; 0 = unlimited (verl: 10)
     overlong_buffer: Optional[int] = None  # L_cache; None: L_max // 5 (paper: 4096 of L_max = 20480); 0 = off
-    overlong_factor: float = 1.0  # scale of the overlong penalty
+    overlong_factor: float = at_least_zero(1.0)  # scale of the overlong penalty
     overlong_filter: bool = False  # truncated completions get mask 0
 
 
@@ -82,15 +82,12 @@ class DAPO(GRPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         o, L = cfg.algo.options, cfg.rollout.max_completion_length
-        check_max_gen_batches(o.max_gen_batches)
         if o.overlong_buffer is not None and not 0 <= o.overlong_buffer <= L:
             raise ConfigError(
                 f"algo.overlong_buffer={o.overlong_buffer} is invalid: it must lie in [0, "
                 f"rollout.max_completion_length={L}] (the soft punishment window ends at L_max; "
                 f"the paper uses 4096 of 20480); 0 turns the shaping off, null means L_max // 5"
             )
-        if o.overlong_factor < 0:
-            raise ConfigError(f"algo.overlong_factor={o.overlong_factor} is invalid: it must be >= 0")
 
     @property
     def overlong_buffer(self) -> int:

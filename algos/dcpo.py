@@ -30,12 +30,12 @@ import torch
 from algos.base import Algorithm, LossOutput, StepContext
 from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, ranged
 
 
 @dataclass
 class DCPOOptions:
-    max_ratio: float = 10.0  # cap of r_high (paper: 10)
+    max_ratio: float = ranged(10.0, "> 1", "paper: 10")  # cap of r_high (paper: 10)
 
 
 def smooth_advantages(
@@ -69,8 +69,6 @@ class DCPO(Algorithm):
                 f"algo.adv_std={cfg.algo.adv_std!r} is invalid for dcpo: it must be 'population' (the pooled "
                 f"statistics over a prompt's history are population variances)"
             )
-        if cfg.algo.options.max_ratio <= 1:
-            raise ConfigError(f"algo.max_ratio={cfg.algo.options.max_ratio} is invalid: it must be > 1 (paper: 10)")
 
     def advantages(self, batch: RolloutBatch, ctx: StepContext) -> torch.Tensor:
         G = batch.group_size

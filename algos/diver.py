@@ -15,7 +15,7 @@ Formulas, defaults and decisions: docs/algorithms.md, section diver.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -23,21 +23,21 @@ import torch
 from algos.base import log_mean
 from algos.grpo import GRPO
 from grpo.foundation import rl_math
-from grpo.foundation.config import ConfigError
+from grpo.foundation.config import at_least_zero, positive, ranged
 from rewards.diversity import BLEU_WEIGHTS, equational_diversity, textual_diversity
 
 
 @dataclass
 class DiverOptions:
     diversity: Literal["td", "ed", "mix"] = "td"  # textual, equational, or both
-    lam: float = 0.1  # bonus weight (Decision; swept 0.001-1 in the paper)
-    td_cap: float = 0.91  # sigma for td (also td's cap inside mix)
-    ed_cap: float = 0.68  # sigma for ed
-    mix_ed_cap: float = 0.42  # ed's cap inside mix
+    lam: float = at_least_zero(0.1)  # bonus weight (Decision; swept 0.001-1 in the paper)
+    td_cap: float = at_least_zero(0.91)  # sigma for td (also td's cap inside mix)
+    ed_cap: float = at_least_zero(0.68)  # sigma for ed
+    mix_ed_cap: float = at_least_zero(0.42)  # ed's cap inside mix
     correct_threshold: float = 1.0  # only completions with r >= this get the bonus
-    decay_steps: int = 0  # > 0: bonus only for the first decay_steps steps (authors' code: 100)
-    max_chars: int = 1000  # characters of each completion compared (authors' code: 1000)
-    bleu_weights: list[float] = field(default_factory=lambda: list(BLEU_WEIGHTS))  # 1..n-gram weights
+    decay_steps: int = at_least_zero(0)  # > 0: bonus only for the first decay_steps steps (authors' code: 100)
+    max_chars: int = positive(1000)  # characters of each completion compared (authors' code: 1000)
+    bleu_weights: list[float] = ranged(None, ">= 0", "one weight per n-gram order", factory=lambda: list(BLEU_WEIGHTS))  # 1..n-gram weights
 
 
 class Diver(GRPO):
@@ -47,17 +47,6 @@ class Diver(GRPO):
     summary = "correct completions get a capped textual/equational diversity bonus, then GRPO"
     Options = DiverOptions
     knobs = ("diversity", "lam", "decay_steps")
-
-    @classmethod
-    def validate(cls, cfg) -> None:
-        o = cfg.algo.options
-        for key in ("lam", "td_cap", "ed_cap", "mix_ed_cap", "decay_steps"):
-            if getattr(o, key) < 0:
-                raise ConfigError(f"algo.{key}={getattr(o, key)!r} is invalid: it must be >= 0")
-        if o.max_chars <= 0:
-            raise ConfigError(f"algo.max_chars={o.max_chars!r} is invalid: it must be > 0")
-        if not o.bleu_weights or any(w < 0 for w in o.bleu_weights):
-            raise ConfigError(f"algo.bleu_weights={o.bleu_weights!r} is invalid: give one weight >= 0 per n-gram order")
 
     def diversity_bonus(self, texts: list[str], group_size: int) -> torch.Tensor:
         """clip(D, 0, sigma) per completion, group by group (before lambda and the correctness gate)."""

@@ -19,12 +19,12 @@ import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
 from grpo.foundation import rl_math
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import ranged
 
 
 @dataclass
 class DPPOOptions:
-    ratio_cap: float = 20.0  # C: the detached IS weight min(rho, C) (verl: clip_ratio_c, default 3 there)
+    ratio_cap: float = ranged(20.0, "> 1", "default 20; verl's clip_ratio_c defaults to 3")  # C: the detached IS weight min(rho, C) (verl: clip_ratio_c, default 3 there)
 
 
 class DPPOTV(Algorithm):
@@ -37,11 +37,6 @@ class DPPOTV(Algorithm):
     defaults = {"beta": 0.0, "clip_eps_low": 0.15, "clip_eps_high": 0.15, "aggregation": "token-mean",
                 "adv_std": "unbiased", "adv_eps": 1e-4}
     knobs = ("clip_eps_low", "clip_eps_high", "ratio_cap", "num_iterations")
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        if cfg.algo.options.ratio_cap <= 1:
-            raise ConfigError(f"algo.ratio_cap={cfg.algo.options.ratio_cap} is invalid: it must be > 1 (default 20; verl's clip_ratio_c defaults to 3)")
 
     def valid(self, logp: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept where A > 0, kept where A <= 0), detached."""

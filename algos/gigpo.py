@@ -30,15 +30,15 @@ from algos.base import StepContext
 from algos.grpo import GRPO
 from algos.mt_grpo import needs_turns
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import at_least_zero, ranged
 
 
 @dataclass
 class GiGPOOptions:
-    gamma: float = 0.95  # γ of the step returns
+    gamma: float = ranged(0.95, "in [0, 1]")  # γ of the step returns
     step_coef: float = 1.0  # ω
     norm: Literal["mean_norm", "mean_std_norm"] = "mean_norm"  # F_norm: 1, or std + eps
-    norm_eps: float = 1e-6  # eps of mean_std_norm
+    norm_eps: float = at_least_zero(1e-6)  # eps of mean_std_norm
     episode_stats: Literal["trajectory", "step"] = "trajectory"  # step: weighted by steps
 
 
@@ -69,14 +69,6 @@ class GiGPO(GRPO):
     Options = GiGPOOptions
     defaults = {**GRPO.defaults, "beta": 0.01, "aggregation": "token-mean"}
     knobs = ("gamma", "step_coef", "norm", "beta")
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        o = cfg.algo.options
-        if not 0 <= o.gamma <= 1:
-            raise ConfigError(f"algo.gamma={o.gamma} is invalid: it must be in [0, 1]")
-        if o.norm_eps < 0:
-            raise ConfigError(f"algo.norm_eps={o.norm_eps} is invalid: it must be >= 0")
 
     def _scale(self, std: float) -> float:
         return 1.0 if self.opt.norm == "mean_norm" else std + self.opt.norm_eps

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from algos.base import Algorithm, LossOutput, StepContext, check_max_gen_batches, masked_stat, resample
+from algos.base import Algorithm, LossOutput, StepContext, masked_stat, resample
 from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, at_least_zero, ranged
 
 
 @dataclass
 class GPGOptions:
-    threshold: float = 0.0  # beta_th: resample while the valid-group fraction is below it (paper: 0.6; 0 = off)
-    max_gen_batches: int = 10  # generation batches per step for resampling, the first included; 0 = unlimited
+    threshold: float = ranged(0.0, "in [0, 1]", "paper: 0.6, 0 = off")  # beta_th: resample while the valid-group fraction is below it (paper: 0.6; 0 = off)
+    max_gen_batches: int = at_least_zero(10, "0 = unlimited")  # generation batches per step for resampling, the first included; 0 = unlimited
 
 
 class GPG(Algorithm):
@@ -47,14 +47,10 @@ class GPG(Algorithm):
 
     @classmethod
     def validate(cls, cfg: Config) -> None:
-        o = cfg.algo.options
         if cfg.algo.beta != 0:
             raise ConfigError(
                 f"algo.beta={cfg.algo.beta} is invalid for gpg: it has no reference model, set algo.beta=0"
             )
-        if not 0 <= o.threshold <= 1:
-            raise ConfigError(f"algo.threshold={o.threshold} is invalid: it must lie in [0, 1] (paper: 0.6, 0 = off)")
-        check_max_gen_batches(o.max_gen_batches)
 
     @property
     def needs_old_logprobs(self) -> bool:

@@ -29,15 +29,15 @@ import torch
 from algos.base import LossOutput
 from algos.grpo import GRPO
 from grpo.foundation import rl_math
-from grpo.foundation.config import ConfigError
+from grpo.foundation.config import ranged
 
 
 @dataclass
 class GRPOLambdaOptions:
-    lam: float = 0.99  # trace decay lambda
-    gamma: float = 1.0  # discount gamma
+    lam: float = ranged(0.99, "in (0, 1]")  # trace decay lambda
+    gamma: float = ranged(1.0, "in (0, 1]")  # discount gamma
     trace: Literal["recent", "both"] = "recent"  # weighting of earlier tokens
-    neg_adv_clamp: Optional[float] = -0.1  # A <- max(A, this); null = no clamp
+    neg_adv_clamp: Optional[float] = ranged(-0.1, "<= 0", "or null")  # A <- max(A, this); null = no clamp
 
 
 class GRPOLambda(GRPO):
@@ -47,16 +47,6 @@ class GRPOLambda(GRPO):
     summary = "log-ratio accumulated over earlier tokens with (gamma lambda)^(t-k), negative A clamped"
     Options = GRPOLambdaOptions
     knobs = ("lam", "gamma", "trace", "neg_adv_clamp")
-
-    @classmethod
-    def validate(cls, cfg) -> None:
-        o = cfg.algo.options
-        for key in ("lam", "gamma"):
-            v = getattr(o, key)
-            if not 0.0 < v <= 1.0:
-                raise ConfigError(f"algo.{key}={v!r} is invalid: it must be in (0, 1]")
-        if o.neg_adv_clamp is not None and o.neg_adv_clamp > 0:
-            raise ConfigError(f"algo.neg_adv_clamp={o.neg_adv_clamp!r} is invalid: it must be <= 0 (or null)")
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         adv = super().advantages(batch, ctx)

@@ -18,16 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import LossOutput, masked_stat
-from algos.clip_cov import check_cov_ratio
 from algos.grpo import GRPO
 from grpo.foundation import rl_math, dist
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import at_least_zero, ranged
 
 
 @dataclass
 class KLCovOptions:
-    cov_ratio: float = 2e-4  # share of the step's tokens that get the KL penalty
-    kl_coef: float = 1.0  # weight of |l - l_old| on them (verl: ppo_kl_coef, default 0.1 there)
+    cov_ratio: float = ranged(2e-4, "in (0, 1]", "verl: 0.0002")  # share of the step's tokens that get the KL penalty
+    kl_coef: float = at_least_zero(1.0, "default 1; verl's ppo_kl_coef defaults to 0.1")  # weight of |l - l_old| on them (verl: ppo_kl_coef, default 0.1 there)
 
 
 class KLCov(GRPO):
@@ -39,12 +38,6 @@ class KLCov(GRPO):
     Options = KLCovOptions
     defaults = {**GRPO.defaults, "beta": 0.0, "aggregation": "token-mean"}
     knobs = ("cov_ratio", "kl_coef")
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        check_cov_ratio(cfg.algo.options.cov_ratio)
-        if cfg.algo.options.kl_coef < 0:
-            raise ConfigError(f"algo.kl_coef={cfg.algo.options.kl_coef} is invalid: it must be >= 0 (default 1; verl's ppo_kl_coef defaults to 0.1)")
 
     @property
     def needs_old_logprobs(self) -> bool:

@@ -137,7 +137,7 @@ class LossOptions:
             raise RuntimeError(
                 f"algo.tis_cap={cap} needs the sampler's log-probs, but the generation engine "
                 f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use an engine that reports them "
-                f"(rollout.engine=static or vllm) or set algo.tis_cap=null"
+                f"(every built-in one: hf, static, vllm) or set algo.tis_cap=null"
             )
         w = rl_math.tis_weight(self.old_logp(logp, mb), mb.sampler_logp, mb.mask, cap)
         return per_token * w, {"tis/weight_mean": masked_stat(w, mb.mask),

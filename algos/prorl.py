@@ -29,13 +29,13 @@ from typing import Optional
 
 from algos.base import StepContext
 from algos.dapo import DAPO, DAPOOptions
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, at_least_zero
 
 
 @dataclass
 class ProRLOptions(DAPOOptions):
-    reset_every: int = 0  # steps between reference resets; 0 = off
-    reset_patience: int = 0  # reset after this many logged values of reset_metric without improvement; 0 = off
+    reset_every: int = at_least_zero(0, "0 = off")  # steps between reference resets; 0 = off
+    reset_patience: int = at_least_zero(0, "0 = off")  # reset after this many logged values of reset_metric without improvement; 0 = off
     reset_metric: str = "reward/mean"  # higher is better; set it to an eval metric when one is logged
     reset_optimizer: bool = True  # ProRL: yes; ProRL-v2: no
 
@@ -61,15 +61,11 @@ class ProRL(DAPO):
     @classmethod
     def validate(cls, cfg: Config) -> None:
         super().validate(cfg)
-        o = cfg.algo.options
         if cfg.algo.beta <= 0:
             raise ConfigError(
                 f"algo.beta={cfg.algo.beta} is invalid for prorl: its KL term and reference resets need beta > 0 "
                 f"(paper: 1e-3); without them use --algo dapo"
             )
-        for key in ("reset_every", "reset_patience"):
-            if getattr(o, key) < 0:
-                raise ConfigError(f"algo.{key}={getattr(o, key)} is invalid: it must be >= 0 (0 = off)")
 
     # ----------------------------------------------------------------- hooks
     def attach(self, ctx: StepContext) -> None:

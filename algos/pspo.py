@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from algos.base import Algorithm, LossOutput, masked_stat
 from grpo.foundation import rl_math
-from grpo.foundation.config import ConfigError
+from grpo.foundation.config import ranged
 
 
 @dataclass
 class PSPOOptions:
-    alpha: float = 0.1  # smoothing weight toward the old policy, in [0, 1]
+    alpha: float = ranged(0.1, "in [0, 1]")  # smoothing weight toward the old policy, in [0, 1]
 
 
 class PSPO(Algorithm):
@@ -34,12 +34,6 @@ class PSPO(Algorithm):
     Options = PSPOOptions
     defaults = {"beta": 0.0, "aggregation": "token-mean", "adv_std": "unbiased", "adv_eps": 1e-4, "num_iterations": 2}
     knobs = ("alpha", "beta", "num_iterations")
-
-    @classmethod
-    def validate(cls, cfg) -> None:
-        alpha = cfg.algo.options.alpha
-        if not 0.0 <= alpha <= 1.0:
-            raise ConfigError(f"algo.alpha={alpha!r} is invalid: it must be in [0, 1]")
 
     def loss(self, logp, mb, norms) -> LossOutput:
         rho = rl_math.token_ratio(logp, self.old_logp(logp, mb))

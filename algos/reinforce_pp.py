@@ -19,12 +19,12 @@ import torch
 
 from algos.grpo import GRPO
 from grpo.foundation import rl_math
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import ranged
 
 
 @dataclass
 class ReinforcePPOptions:
-    gamma: float = 1.0  # discount of the token returns
+    gamma: float = ranged(1.0, "in (0, 1]", "verl's default: 1.0")  # discount of the token returns
 
 
 class ReinforcePP(GRPO):
@@ -36,12 +36,6 @@ class ReinforcePP(GRPO):
     defaults = {**GRPO.defaults, "beta": 0.0, "aggregation": "token-mean"}
     knobs = ("gamma", "kl_in_reward", "clip_eps_low", "clip_eps_high")
     group_relative = False  # no per-prompt baseline: one completion per prompt learns too
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        g = cfg.algo.options.gamma
-        if not 0 < g <= 1:
-            raise ConfigError(f"algo.gamma={g} is invalid: it must lie in (0, 1] (verl's default: 1.0)")
 
     def advantages(self, batch, ctx) -> torch.Tensor:
         returns = rl_math.discounted_returns(self.token_rewards(batch, ctx), batch.mask, self.opt.gamma)

@@ -19,13 +19,13 @@ import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
 from grpo.foundation import rl_math
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import positive
 
 
 @dataclass
 class SAPOOptions:
-    tau_pos: float = 1.0  # gate temperature where A > 0
-    tau_neg: float = 1.05  # gate temperature where A <= 0
+    tau_pos: float = positive(1.0, "a gate temperature; paper: 1.0 / 1.05")  # gate temperature where A > 0
+    tau_neg: float = positive(1.05, "a gate temperature; paper: 1.0 / 1.05")  # gate temperature where A <= 0
 
 
 class SAPO(Algorithm):
@@ -37,13 +37,6 @@ class SAPO(Algorithm):
     Options = SAPOOptions
     defaults = {"beta": 0.0, "aggregation": "seq-mean-token-mean", "adv_std": "unbiased", "adv_eps": 1e-4}
     knobs = ("tau_pos", "tau_neg", "num_iterations")
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        for key in ("tau_pos", "tau_neg"):
-            v = getattr(cfg.algo.options, key)
-            if v <= 0:
-                raise ConfigError(f"algo.{key}={v} is invalid: a gate temperature must be > 0 (paper: 1.0 / 1.05)")
 
     def loss(self, logp: torch.Tensor, mb, norms: rl_math.StepNorms) -> LossOutput:
         ratio = rl_math.token_ratio(logp, self.old_logp(logp, mb))

@@ -20,17 +20,20 @@ import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
 from grpo.foundation import rl_math
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import positive
 
 LOG_W_MIN = math.log(1e-8)
 
 
+PAPER = "paper: k_pos 2, lambda_pos 3, k_neg 3, lambda_neg 2"
+
+
 @dataclass
 class VESPOOptions:
-    k_pos: float = 2.0  # power of w where A >= 0
-    lambda_pos: float = 3.0  # decay of w where A >= 0
-    k_neg: float = 3.0  # power of w where A < 0
-    lambda_neg: float = 2.0  # decay of w where A < 0
+    k_pos: float = positive(2.0, PAPER)  # power of w where A >= 0
+    lambda_pos: float = positive(3.0, PAPER)  # decay of w where A >= 0
+    k_neg: float = positive(3.0, PAPER)  # power of w where A < 0
+    lambda_neg: float = positive(2.0, PAPER)  # decay of w where A < 0
 
 
 def gamma_weight(log_w: torch.Tensor, k: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
@@ -48,14 +51,6 @@ class VESPO(Algorithm):
     Options = VESPOOptions
     defaults = {"beta": 0.0, "aggregation": "token-mean", "adv_std": "unbiased", "adv_eps": 1e-4}
     knobs = ("k_pos", "lambda_pos", "k_neg", "lambda_neg", "num_iterations")
-
-    @classmethod
-    def validate(cls, cfg: Config) -> None:
-        o = cfg.algo.options
-        for key in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"):
-            if getattr(o, key) <= 0:
-                raise ConfigError(f"algo.{key}={getattr(o, key)} is invalid: it must be > 0 "
-                                  f"(paper: k_pos 2, lambda_pos 3, k_neg 3, lambda_neg 2)")
 
     def loss(self, logp: torch.Tensor, mb, norms: rl_math.StepNorms) -> LossOutput:
         adv = mb.advantages

@@ -175,3 +175,40 @@ def test_nan_in_a_yaml_file_and_in_a_config_built_in_code(tmp_path):
     cfg.reward_pool.timeout = float("nan")  # built in code: validate() still refuses it
     with pytest.raises(ConfigError, match=r"^reward_pool.timeout=nan is invalid: it must be a finite number"):
         validate(cfg)
+
+
+OUTSIDE = {"> 0": 0, ">= 0": -1, "> 1": 1, "<= 0": 0.5, "in (0, 1]": 0, "in [0, 1]": 1.5, "in [0, 1)": 1}
+
+
+def declared_option_ranges():
+    """(algorithm, key, range, hint) for every algorithm option whose range is declared on its field."""
+    import dataclasses
+
+    from algos import ALGORITHMS
+
+    out = []
+    for name, cls in ALGORITHMS.items():
+        if dataclasses.is_dataclass(cls.Options):
+            for f in dataclasses.fields(cls.Options):
+                if "range" in f.metadata:
+                    out.append((name, f.name, f.metadata["range"], f.metadata.get("hint", "")))
+    return out
+
+
+def test_algorithm_option_ranges_live_on_their_fields_and_are_checked():
+    """Each declared range of an algorithm's own keys refuses a value just outside it, naming the key, the range and
+    the field's hint (the paper's value); the value just inside it loads."""
+    import re
+
+    ranges = declared_option_ranges()
+    assert {(a, k) for a, k, _, _ in ranges} >= {("cppo", "pruning"), ("dcpo", "max_ratio"), ("vespo", "k_pos"),
+                                                 ("sapo", "tau_neg"), ("gpg", "threshold"), ("kl-cov", "cov_ratio")}
+    for algo, key, within, hint in ranges:
+        bad = "[-1.0]" if key == "bleu_weights" else OUTSIDE[within]
+        want = f"algo.{key}=" + r".* is invalid: it must be .*" + re.escape(within) + (re.escape(f" ({hint})") if hint else "")
+        with pytest.raises(ConfigError, match=want):
+            load_config(None, algo, [f"algo.{key}={bad}"])
+    assert load_config(None, "cppo", ["algo.pruning=0"]).algo.options.pruning == 0
+    assert load_config(None, "grpo-lambda", ["algo.neg_adv_clamp=null"]).algo.options.neg_adv_clamp is None
+    with pytest.raises(ConfigError, match=r"algo.bleu_weights=\[\] is invalid: it must be a non-empty list"):
+        load_config(None, "diver", ["algo.bleu_weights=[]"])
