@@ -257,3 +257,37 @@ def test_generation_passes_the_kv_cache_without_a_deprecation_warning():
         comp = generate(model, [tok("12=").input_ids], SamplingParams(max_tokens=3), [tok.eos_token_id],
                         tok.pad_token_id, n=2)
     assert len(comp.tokens) == 2
+
+
+def test_hf_sampler_logprobs_equal_the_trainers_in_float64():
+    """Issue 45, item 1: the hf engine's log-prob of each drawn token is the trainer's (completion_logprobs at the
+    same temperature) in float64, ragged prompts and rows that end early included; with top-k / top-p it is the
+    log-softmax of the distribution it drew from (the filtered one), as the static and vllm engines report."""
+    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.rollout.hf import filter_logits
+
+    model, tok = build_tiny(seed=2)
+    model = model.double()
+    prompts = [tok("12+3=").input_ids, tok("7=").input_ids]
+    torch.manual_seed(0)
+    comp = generate(model, prompts, SamplingParams(max_tokens=9, temperature=0.7), [tok.eos_token_id],
+                    tok.pad_token_id, n=3, logprobs=True)
+    assert len({len(t) for t in comp.tokens}) > 1  # rows of different lengths
+    packed = pack([p for p in prompts for _ in range(3)], comp.tokens, tok.pad_token_id)
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, packed, temperature=0.7)
+    for i, lp in enumerate(comp.logprobs):
+        assert len(lp) == len(comp.tokens[i])
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), trainer[i, : len(lp)], rtol=0, atol=1e-10)
+
+    torch.manual_seed(0)
+    filtered = generate(model, prompts, SamplingParams(max_tokens=6, temperature=0.9, top_k=5, top_p=0.8),
+                        [tok.eos_token_id], tok.pad_token_id, n=2, logprobs=True)
+    for i, (toks, lp) in enumerate(zip(filtered.tokens, filtered.logprobs)):
+        ids = torch.tensor([prompts[i // 2] + toks])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompts[i // 2]) - 1: -1]
+        z = filter_logits(logits, 0.9, 0.8, 5).double()  # the kept tokens (float32, as the sampler drew)
+        want = torch.log_softmax(torch.where(torch.isinf(z), z, logits / 0.9), -1).gather(-1, torch.tensor(toks)[:, None])
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), want[:, 0], rtol=0, atol=1e-10)
+    assert generate(model, prompts, SamplingParams(max_tokens=3), [tok.eos_token_id], tok.pad_token_id).logprobs is None

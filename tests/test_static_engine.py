@@ -544,7 +544,6 @@ def test_auto_mode_is_graphs_on_cuda_and_eager_elsewhere():
 
 
 def test_auto_picks_hf_off_cuda_and_says_why(capsys):
-    from grpo.foundation.config import ConfigError
     from grpo.rollout.hf import HFEngine
     from grpo.rollout.service import engine_class
 
@@ -552,18 +551,20 @@ def test_auto_picks_hf_off_cuda_and_says_why(capsys):
     engine = engine_class("auto")(setup_for(model))
     assert type(engine) is HFEngine
     assert "rollout.engine=auto: hf (the policy is not on CUDA)" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match=r"algo.tis_cap=2.0 needs the sampler's own log-probs.*rollout.engine=static"):
-        engine_class("auto")(setup_for(model, ["algo.tis_cap=2.0"]))
+    tis = engine_class("auto")(setup_for(model, ["algo.tis_cap=2.0"]))  # hf reports the sampler's log-probs too
+    assert type(tis) is HFEngine and tis.logprobs and not engine.logprobs
     assert type(engine_class("static")(setup_for(model))) is static.StaticEngine
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
-def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, zero_stage):
+@pytest.mark.parametrize("engine, zero_stage", [("static", 0), ("static", 3), ("hf", 0)])
+def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, engine, zero_stage):
     """The demo config through the Trainer with rollout.engine=static, TIS on: the sampler's log-probs are the
     trainer's (same fp32 weights), so the logged gap is rounding only. ZeRO-3: the engine gathers the partitioned
-    weights once per call (a wrong or stale gather would show as a gap)."""
+    weights once per call (a wrong or stale gather would show as a gap). The hf engine reports them too (issue 45,
+    item 1): TIS runs with every engine."""
     from pathlib import Path
 
+    from grpo.rollout.hf import HFEngine
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
 
@@ -571,14 +572,15 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     cfg = load_config(demo, "grpo", [
         f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false", "train.max_steps=2",
         "rollout.prompts_per_step=4", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
-        "rollout.engine=static", "algo.tis_cap=2.0", "model.dtype=fp32", f"train.zero_stage={zero_stage}"])
+        f"rollout.engine={engine}", "algo.tis_cap=2.0", "model.dtype=fp32", f"train.zero_stage={zero_stage}"])
     tr = Trainer(cfg)
-    assert type(tr.rollout.engine) is static.StaticEngine
+    assert type(tr.rollout.engine) is {"static": static.StaticEngine, "hf": HFEngine}[engine]
     assert static.partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2
     for h in history:
         assert torch.isfinite(torch.tensor(h["loss"])) and h["sampler_gap/max"] < 1e-4
+        assert h["tis/weight_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.parametrize("window, device", [(None, "cpu"), (6, "cpu"),

@@ -112,7 +112,6 @@ def test_tis_needs_the_samplers_log_probs():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"algo.tis_cap": 2.0, ENGINE: "hf"}, "rollout.engine=hf samples with the training model"),
     ({"algo.tis_cap": "nan", ENGINE: SCRIPTED}, "algo.tis_cap"),
     ({"algo.tis_cap": 0, ENGINE: SCRIPTED}, r"algo.tis_cap=0.0 is invalid: it must be > 0"),
     ({"algo.tis_cap": 2.0, ENGINE: SCRIPTED, "env.name": "maze"}, "multi-turn"),

@@ -22,15 +22,38 @@ from grpo.foundation.loader import (ConfigError, build_dataclass, deep_merge, du
                                     parse_overrides, to_tree, unknown_key)
 
 # A key's range is declared on its field, beside its type and default: ``validate`` checks it (``check_ranges``,
-# a key set to null skips it) and scripts/gen_config_docs.py prints it in docs/config-reference.md.
-def positive(default: Any) -> Any:
+# a key set to null skips it, a list is checked item by item) and scripts/gen_config_docs.py prints it in
+# docs/config-reference.md. The ranges a field may declare, each with the test its value must pass:
+RANGES: dict[str, Any] = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    "> 1": lambda v: v > 1,
+    "<= 0": lambda v: v <= 0,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+}
+
+
+def ranged(default: Any, within: str, hint: str = "", factory: Any = None) -> Any:
+    """A field whose value must lie ``within`` one of RANGES; ``hint`` closes the error message (the paper's or a
+    peer's value, what 0 means); ``factory`` instead of ``default`` for a list."""
+    if within not in RANGES:
+        raise ValueError(f"range {within!r} is not one of {list(RANGES)}")
+    meta = {"range": within, **({"hint": hint} if hint else {})}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def positive(default: Any, hint: str = "") -> Any:
     """A field whose value must be > 0."""
-    return field(default=default, metadata={"range": "> 0"})
+    return ranged(default, "> 0", hint)
 
 
-def at_least_zero(default: Any) -> Any:
+def at_least_zero(default: Any, hint: str = "") -> Any:
     """A field whose value must be >= 0."""
-    return field(default=default, metadata={"range": ">= 0"})
+    return ranged(default, ">= 0", hint)
 
 
 # --------------------------------------------------------------------------- sections
@@ -534,12 +557,15 @@ def auto_dtype(device_type: Optional[str] = None) -> str:
 # --------------------------------------------------------------------------- validation
 
 
-def _positive(path: str, value: float, allow_zero: bool = False) -> None:
-    if not math.isfinite(value):
-        raise not_finite(path, value)
-    if value < 0 or (value == 0 and not allow_zero):
-        need = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{path}={value!r} is invalid: it must be {need}")
+def check_range(path: str, value: Any, within: str, hint: str = "") -> None:
+    """``value`` (a number, or each item of a non-empty list) is finite and lies ``within`` (a key of RANGES)."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if not math.isfinite(item):
+            raise not_finite(path, value)
+    if not items or not all(RANGES[within](v) for v in items):
+        need = f"a non-empty list, each value {within}" if isinstance(value, list) else within
+        raise ConfigError(f"{path}={value!r} is invalid: it must be {need}" + (f" ({hint})" if hint else ""))
 
 
 def check_optimizer_states(cfg: Config) -> None:
@@ -566,14 +592,16 @@ def custom_chat_template(data: "DataConfig") -> Optional[str]:
 
 
 def check_ranges(node: Any, path: str = "") -> None:
-    """Every field's declared range (``positive``, ``at_least_zero``) in this dataclass and the ones inside it,
-    rewards[i] included; the algorithm's options are its own (Algorithm.validate)."""
+    """Every field's declared range (``ranged``, ``positive``, ``at_least_zero``) in this dataclass and the ones
+    inside it, rewards[i] and the algorithm's options (keys ``algo.<name>``) included."""
     for f in dataclasses.fields(node):
         value, key = getattr(node, f.name), f"{path}.{f.name}" if path else f.name
-        if value is None or f.name == "options":
+        if value is None:
             continue
         if "range" in f.metadata:
-            _positive(key, value, allow_zero=f.metadata["range"] == ">= 0")
+            check_range(key, value, f.metadata["range"], f.metadata.get("hint", ""))
+        elif f.name == "options" and dataclasses.is_dataclass(value):
+            check_ranges(value, path)  # an algorithm's own keys live beside the shared ones: algo.<name>
         elif dataclasses.is_dataclass(value):
             check_ranges(value, key)
         elif isinstance(value, list):
@@ -605,12 +633,6 @@ def validate(cfg: Config) -> None:
     if a.clip_eps_low >= 1:
         raise ConfigError(f"algo.clip_eps_low={a.clip_eps_low!r} is invalid: it must be < 1")
     if a.tis_cap is not None:
-        if r.engine == "hf":
-            raise ConfigError(
-                f"algo.tis_cap={a.tis_cap!r} needs the sampler's own log-probs, and rollout.engine=hf samples with "
-                f"the training model itself (there is no sampler/trainer gap to correct): use rollout.engine=static "
-                f"or vllm, or set algo.tis_cap=null"
-            )
         if cfg.env.name:
             raise ConfigError(
                 f"algo.tis_cap={a.tis_cap!r} is not supported with multi-turn rollouts (env.name={cfg.env.name!r}): "

@@ -32,7 +32,18 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: i
 def filter_logits(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """float32 logits / temperature with the tokens outside top-k and top-p set to -inf: the distribution
     the sampler draws from (its log-softmax is the sampler's "processed" log-probs). No host sync."""
-    logits = logits.float()
+    return _filtered(logits.float(), temperature, top_p, top_k)
+
+
+def token_logprobs(logits: torch.Tensor, tok: torch.Tensor, temperature: float, top_p: float,
+                   top_k: int) -> torch.Tensor:
+    """The sampler's log-prob of each drawn token [rows]: log-softmax of the filtered logits at ``tok``, in float64
+    when the model computes in float64 (else float32). No host sync."""
+    z = _filtered(logits if logits.dtype == torch.float64 else logits.float(), temperature, top_p, top_k)
+    return torch.log_softmax(z, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _filtered(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     if temperature != 1.0:
         logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:
@@ -254,6 +265,7 @@ def generate(
     reuse: Optional[PrefixStore] = None,
     keep: Optional[PrefixStore] = None,
     check_every: Optional[int] = None,
+    logprobs: bool = False,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
 
@@ -264,6 +276,8 @@ def generate(
     ``check_every``: decode steps between host reads of the finished rows (``default_check_every``); the
     only host synchronisations of the loop are these reads (and, synced, one all-reduce each). Each row
     draws its uniforms from one [rows] draw per step, so the tokens do not depend on ``check_every``.
+    ``logprobs``: also the sampler's log-prob of each drawn token (``Completions.logprobs``; one log-softmax
+    over the vocabulary per step, so only when asked).
     """
     G, cfg = n, params
     device = next(model.parameters()).device
@@ -275,6 +289,7 @@ def generate(
     P = len(prompts)
     R, T = P * G, cfg.max_tokens
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
+    result_lp = torch.zeros((R, T), dtype=torch.float64, device=device) if logprobs else None
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     finished = torch.zeros(R, dtype=torch.bool, device=device)  # EOS drawn (the row may not have left yet)
     active = torch.arange(R, device=device)
@@ -301,6 +316,8 @@ def generate(
             u = torch.rand((R, 1), device=device)[active]  # row r's uniform whichever rows are still here
             tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k, u)
             result[active, t] = tok
+            if result_lp is not None:
+                result_lp[active, t] = token_logprobs(logits, tok, cfg.temperature, cfg.top_p, cfg.top_k).double()
             was = finished[active]
             if eos.numel():
                 now = torch.isin(tok, eos) & ~was
@@ -343,7 +360,8 @@ def generate(
     tokens = [row[:n] for row, n in zip(rows, lengths_l)]
     eos_set = set(int(e) for e in eos_ids)
     truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
-    return Completions(tokens=tokens, truncated=truncated, reused=reused)
+    lps = None if result_lp is None else [row[:m] for row, m in zip(result_lp.tolist(), lengths_l)]
+    return Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused)
 
 
 class HFEngine:
@@ -357,11 +375,13 @@ class HFEngine:
         self.keeps = bool(setup.cfg.env.name)
         self.store: Optional[PrefixStore] = None
         self.metrics: dict[str, float] = {}
+        self.logprobs = setup.cfg.algo.tis_cap is not None  # the sampler's log-probs, when the run uses them
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
         s = self.setup
         keep = PrefixStore() if self.keeps else None
-        out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store, keep=keep)
+        out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store, keep=keep,
+                       logprobs=self.logprobs)
         self.store = keep
         if self.keeps:
             fed = sum(len(p) for p in prompts) - out.reused

@@ -40,14 +40,7 @@ def auto_engine(setup: EngineSetup) -> GenerationEngine:
     if dist.is_main():
         print(f"rollout.engine=auto: {'static (CUDA, a supported model)' if reason is None else f'hf ({reason})'}",
               flush=True)
-    if reason is None:
-        return StaticEngine(setup)
-    tis_cap = setup.cfg.algo.tis_cap
-    if tis_cap is not None:
-        raise ConfigError(f"algo.tis_cap={tis_cap!r} needs the sampler's own log-probs, and rollout.engine=auto picked "
-                          f"hf here ({reason}), which has none: set rollout.engine=static (CPU runs it too) or vllm, "
-                          f"or set algo.tis_cap=null")
-    return HFEngine(setup)
+    return StaticEngine(setup) if reason is None else HFEngine(setup)
 
 
 def _engine_protocol(cls: Any, key: str, name: str) -> None:
