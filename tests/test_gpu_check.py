@@ -46,3 +46,25 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert ref["round_trip_ms"] > ref["server_forward_ms"] > 0
     table = (out / "gpu_table.md").read_text()
     assert table.count("\n| tiny |") == 6 and "tokens/s" in table and "HTTP path" in table and "reward model" in table
+
+
+def test_gpu_check_real_length_stages_on_cpu(tmp_path):
+    """Issue 41, item 4 on CPU: eos_generation (both engines, EOS ignored and at recorded lengths) and step_256_eos."""
+    out = tmp_path / "gc"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "gpu_check.py"), "--out", str(out),
+                           "--device", "cpu", "--tiny", "--stages", "eos_generation,step_256_eos"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=LAUNCH_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows] == ["machine", "eos_generation", "eos_generation", "step_256_eos"]
+    for gen in rows[1:3]:
+        lengths = gen["eos_distribution"]["lengths"]
+        assert len(lengths) == gen["rows"] == 4 and all(1 <= n <= gen["new_tokens"] for n in lengths)
+        assert gen["ignored"]["tokens"] == 4 * gen["new_tokens"]  # EOS ignored: every row to the cap
+        assert gen["forced"]["tokens"] <= sum(lengths)  # EOS at the recorded lengths (or the model's own, earlier)
+        assert gen["per_token_forced_over_ignored"] > 0
+    assert (rows[1]["engine"], rows[2]["engine"]) == ("hf", "static")
+    step = rows[3]
+    assert step["eos_distribution"]["cap"] == step["new_tokens"] and step["median"]["time/step"] > 0
+    assert "forced_eos_lengths" in (out / "run" / "config.yaml").read_text()
+    assert "EOS at recorded lengths" in (out / "gpu_table.md").read_text()

@@ -246,6 +246,43 @@ def test_compaction_keeps_every_rows_tokens():
     assert any(len(t) < 16 for t in a.tokens) and len({tuple(t) for t in a.tokens}) > 3
 
 
+@pytest.mark.parametrize("check_every", [1, 1000])
+def test_forced_eos_lengths_end_rows_where_recorded_in_both_engines(check_every):
+    """rollout.forced_eos_lengths (benchmarks: real lengths from random weights): under greedy decoding row i is the
+    unforced row cut at forced_eos_lengths[i % len] tokens with an EOS last, unless its own EOS came first; the same
+    in the hf and static engines, with compaction (check_every=1) and without."""
+    model = build("qwen2")
+    eos = eos_mid_run(model, PROMPTS)
+    at = (1, 3, 12, 5, 2, 7, 9)  # cycled over the 3 prompts x 3 rows
+    free = hf_tokens(model, PROMPTS, GREEDY, 3, eos=(eos,)).tokens
+    want = []
+    for i, row in enumerate(free):
+        n = at[i % len(at)]
+        want.append(row if len(row) <= n and row[-1] == eos else row[: n - 1] + [eos])
+    assert any(w != f for w, f in zip(want, free)) and any(w == f for w, f in zip(want, free))
+    params = dataclasses.replace(GREEDY, forced_eos_lengths=at)
+    engine = static.StaticEngine(setup_for(model, [f"rollout.static.check_every={check_every}"], eos=(eos,)))
+    got = engine.generate(PROMPTS, params, n=3)
+    assert got.tokens == want and not got.truncated.any()
+    assert hf_tokens(model, PROMPTS, params, 3, eos=(eos,)).tokens == want
+    if check_every == 1:
+        assert engine.pop_metrics().get("rollout/compactions", 0) >= 1
+
+
+def test_forced_eos_lengths_is_a_checked_config_key():
+    from grpo.foundation.config import ConfigError
+    from grpo.rollout.engine import SamplingParams as SP
+    from grpo.training.configure import load_config
+
+    cfg = load_config(None, "grpo", ["rollout.forced_eos_lengths=[3, 1]"])
+    assert SP.from_rollout(cfg.rollout).forced_eos_lengths == (3, 1)
+    with pytest.raises(ConfigError, match=r"rollout.forced_eos_lengths=\[3, 0\] is invalid: it must be a non-empty "
+                                          r"list, each value > 0"):
+        load_config(None, "grpo", ["rollout.forced_eos_lengths=[3, 0]"])
+    with pytest.raises(ConfigError, match="rollout.ignore_eos=true ignores it"):
+        load_config(None, "grpo", ["rollout.forced_eos_lengths=[3]", "rollout.ignore_eos=true"])
+
+
 class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops that make the host wait for the device."""
 

@@ -235,6 +235,10 @@ class RolloutConfig:
     # Benchmarking / profiling only: EOS does not end a completion, so every completion is exactly
     # max_completion_length tokens (as vLLM's ignore_eos). Never use it for real training.
     ignore_eos: bool = False
+    # Benchmarking only: completion i of each generation call ends with an EOS forced after
+    # forced_eos_lengths[i % len] tokens (unless it ended before), so that a model with random weights finishes
+    # its rows at real, recorded lengths (scripts/benchmarks/bench.py --eos-lengths). Engines hf and static.
+    forced_eos_lengths: Optional[list[int]] = ranged(None, "> 0")
     # The generation engine (grpo/rollout/): "auto" (static on CUDA for the models it supports, hf otherwise;
     # the choice and its reason are logged), "hf" (the training model through transformers), "static" (static
     # KV buffers, a functional decode step, compiled and CUDA-graphed on CUDA), "vllm", or
@@ -321,7 +325,7 @@ class AlgoConfig:
     adv_scope: Literal["group", "batch"] = "group"  # batch: the std over the whole step, the mean per group
     num_iterations: int = positive(1)  # mu: optimizer passes per generation batch
     # Truncated importance sampling: each token's policy-gradient term times min(pi_old / pi_sampler, C),
-    # pi_sampler from the generation engine's own log-probs (engines that return them: static, vllm).
+    # pi_sampler from the generation engine's own log-probs (every built-in engine: hf, static, vllm).
     tis_cap: Optional[float] = positive(None)  # C; null = off
     # KL in the reward (verl's use_kl_in_reward, OpenRLHF's default): each token's reward gets
     # -kl_in_reward * k1 = -coef (l_old - l_ref) before the advantages (the outcome score r_i becomes
@@ -621,6 +625,12 @@ def validate(cfg: Config) -> None:
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p!r} is invalid: it must be in (0, 1]")
     _validate_vllm(r.vllm)
+    if r.forced_eos_lengths is not None:
+        if r.ignore_eos:
+            raise ConfigError("rollout.forced_eos_lengths ends rows with an EOS and rollout.ignore_eos=true ignores it: "
+                              "set one of them")
+        if r.engine == "vllm":
+            raise ConfigError("rollout.forced_eos_lengths is not supported by rollout.engine=vllm: use hf or static")
     if r.static.mode not in STATIC_MODES:
         raise ConfigError(f"rollout.static.mode={r.static.mode!r} is invalid: choose from {list(STATIC_MODES)}")
     check_optimizer_states(cfg)

@@ -30,11 +30,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     ignore_eos: bool = False  # benchmarks only: EOS does not end a completion
+    forced_eos_lengths: tuple[int, ...] = ()  # benchmarks only: row i ends with EOS at [i % len] tokens
 
     @classmethod
     def from_rollout(cls, cfg: RolloutConfig, **changes: Any) -> "SamplingParams":
         base = cls(max_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                   top_k=cfg.top_k, ignore_eos=cfg.ignore_eos)
+                   top_k=cfg.top_k, ignore_eos=cfg.ignore_eos, forced_eos_lengths=tuple(cfg.forced_eos_lengths or ()))
         return dataclasses.replace(base, **changes)
 
     def greedy(self) -> "SamplingParams":
@@ -56,6 +57,15 @@ class Completions:
     @classmethod
     def empty(cls) -> "Completions":
         return cls(tokens=[], truncated=torch.zeros(0, dtype=torch.bool))
+
+
+def forced_eos(params: SamplingParams, rows: int, device: torch.device) -> Optional[torch.Tensor]:
+    """[rows + 1] long: the token count at which each row's EOS is forced (``forced_eos_lengths`` cycled over the
+    rows; the last entry, 0, for padding rows), or None when nothing is forced."""
+    if not params.forced_eos_lengths:
+        return None
+    at = [params.forced_eos_lengths[i % len(params.forced_eos_lengths)] for i in range(rows)] + [0]
+    return torch.tensor(at, dtype=torch.long, device=device)
 
 
 def completion_mask(lengths: list[int], width: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo.foundation import dist
 from grpo.foundation.modeling import CACHE_ARG, cache_of
-from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
+from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
@@ -289,6 +289,7 @@ def generate(
     P = len(prompts)
     R, T = P * G, cfg.max_tokens
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
+    forced = None if cfg.ignore_eos or not eos_ids else forced_eos(cfg, R, device)
     result_lp = torch.zeros((R, T), dtype=torch.float64, device=device) if logprobs else None
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     finished = torch.zeros(R, dtype=torch.bool, device=device)  # EOS drawn (the row may not have left yet)
@@ -315,6 +316,8 @@ def generate(
         if active.numel():
             u = torch.rand((R, 1), device=device)[active]  # row r's uniform whichever rows are still here
             tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k, u)
+            if forced is not None:  # benchmarks: the row's recorded length is reached
+                tok = torch.where(forced[active] == t + 1, eos[0], tok)
             result[active, t] = tok
             if result_lp is not None:
                 result_lp[active, t] = token_logprobs(logits, tok, cfg.temperature, cfg.top_p, cfg.top_k).double()

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import partitioned
-from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
+from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -469,6 +469,7 @@ class StaticEngine:
         finished[R] = True
         eos = None if params.ignore_eos else torch.tensor(sorted(self.setup.eos_ids), dtype=torch.long, device=dev)
         u_all = torch.rand((T, R + 1), generator=self.gen, device=dev)  # row r draws u_all[t, r] at step t
+        forced = None if eos is None else forced_eos(params, R, dev)  # benchmarks: EOS at recorded lengths
         flags = torch.empty(R + 1, dtype=torch.bool, pin_memory=dev.type == "cuda")
         event = torch.cuda.Event() if dev.type == "cuda" else None
         pending = False
@@ -484,6 +485,8 @@ class StaticEngine:
                 tok, lp = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows], k_rows, v_rows,
                                          kpos_all[:Rb], length, sampling)
                 nxt = nxt + 1
+            if forced is not None:
+                tok = torch.where(forced[rows] == t + 1, eos[0], tok)
             out_tok[rows, t] = tok
             out_lp[rows, t] = lp
             if eos is None:

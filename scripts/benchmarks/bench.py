@@ -244,6 +244,22 @@ class GpuSampler:
                 "gpu_util_mean": statistics.mean(self.samples) if self.samples else float("nan")}
 
 
+def reasoning_lengths(rows: int, cap: int, seed: int = 0) -> dict:
+    """EOS lengths like a reasoning run's, fixed by ``seed`` and recorded beside the figures: 10% of the rows run to
+    the cap (truncated), the others end after 1 + Exponential(mean cap / 6) tokens, below the cap: many short, a
+    long tail. Both sides of a comparison end row i of a generation call at ``lengths[i % rows]`` (ours:
+    ``rollout.forced_eos_lengths``; TRL's: a logits processor that forces EOS there)."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [cap if rng.random() < 0.1 else min(cap - 1, 1 + int(rng.expovariate(6.0 / cap))) for _ in range(rows)]
+    lengths = [max(1, n) for n in lengths]
+    ordered = sorted(lengths)
+    return {"distribution": "reasoning: 10% at the cap, else 1 + Exponential(mean cap / 6) below the cap",
+            "seed": seed, "cap": cap, "lengths": lengths, "mean": sum(lengths) / rows, "p50": ordered[rows // 2],
+            "p90": ordered[min(rows - 1, (9 * rows) // 10)], "share_at_cap": sum(n == cap for n in lengths) / rows}
+
+
 def child_ours(spec: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
@@ -276,6 +292,8 @@ def child_ours(spec: dict) -> dict:
     else:
         ov += [f"algo.beta={spec['beta']}", "algo.clip_eps_low=0.2", "algo.clip_eps_high=0.2",
                "algo.aggregation=seq-mean-token-mean", "algo.kl_estimator=k3"]
+    if spec.get("eos_lengths"):
+        ov.append(f"rollout.forced_eos_lengths={spec['eos_lengths']}")
     cfg = load_config(None, algo, ov + list(spec.get("set", [])))
     trainer = Trainer(cfg)
     torch.manual_seed(spec["seed"])
@@ -355,6 +373,8 @@ def child_trl(spec: dict) -> dict:
 
     trainer = Timed(model=spec["model"], reward_funcs=bench_reward, args=args, train_dataset=ds,
                     processing_class=tok, callbacks=[Clock()])
+    if spec.get("eos_lengths"):
+        force_eos_lengths(trainer.model, spec["eos_lengths"], tok.eos_token_id)
     setup_s = time.perf_counter() - t_setup
     rss_setup = _rss_mb()
     trainer.train()
@@ -368,6 +388,32 @@ def child_trl(spec: dict) -> dict:
             "prompt_lens": times["prompt"][0][:: spec["group"]] if times["prompt"] else [],
             "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
             **gpu.result()}
+
+
+def force_eos_lengths(model, lengths: list[int], eos: int) -> None:
+    """TRL's side of ``rollout.forced_eos_lengths``: every ``model.generate`` call ends row i with EOS after
+    ``lengths[i % len]`` new tokens (a logits processor that leaves only EOS at that step)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class ForcedEos(LogitsProcessor):
+        def __init__(self, start: int):
+            self.start = start
+
+        def __call__(self, input_ids, scores):
+            made = input_ids.shape[1] - self.start  # new tokens so far
+            at = torch.tensor([lengths[i % len(lengths)] for i in range(scores.shape[0])], device=scores.device)
+            only_eos = torch.full_like(scores, float("-inf"))
+            only_eos[:, eos] = 0.0
+            return torch.where((at == made + 1)[:, None], only_eos, scores)
+
+    plain = model.generate
+
+    def generate(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        return plain(*args, logits_processor=LogitsProcessorList([ForcedEos(ids.shape[1])]), **kwargs)
+
+    model.generate = generate
 
 
 # ----------------------------------------------------------------------------------- the parent
@@ -462,12 +508,19 @@ def compare(args, workdir: Path) -> dict:
     return report
 
 
+def eos_words(spec: dict) -> str:
+    if spec.get("eos_distribution"):
+        d = spec["eos_distribution"]
+        return f"EOS at recorded lengths: mean {d['mean']:.0f}, median {d['p50']}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap"
+    return "EOS ignored" if spec["ignore_eos"] else "EOS active"
+
+
 def compare_markdown(r: dict, args) -> str:
     s = r["summary"]
     sides = [k for k in ("ours", "trl") if k in s]
     lines = [
         f"{args.algo} (beta = {0.0 if args.algo == 'dapo' else args.beta}), {args.dtype}, {args.prompts} prompts x "
-        f"G = {args.group}, {args.max_new} new tokens (EOS ignored), micro-batch {args.micro_batch}, "
+        f"G = {args.group}, {args.max_new} new tokens ({eos_words(r['spec'])}), micro-batch {args.micro_batch}, "
         f"{r['summary']['ours']['steps_measured']} measured steps after {args.warmup} warm-up, {args.device}; "
         f"load average {r['load_before']} before, {r['load_after']} after",
         "",
@@ -549,9 +602,21 @@ def base_spec(args, workdir: Path, max_new: int | None = None, group: int | None
     return {"model": str(Path(args.model).resolve()), "algo": args.algo, "beta": args.beta, "dtype": args.dtype,
             "group": group or args.group, "prompts": args.prompts, "max_new": max_new or args.max_new,
             "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-            "seed": args.seed, "temperature": args.temperature, "ignore_eos": not args.keep_eos,
+            "seed": args.seed, "temperature": args.temperature,
+            "ignore_eos": not args.keep_eos and args.eos_lengths == "none",
             "threads": args.threads, "workdir": str(workdir), "data": str(workdir / "prompts.jsonl"),
-            "device": args.device, "set": args.set}
+            "device": args.device, "set": args.set, **eos_spec(args, max_new or args.max_new, group or args.group)}
+
+
+def eos_spec(args, max_new: int, group: int) -> dict:
+    """``--eos-lengths reasoning``: the recorded lengths both sides end their rows at (one generation call holds
+    prompts x group rows on either side)."""
+    if args.eos_lengths == "none":
+        return {}
+    if args.keep_eos:
+        raise SystemExit("--keep-eos and --eos-lengths: choose one (natural EOS, or EOS at recorded lengths)")
+    drawn = reasoning_lengths(args.prompts * group, max_new, args.seed)
+    return {"eos_lengths": drawn["lengths"], "eos_distribution": drawn}
 
 
 def parse_args(argv=None):
@@ -576,6 +641,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--keep-eos", action="store_true", help="let EOS end completions (work then differs)")
+    p.add_argument("--eos-lengths", choices=["none", "reasoning"], default="none",
+                   help="reasoning: rows end with EOS at lengths drawn once (seeded, recorded in the JSON) from a "
+                        "reasoning-like distribution, the same on both sides (see reasoning_lengths)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--trl-python", default=os.environ.get("BENCH_TRL_PYTHON", sys.executable),
                    help="interpreter with trl installed (default: this one, or env BENCH_TRL_PYTHON)")

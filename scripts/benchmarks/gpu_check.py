@@ -14,10 +14,15 @@ per shape:
                  CUDA), static:MODE or static:MODE:LENGTH_BUCKET; the static rows add the warm-up seconds
                  (compiles and graph captures at these shapes), their log-prob gap to the trainer, and
                  (eager engines) how many leading greedy tokens of each row equal the first engine's
+    eos_generation  real lengths (issue 41): each engine (``--engines``) at the generation stage's shape, EOS
+                 ignored and then EOS at lengths drawn once from a reasoning-like distribution (recorded: bench.py's
+                 reasoning_lengths): decode ms per generated token of both and their ratio, compactions
     step_256     training steps at 8 prompts x 8 (micro-batches of 16), 256 new tokens (EOS ignored): median time/*
     step_1024    the same at 1024 new tokens        of the steps after the warm-up, peak memory, and the parts of it
                  (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
                  rest = peak - those), step-time outliers (> 1.5x the running median)
+    step_256_eos, step_1024_eos  the same with EOS at recorded lengths (reasoning_lengths, seed 0); neither
+                 they nor eos_generation are in the default stages
     ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/benchmarks/bench_ref_http.py)
     compile_probe  which part of the static decode step torch.compile fails on (sampler, forward, whole step),
                  two layers of the shape (not in the default stages)
@@ -42,13 +47,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from scripts.benchmarks.bench import reasoning_lengths  # noqa: E402
 from scripts.benchmarks.bench_ref import SMOLLM_SHAPE, random_smollm2  # noqa: E402
 
 SHAPES = {
@@ -172,6 +178,51 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
                "warmup_seconds": warm, "greedy_same_tokens": same, "greedy_tokens": greedy.max_tokens, **gap}
 
 
+def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
+    """Real lengths (issue 41, item 4): per engine, ``gen_rows`` rows of up to ``gen_tokens`` tokens, EOS ignored and
+    then EOS forced at lengths drawn once from a reasoning-like distribution (scripts/benchmarks/bench.py:
+    reasoning_lengths, recorded here). Decode time per generated token with EOS against without (the target: within
+    1.2x): what finished rows cost, compaction included."""
+    from grpo.foundation.config import ModelConfig
+    from grpo.foundation.modeling import load_model
+    from grpo.rollout.engine import EngineSetup, SamplingParams
+    from grpo.rollout.service import engine_class
+    from grpo.training.configure import load_config
+
+    model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, model.config.vocab_size, (PROMPT_WORDS,), generator=g).tolist()
+               for _ in range(spec["gen_rows"] // 8 or 1)]
+    n = spec["gen_rows"] // len(prompts)
+    drawn = reasoning_lengths(len(prompts) * n, spec["gen_tokens"], seed=0)
+    free = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
+    forced = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, forced_eos_lengths=tuple(drawn["lengths"]))
+    for name in engines:
+        kind = name.split(":")[0]
+        cfg = load_config(None, "grpo", engine_overrides(name))
+        engine = engine_class(kind)(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+        res = {"engine": name, "mode": getattr(engine, "mode", None), "rows": len(prompts) * n,
+               "new_tokens": spec["gen_tokens"], "eos_distribution": drawn}
+        for label, params in (("ignored", free), ("forced", forced)):
+            engine.generate(prompts, params, n)  # the warm-up: this call's shapes (static: compiles, captures)
+            if hasattr(engine, "pop_metrics"):
+                engine.pop_metrics()
+            _sync(device)
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, params, n)
+            _sync(device)
+            secs = time.perf_counter() - t0
+            tokens = sum(len(t) for t in out.tokens)
+            res[label] = {"seconds": secs, "tokens": tokens, "tokens_per_s": tokens / secs,
+                          "ms_per_token": 1000 * secs / tokens,
+                          **(engine.pop_metrics() if hasattr(engine, "pop_metrics") else {})}
+        res["per_token_forced_over_ignored"] = res["forced"]["ms_per_token"] / res["ignored"]["ms_per_token"]
+        if hasattr(engine, "offload"):
+            engine.offload()
+        del engine
+        yield res
+
+
 def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int, tokens: int) -> dict:
     """Bytes of each part that arithmetic gives: weights, fp32 master copy, Adam moments, gradients, KV cache."""
     w = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
@@ -185,7 +236,9 @@ def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int,
 
 def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
                engine: str = "auto", rewards: str = "[{fn: 'scripts.benchmarks.bench:bench_reward'}]",
-               overrides: tuple[str, ...] = ()) -> dict:
+               overrides: tuple[str, ...] = (), eos_lengths: Optional[dict] = None) -> dict:
+    """Training steps; ``eos_lengths`` (reasoning_lengths' record): rows end at those lengths instead of running to
+    ``new_tokens`` with EOS ignored."""
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
 
@@ -195,7 +248,8 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
         f"model.name_or_path={folder}", f"model.dtype={dtype}", "model.gradient_checkpointing=false",
         "data.source=jsonl", f"data.path={data}", "data.shuffle=false",
         f"rollout.num_generations={spec['G']}", f"rollout.prompts_per_step={spec['prompts']}",
-        f"rollout.max_completion_length={new_tokens}", "rollout.ignore_eos=true", "rollout.max_prompt_length=512",
+        f"rollout.max_completion_length={new_tokens}", "rollout.max_prompt_length=512",
+        *(["rollout.ignore_eos=true"] if eos_lengths is None else [f"rollout.forced_eos_lengths={eos_lengths['lengths']}"]),
         f"train.max_steps={spec['steps'] + spec['warmup']}", "train.lr=1e-6", f"train.optimizer_states={states}",
         f"train.micro_batch_size={spec['micro']}", f"train.output_dir={out / 'run'}",
         "logging.progress_bar=false", "logging.plot=false", f"rewards={rewards}",
@@ -229,6 +283,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     return {"new_tokens": new_tokens, "rows": rows, "micro_batch": spec["micro"], "engine": f"{type(trainer.rollout.engine).__name__} "
             f"{getattr(trainer.rollout.engine, 'mode', '')}".strip(),
             "optimizer_states": states, "params": n_params, "overrides": list(overrides),
+            **({"eos_distribution": eos_lengths} if eos_lengths else {}),
             "median": med, "steps": steps, "peak_bytes": peak, "peak_kind": "cuda allocated" if device.startswith(
                 "cuda") else "process RSS", "memory_parts": parts, "kv_cache_bytes": kv, "kv_cache_in_peak": kv_held,
             "phase_peaks": phases,
@@ -355,6 +410,13 @@ def table(rows: list[dict]) -> str:
                             f"engine's")
             if "logprob_gap_mean" in r:
                 res += f", log-prob gap to the trainer {r['logprob_gap_mean']:.2g} mean, {r['logprob_gap_max']:.2g} max"
+        elif r["stage"] == "eos_generation":
+            d, a, b = r["eos_distribution"], r["ignored"], r["forced"]
+            res = (f"{r['engine']} ({r['mode']}), {r['rows']} rows x up to {r['new_tokens']}: EOS ignored "
+                   f"{a['ms_per_token']:.3f} ms a token ({a['tokens_per_s']:.0f} tokens/s), EOS at recorded lengths "
+                   f"(mean {d['mean']:.0f}, median {d['p50']}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap) "
+                   f"{b['ms_per_token']:.3f} ms a token ({b['tokens_per_s']:.0f} tokens/s, "
+                   f"{b.get('rollout/compactions', 0):.0f} compactions): {r['per_token_forced_over_ignored']:.2f}x")
         elif r["stage"].startswith("step"):
             md, parts = r["median"], r["memory_parts"]
             res = (f"{md['time/step']:.2f} s/step ({r['engine']}; generation {md.get('time/generation', 0):.2f}, "
@@ -370,6 +432,9 @@ def table(rows: list[dict]) -> str:
                 res += "; phase peaks " + ", ".join(f"{k[7:-4]} {v:.2f}" for k, v in sorted(phases.items())) + " GiB"
             if r.get("overrides"):
                 res += "; " + " ".join(r["overrides"])
+            if r.get("eos_distribution"):
+                d = r["eos_distribution"]
+                res += f"; EOS at recorded lengths (mean {d['mean']:.0f}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap)"
             if "reward/rm/latency" in md:
                 res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
                         f"{md.get('reward/model_time_frac', 0):.2f} of the step")
@@ -440,9 +505,16 @@ def main(argv=None) -> int:
                     rows.append(record(out, stage, name, res))
                     (out / "gpu_table.md").write_text(table(rows))
                 continue
-            elif stage in ("step_256", "step_1024"):
-                res = stage_step(folder, args.device, dtype, spec, spec["short" if stage == "step_256" else "long"],
-                                 out, states, args.step_engine, overrides=tuple(args.set))
+            elif stage == "eos_generation":
+                for res in stage_eos_generation(folder, args.device, dtype, spec, args.engines.split(",")):
+                    rows.append(record(out, stage, name, res))
+                    (out / "gpu_table.md").write_text(table(rows))
+                continue
+            elif stage in ("step_256", "step_1024", "step_256_eos", "step_1024_eos"):
+                tokens = spec["short" if stage.startswith("step_256") else "long"]
+                eos = reasoning_lengths(spec["prompts"] * spec["G"], tokens, seed=0) if stage.endswith("_eos") else None
+                res = stage_step(folder, args.device, dtype, spec, tokens, out, states, args.step_engine,
+                                 overrides=tuple(args.set), eos_lengths=eos)
             elif stage == "ref_http":
                 res = stage_ref_http(folder, args.device, dtype, spec)
             elif stage == "compile_probe":
@@ -460,8 +532,8 @@ def main(argv=None) -> int:
                                          f"weight: 0}}]", overrides=tuple(args.set))
                 res["reward_model"] = str(rm)
             else:
-                raise SystemExit(f"unknown stage {stage!r}; valid: generation, step_256, step_1024, ref_http, step_rm, "
-                                 f"compile_probe, decode_profile")
+                raise SystemExit(f"unknown stage {stage!r}; valid: generation, eos_generation, step_256, step_1024, "
+                                 f"step_256_eos, step_1024_eos, ref_http, step_rm, compile_probe, decode_profile")
             res["stage_seconds"] = time.perf_counter() - t0
             rows.append(record(out, stage, name, res))
             (out / "gpu_table.md").write_text(table(rows))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session's run of issue 21 (docs/results.md, 2026-11-26): every stage of scripts/benchmarks/gpu_check.py and
+# The GPU session's run of issues 21 and 41 (docs/results.md, 2026-11-26): every stage of scripts/benchmarks/gpu_check.py and
 # scripts/benchmarks/bench.py --vs trl, each under what is left of BUDGET seconds, results copied to $OUT every 3 s.
 #   BUDGET=545 OUT=/tmp/out bash scripts/benchmarks/gpu_session.sh                       # on the GPU machine (needs trl)
 #   OUT=/tmp/o DEV=cpu SHAPE=tiny TINY=1 DTYPE=fp32 SM=eager CM=compile P=2 GRP=2 NEW=8 bash scripts/benchmarks/gpu_session.sh
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 GC=/tmp/gc; BE=/tmp/bench; mkdir -p $GC $BE
 copy() {
   cp $GC/gpu_check.jsonl $GC/gpu_table.md $BE/bench-* $OUT/ 2>/dev/null
-  for d in 1024 bf16; do for f in $BE/$d/bench-*; do [ -f "$f" ] && cp "$f" "$OUT/$d-$(basename "$f")"; done; done
+  for d in 1024 bf16 eos; do for f in $BE/$d/bench-*; do [ -f "$f" ] && cp "$f" "$OUT/$d-$(basename "$f")"; done; done
 }
 ( while sleep 3; do copy; done ) &
 COPIER=$!
@@ -23,6 +23,10 @@ grep -q '"mode": "graphs"' $GC/gpu_check.jsonl 2>/dev/null || { [ "$DEV" = cuda 
 stage $PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --vs trl --device $DEV --dtype ${DTYPE:-bf16} --algo grpo \
   --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1 \
   --set rollout.engine=static --set rollout.static.mode=${SM:-graphs} --out $BE
+stage $G --stages eos_generation --engines static:${SM:-graphs}  # real lengths: EOS at recorded lengths (issue 41)
+stage $PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --vs trl --device $DEV --dtype ${DTYPE:-bf16} --algo grpo \
+  --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1 \
+  --eos-lengths reasoning --set rollout.engine=static --set rollout.static.mode=${SM:-graphs} --out $BE/eos
 stage $G --stages ref_http
 stage $G --stages step_256,step_rm --step-engine static:${SM:-graphs}
 stage $G --stages generation --engines static:${CM:-compile+graphs}:0
