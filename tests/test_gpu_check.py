@@ -68,3 +68,24 @@ def test_gpu_check_real_length_stages_on_cpu(tmp_path):
     assert step["eos_distribution"]["cap"] == step["new_tokens"] and step["median"]["time/step"] > 0
     assert "forced_eos_lengths" in (out / "run" / "config.yaml").read_text()
     assert "EOS at recorded lengths" in (out / "gpu_table.md").read_text()
+
+
+def test_gpu_check_real_model_stage_on_cpu(tmp_path):
+    """Issue 41, item 5 on CPU: a real model folder trained on the arithmetic preset with the reference server as its
+    own process, EOS active; accuracy before and after, the curve and the step times recorded."""
+    from grpo.foundation.tiny import write_tiny
+
+    model = write_tiny(tmp_path / "model")
+    out = tmp_path / "gc"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "gpu_check.py"), "--out", str(out),
+                           "--device", "cpu", "--tiny", "--stages", "real_model", "--real-model", str(model),
+                           "--real-steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    real = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()][-1]
+    assert real["stage"] == "real_model" and real["steps"] == 2 and real["held_out"] == 8
+    assert [s for s, _ in real["evals"]][0] == 0 and [s for s, _ in real["evals"]][-1] == 2
+    assert 0 <= real["accuracy_before"] <= 1 and 0 <= real["accuracy_after"] <= 1 and len(real["rewards"]) == 2
+    assert real["step_median_s"] > 0 and 0 < real["reference_share"] < 1  # the server answered every step
+    assert "reference server stopped (exit 0)" in proc.stdout
+    assert "held-out accuracy" in (out / "gpu_table.md").read_text()

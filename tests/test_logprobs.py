@@ -66,6 +66,35 @@ def test_gradient_matches_naive(model_and_rows):
         torch.testing.assert_close(a, p.grad, atol=1e-8, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("chunk_size", [3, 1024])
+def test_fp32_chunked_path_equals_the_plain_one_with_its_gradient(chunk_size):
+    """Issue 41 (CPU part): in float32, the chunked and fused path (shared prompts, LM head on completion positions
+    only) equals the plain one (one forward per row, full-vocabulary log-softmax, in float32 too) within 1e-5, the
+    values and every parameter's gradient."""
+    model, _ = build_tiny(seed=4)
+    g = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+    prompts = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 5, 2, 6)]
+    prompts[1] = prompts[0]  # a group sharing its prompt
+    completions = [torch.randint(4, V, (n,), generator=g).tolist() for n in (6, 3, 8, 1)]
+    weights = torch.linspace(-1, 1, 8)
+    packed = pack(prompts, completions, pad_id=0, width=8)
+    model.zero_grad()
+    lp, _ = completion_logprobs(model, packed, 0.8, chunk_size=chunk_size)
+    (lp * weights).sum().backward()
+    fast = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    plain = torch.zeros(len(prompts), 8)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        logsm = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0].float() / 0.8, -1)
+        plain[i, : len(c)] = logsm[len(p) - 1: len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None])[:, 0]
+    (plain * weights).sum().backward()
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.detach(), plain.detach(), atol=1e-5, rtol=0)
+    for a, (name, p) in zip(fast, model.named_parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_padding_does_not_change_rows(model_and_rows):
     """A row's log-probs do not depend on what other rows are batched (padded) with it."""
     model, prompts, completions = model_and_rows

@@ -445,6 +445,30 @@ def test_graph_bookkeeping_on_cpu(monkeypatch):
     assert ReplayOnCPU.captures > n
 
 
+def test_graphs_are_captured_once_across_in_place_weight_updates(monkeypatch):
+    """Issue 41 (capture once): an optimizer step writes the weights in place, so after sync_weights the graphs
+    captured at the first call are replayed, not captured again, and they read the new weights: the next generation
+    equals a fresh eager engine's on the updated model."""
+    monkeypatch.setattr(static, "capture_graph", lambda run, pool: (lambda g: (g, g.out))(ReplayOnCPU(run)))
+    model = build("qwen2")
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    graphed = static.StaticEngine(setup_for(model))
+    graphed.mode = "graphs"
+    first = graphed.generate(PROMPTS, params, n=2)
+    n = ReplayOnCPU.captures
+    other = build("qwen2", seed=1)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.copy_(q)  # in place, as an optimizer step: the same storage
+    graphed.sync_weights()
+    graphed.gen.manual_seed(0)
+    second = graphed.generate(PROMPTS, params, n=2)
+    assert ReplayOnCPU.captures == n  # replayed
+    eager = static.StaticEngine(setup_for(model))
+    eager.gen.manual_seed(0)
+    assert second.tokens == eager.generate(PROMPTS, params, n=2).tokens != first.tokens
+
+
 # ----------------------------------------------------------------------------- compiled and graphed
 # Inductor's C++ backend on the CPU: one compile, one shape (fixed length, EOS ignored, no compaction), about 15 s
 # on the 2-core machine, so run with the GPU suite (and by hand: -m gpu); on a GPU every mode, buckets and replays.

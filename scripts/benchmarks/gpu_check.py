@@ -28,6 +28,9 @@ per shape:
                  two layers of the shape (not in the default stages)
     decode_profile the static engine's decode step under torch.profiler: kernels and device ms per token, the
                  costliest kernels; on CUDA the graphs engine's ms per token beside it (not in the default stages)
+    real_model   a real model learns (``--real-model``: an HF folder or SmolLM2's .gguf; ``--real-steps``):
+                 configs/smollm2_arith.yaml with the reference server as its own process on the same device, EOS
+                 active; held-out accuracy before / after, the reward curve, step times (not in the default stages)
     step_rm      step_256 with a learned reward model of the policy's shape (random weights, one logit) as the
                  reward, scored in the trainer process: time/step, reward/rm/latency, reward/model_time_frac
                  (issue 23: the reward model's cost on the step; compare with step_256)
@@ -221,6 +224,48 @@ def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engin
             engine.offload()
         del engine
         yield res
+
+
+def stage_real_model(model: str, device: str, dtype: str, spec: dict, out: Path, steps: int, tiny: bool) -> dict:
+    """A real model learns (issue 41, item 5): ``model`` (an HF folder, or a GGUF file converted here first, as
+    scripts/fetch_smollm2.py does) on configs/smollm2_arith.yaml, EOS active, with the reference server as its own
+    process on the same device (scripts/benchmarks/learn_smollm2.py's train_with_reference), for ``steps`` steps:
+    held-out greedy accuracy before and after, the fixed / broken problems, the reward curve, the step times.
+    ``tiny``: a few steps of a small task (the stage end to end on CPU)."""
+    import os
+
+    from scripts.benchmarks import learn_smollm2 as learn
+
+    folder = Path(model)
+    if folder.suffix == ".gguf":
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from fetch_smollm2 import convert, is_complete
+
+        folder = out / "real-model"
+        if not is_complete(folder):
+            convert(Path(model), folder)
+    run_dir = out / "real"
+    overrides = [f"model.name_or_path={folder}", f"model.dtype={dtype}", f"train.max_steps={steps}",
+                 f"eval.every={max(1, steps // 4)}", "train.save_every=0", "logging.log_every=1"]
+    if device.startswith("cuda"):
+        overrides += ["model.freeze_bottom_layers=0", "eval.batch_size=200"]  # the whole model trains on a GPU
+    if tiny:
+        overrides += ["data.chat_template=false", "data.arithmetic.num_examples=80", "data.eval_holdout=8",
+                      "eval.batch_size=8", "rollout.prompts_per_step=2", "rollout.num_generations=2",
+                      "rollout.max_completion_length=6", "rollout.max_prompt_length=256", "train.micro_batch_size=4", "model.freeze_bottom_layers=0"]
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    t0 = time.perf_counter()
+    walls = learn.train_with_reference([0], "configs/smollm2_arith.yaml", run_dir, threads, overrides)
+    summary = learn.summarize(run_dir / "seed-0")
+    rows = [json.loads(line) for line in (run_dir / "seed-0" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    step_s = [r["time/step"] for r in rows if "time/step" in r]
+    return {"model": str(model), "steps": summary["steps"], "held_out": summary["n"],
+            "accuracy_before": summary["before"], "accuracy_after": summary["after"],
+            "accuracy_gain": summary["after"] - summary["before"], "fixed": summary["fixed"],
+            "broken": summary["broken"], "sign_test_p": summary["p"], "evals": summary["evals"],
+            "rewards": summary["rewards"], "kl_last": summary["kl_last"], "reference_share": summary["ref_share"],
+            "step_median_s": statistics.median(step_s) if step_s else None, "train_wall_s": walls[0],
+            "stage_wall_s": time.perf_counter() - t0, "overrides": overrides, "run": str(run_dir / "seed-0")}
 
 
 def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int, tokens: int) -> dict:
@@ -438,6 +483,10 @@ def table(rows: list[dict]) -> str:
             if "reward/rm/latency" in md:
                 res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
                         f"{md.get('reward/model_time_frac', 0):.2f} of the step")
+        elif r["stage"] == "real_model":
+            res = (f"{Path(r['model']).name}: held-out accuracy {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
+                   f"({r['held_out']} problems, {r['fixed']} fixed / {r['broken']} broken) in {r['steps']} steps, "
+                   f"{r['train_wall_s']:.0f} s of training, {r['step_median_s']:.2f} s a step (median)")
         elif r["stage"] == "ref_http":
             res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}; server parse "
                    f"{r['server_parse_ms']:.1f}, wait {r['server_wait_ms']:.1f}, client codec {r['client_codec_ms']:.1f}, "
@@ -474,6 +523,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the step stages (repeatable), e.g. train.logprob_chunk_size=512")
     p.add_argument("--steps", type=int, help="measured steps of the step stages (default 4; more to look for outliers)")
+    p.add_argument("--real-model", help="the real_model stage's model: an HF folder or a .gguf file (converted first)")
+    p.add_argument("--real-steps", type=int, default=60, help="training steps of the real_model stage")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -517,6 +568,10 @@ def main(argv=None) -> int:
                                  overrides=tuple(args.set), eos_lengths=eos)
             elif stage == "ref_http":
                 res = stage_ref_http(folder, args.device, dtype, spec)
+            elif stage == "real_model":
+                if not args.real_model:
+                    raise SystemExit("the real_model stage needs --real-model (an HF folder or a .gguf file)")
+                res = stage_real_model(args.real_model, args.device, dtype, spec, out, args.real_steps, args.tiny)
             elif stage == "compile_probe":
                 res = stage_compile_probe(folder, args.device, dtype, spec)
             elif stage == "decode_profile":
@@ -533,7 +588,8 @@ def main(argv=None) -> int:
                 res["reward_model"] = str(rm)
             else:
                 raise SystemExit(f"unknown stage {stage!r}; valid: generation, eos_generation, step_256, step_1024, "
-                                 f"step_256_eos, step_1024_eos, ref_http, step_rm, compile_probe, decode_profile")
+                                 f"step_256_eos, step_1024_eos, ref_http, step_rm, real_model, compile_probe, "
+                                 f"decode_profile")
             res["stage_seconds"] = time.perf_counter() - t0
             rows.append(record(out, stage, name, res))
             (out / "gpu_table.md").write_text(table(rows))
