@@ -17,7 +17,7 @@ import torch
 from algos.loss_options import LossOptions, LossOutput, log_mean, masked_stat  # noqa: F401 (their names here too)
 from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import Config, ConfigError, distilling
 from grpo.foundation.plugins import ALGORITHMS, StepContext
 
 
@@ -99,6 +99,10 @@ class Algorithm(LossOptions):
         if a.delta is not None and not cls.ratio_clip:
             raise ConfigError(f"algo.delta={a.delta!r} caps PPO's clipped ratio, and {name} has no ratio clip: "
                               f"set algo.delta=null or choose an algorithm with one (grpo, dapo, gspo, ...)")
+        if distilling(cfg) and not cls.token_level_pg:
+            raise ConfigError(f"teacher: on-policy distillation adds a term to each token's advantage, and {name} has "
+                              f"a sequence-level loss: pick a token-level algorithm (grpo, dapo, opd, ...), or set "
+                              f"teacher.coef=0")
         masks = {"off_policy_mask_threshold": a.off_policy_mask_threshold is not None,
                  "top_entropy_quantile": a.top_entropy_quantile != 1.0}
         for key, on in masks.items():
@@ -133,7 +137,7 @@ class Algorithm(LossOptions):
     def needs_old_logprobs(self) -> bool:
         """With mu = 1 and on-policy data, l_old = sg[l]: no extra forward pass (KL in the reward needs l_old
         before the loss)."""
-        return self.a.num_iterations > 1 or self.a.kl_in_reward > 0
+        return self.a.num_iterations > 1 or self.a.kl_in_reward > 0 or distilling(self.cfg)  # distillation: l_old
 
     @property
     def needs_entropy(self) -> bool:

@@ -58,9 +58,12 @@ class LossOptions:
 
     def prepare_loss(self, batch: RolloutBatch, ctx: StepContext) -> RolloutBatch:
         """After the advantages, before the step's normalisers and the loss (every rank, the whole batch):
-        ``algo.mask_truncated_completions`` and ``algo.top_entropy_quantile``'s threshold over all ranks."""
+        ``algo.mask_truncated_completions``, on-policy distillation's term (``teacher``) and
+        ``algo.top_entropy_quantile``'s threshold over all ranks."""
         if self.a.mask_truncated_completions:
             batch.mask = batch.mask * (~batch.truncated.bool()).unsqueeze(1).to(batch.mask.dtype)
+        if batch.teacher_logp is not None:
+            self.distill(batch, ctx)
         rho = self.a.top_entropy_quantile
         if rho < 1.0:
             ent, valid = batch.entropy.double(), batch.mask.bool()
@@ -77,6 +80,22 @@ class LossOptions:
         if self.entropy_bonus:
             ctx.metrics["entropy_bonus/coef"] = self.entropy_alpha
         return batch
+
+    def distill(self, batch: RolloutBatch, ctx: StepContext) -> None:
+        """``teacher``: A_t <- A_t - coef * (l_old - l_teacher)_t (rl_math.distilled_advantages), per token. Logged:
+        ``distill/reverse_kl`` (the mean of l_old - l_teacher over the tokens, the sampled-token estimate of
+        KL(student || teacher)), ``distill/teacher_prob`` (the teacher's mean probability of the student's tokens),
+        ``distill/share`` (the distillation term's share of the advantages' magnitude, sum over tokens)."""
+        coef, mask = self.cfg.teacher.coef, batch.mask
+        before = batch.advantages
+        batch.advantages = rl_math.distilled_advantages(before, batch.old_logp, batch.teacher_logp, mask, coef)
+        gap = (batch.old_logp.double() - batch.teacher_logp.double()) * mask.double()
+        log_mean(ctx, "distill/reverse_kl", gap, mask)
+        log_mean(ctx, "distill/teacher_prob", batch.teacher_logp.double().exp(), mask)
+        task = (before.unsqueeze(-1) if before.dim() == 1 else before).double().abs() * mask.double()
+        term = float(rl_math.global_mean_std((coef * gap).abs(), mask=mask)[0])
+        total = term + float(rl_math.global_mean_std(task.expand_as(gap), mask=mask)[0])
+        ctx.metrics["distill/share"] = term / total if total > 0 else 0.0
 
     def adapt_entropy_coef(self, mean_entropy: float) -> None:
         """Skywork-OR1's adaptive entropy control (arXiv 2505.22312, §3.2.5), once per step, from the step's

@@ -70,6 +70,24 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_tiny(tmp_path_factory.mktemp("tiny") / "model")
 
 
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def launcher_env_kept():
+    """A test that builds a trainer in this process without ``single_rank_env`` makes it a world of one
+    (grpo.foundation.dist.default_single_process_env sets MASTER_PORT and the rest for good, as a notebook's
+    ``grpo.train`` does): the variables go back after the test, so that a later test's child process (a script,
+    train.py) does not inherit the port this process's own process group listens on (EADDRINUSE)."""
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
 def single_rank_env():
     """The environment of a one-rank DeepSpeed world, for a Trainer built inside the test process."""

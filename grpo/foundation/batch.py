@@ -54,6 +54,7 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None  # [rows] or [rows, L_max]
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
+    teacher_logp: Optional[torch.Tensor] = None  # on-policy distillation: the teacher's log-probs of the tokens
     entropy: Optional[torch.Tensor] = None  # old policy's, detached
     sampler_logp: Optional[torch.Tensor] = None  # the generation engine's per-token log-probs, when it has them
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row algorithm tensors

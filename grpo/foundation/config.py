@@ -424,6 +424,20 @@ class RefConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation (docs/distillation.md): a teacher's per-token log-probs of the student's own samples.
+    Off unless ``model`` or ``url`` names the teacher; its tokenizer must be the policy's (checked at start).
+
+    Every token's advantage becomes A_t - coef * (log pi_student - log pi_teacher)_t (the reverse KL on the sampled
+    token as a dense negative reward, slime's form) for any token-level algorithm; ``--algo opd`` is that term
+    alone (no reward in the advantage)."""
+
+    model: Optional[str] = None  # the teacher in the trainer's process (an HF folder or name; small setups)
+    url: Optional[str] = None  # a ref_client.py server holding the teacher (ref.token and ref.*_timeout apply)
+    coef: float = at_least_zero(1.0)  # lambda of the distillation term (slime's opd_kl_coef; 0 = the term off)
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = positive(1)  # steps between samples written to samples.jsonl (metrics: every step)
     samples_per_log: int = at_least_zero(2)  # completions written to samples.jsonl
@@ -540,6 +554,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # on-policy distillation; off by default
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(fn="digits_match")])
     reward_pool: RewardPoolConfig = field(default_factory=RewardPoolConfig)
@@ -657,6 +672,7 @@ def validate(cfg: Config) -> None:
             )
     if not cfg.rewards:
         raise ConfigError("rewards is empty: name at least one reward function")
+    _validate_teacher(cfg.teacher)
     _validate_lora(cfg)
     _validate_data(cfg.data)
     _validate_eval(cfg)
@@ -848,6 +864,19 @@ def _require_rewards(user_tree: dict, cfg: Config) -> None:
         f"no rewards: section, and data.source={d.source!r} is not the built-in digits task whose default reward "
         f"(digits_match) it would silently train against. Name the reward in the YAML, e.g. {example}, or on the "
         f"command line: 'rewards=[{{fn: NAME}}]' (docs/troubleshooting.md)")
+
+
+def _validate_teacher(t: TeacherConfig) -> None:
+    if t.model and t.url:
+        raise ConfigError(f"teacher.model={t.model!r} and teacher.url={t.url!r}: name one teacher (in-process, or the "
+                          f"server at url)")
+    if t.url is not None and not t.url.startswith(("http://", "https://")):
+        raise ConfigError(f"teacher.url={t.url!r} is invalid: it must start with http:// or https://")
+
+
+def distilling(cfg: Config) -> bool:
+    """A teacher is named and its term is on."""
+    return bool(cfg.teacher.model or cfg.teacher.url) and cfg.teacher.coef > 0
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -251,6 +251,18 @@ def dynamic_clip_bounds(
 # --------------------------------------------------------------------------- KL
 
 
+def distilled_advantages(adv: torch.Tensor, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                          mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """On-policy distillation's dense term (slime's ``--use-opd``; Thinking Machines' per-token reverse KL reward):
+    A_t - coef * (log pi_student(o_t) - log pi_teacher(o_t)) on every completion token, 0 elsewhere. ``adv``: [rows]
+    (one per completion, broadcast over its tokens) or [rows, T]; the log-probs are of the sampled tokens (the
+    student's detached: pi_old, the policy that sampled them)."""
+    dtype = torch.promote_types(adv.dtype, teacher_logp.dtype)
+    per_token = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(dtype)
+    gap = (student_logp.detach() - teacher_logp).to(dtype)
+    return (per_token - coef * gap) * mask.to(dtype)
+
+
 K3_LOG_RATIO_CLAMP = 20.0  # |d| before exp in k3 (verl's low_var_kl bound on d)
 
 

@@ -3,8 +3,8 @@
 One step, on every rank (``train_step``: one call per phase, in this order):
   rollout     data -> generate -> score (the rollout service), then the algorithm's ``process_batch``
               (shaping / filtering / refill / correction / pruning)
-  logprobs    the reference request (a server's sent right after generation) -> old log-probs / entropy
-              (only if needed) -> reference log-probs
+  logprobs    the reference request (a server's sent right after generation) -> the teacher's request
+              (distillation) -> old log-probs / entropy (only if needed) -> reference and teacher log-probs
   advantages  the algorithm's advantages and its whole-batch options -> the step's norms
   update      mu optimizer passes over micro-batches (grpo/training/passes.py) -> weight sync to the engine
   metrics     reduced over ranks; the watchdogs
@@ -29,6 +29,7 @@ from grpo.foundation.config import Config, ConfigError, dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
 from grpo.foundation.plugins import AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
+from grpo.reference.teacher import make_teacher
 from grpo.rollout.service import RolloutService
 from grpo.training import build, deepspeed_engine as ds
 from grpo.training.build import make_env_setup  # noqa: F401 - its home before build.py
@@ -81,10 +82,12 @@ class Trainer:
         self.multiturn = build.multiturn(cfg, self.rollout, self.env)
         self.evaluator = Evaluator(cfg, self.rollout, rewards=parts.rewards) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
-        self.reference = make_reference(
-            cfg, self.algo.needs_reference, self.device, self.tokenizer,
-            vocab_size=model.config.get_text_config().vocab_size, policy=self.model, synced=zero3 is not None,
-            load=None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)))
+        load, vocab = (None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)),
+                       model.config.get_text_config().vocab_size)
+        self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer, vocab_size=vocab,
+                                        policy=self.model, synced=zero3 is not None, load=load)
+        # on-policy distillation: the teacher, a second reference (grpo/reference/teacher.py); None without one
+        self.teacher = make_teacher(cfg, self.device, self.tokenizer, vocab, load=load, synced=zero3 is not None)
         self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
             self.rollout.on_generated = self._early_reference
@@ -212,6 +215,8 @@ class Trainer:
         algo, batch = self.algo, step.batch
         t0 = time.perf_counter()
         ref_future = self._reference_request(batch, step.ctx)
+        teacher = None if self.teacher is None else self.teacher.submit(batch.packed(None, self.tokenizer.pad_token_id),
+                                                                        self.cfg.rollout.temperature)
         if algo.needs_sum_pi_squared:  # verl's optimal token baseline
             old, ent, sq = self.policy_logprobs(batch, algo.needs_entropy, sum_pi_squared=True)
             batch.extra = {**batch.extra, "sum_pi_squared": sq}
@@ -223,6 +228,8 @@ class Trainer:
         t1 = time.perf_counter()
         if ref_future is not None:
             batch.ref_logp = together(ref_future.result).float() * batch.mask
+        if teacher is not None:
+            batch.teacher_logp = together(teacher.result).float() * batch.mask
         step.timings["old_logprobs"] = t1 - t0
         step.timings["reference"] = time.perf_counter() - t1
         self.memory.end("logprobs")

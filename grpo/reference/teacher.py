@@ -1,0 +1,64 @@
+"""The teacher of on-policy distillation (``teacher:``, docs/distillation.md): a second reference.
+
+The teacher answers the question the reference answers (the per-token log-probs of given completions), from another
+model: in this process (``teacher.model``) or from a ``ref_client.py`` server started on the teacher model
+(``teacher.url``). So it is built by the reference's own code (grpo/reference/handle.py) from a config whose ``ref``
+section names the teacher, and it shares the reference's wire format, retries, queue and auth. Its tokenizer must be
+the policy's: a server is checked by its client (tokenizer fingerprint and vocabulary size), an in-process teacher
+here, both naming the two models when they differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from grpo.foundation.config import Config, ConfigError, distilling
+from grpo.reference.handle import ReferenceHandle, make_reference
+from grpo.reference.in_process import Loader
+
+
+def teacher_config(cfg: Config) -> Config:
+    """``cfg`` whose reference is the teacher (its model or its server; the client settings of ``ref`` kept, no
+    reference sync, and never LoRA's adapters-off reference)."""
+    ref = dataclasses.replace(cfg.ref, url=cfg.teacher.url, model=cfg.teacher.model, sync_every=0)
+    return dataclasses.replace(cfg, ref=ref, model=dataclasses.replace(cfg.model, lora=None))
+
+
+def check_same_tokenizer(cfg: Config, tokenizer) -> None:
+    """An in-process teacher's tokenizer and chat template (where prompts use it) are the policy's."""
+    from grpo.foundation.modeling import load_tokenizer, tokenizer_fingerprint
+
+    theirs = load_tokenizer(cfg.teacher.model, cfg.model.trust_remote_code)
+    if tokenizer_fingerprint(theirs) != tokenizer_fingerprint(tokenizer):
+        refuse(cfg, f"its tokenizer ({len(theirs)} tokens) is not the policy's ({len(tokenizer)} tokens)")
+    if cfg.data.chat_template and getattr(theirs, "chat_template", None) != getattr(tokenizer, "chat_template", None):
+        refuse(cfg, "its chat template is not the policy's")
+
+
+def refuse(cfg: Config, problem: str) -> None:
+    raise ConfigError(f"teacher.model={cfg.teacher.model!r} cannot teach model.name_or_path={cfg.model.name_or_path!r}: "
+                      f"{problem}. On-policy distillation compares log-probs token by token: use a teacher of the "
+                      f"same family (the same tokenizer)")
+
+
+def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: Optional[int] = None,
+                 load: Optional[Loader] = None, synced: bool = False) -> Optional[ReferenceHandle]:
+    """The teacher's handle (None when no teacher is named or its term is off)."""
+    if not distilling(cfg):
+        return None
+    if cfg.teacher.model and tokenizer is not None:
+        check_same_tokenizer(cfg, tokenizer)  # before the teacher's weights are loaded
+    try:
+        handle = make_reference(teacher_config(cfg), True, device, tokenizer, vocab_size, load=load, synced=synced)
+    except ConfigError as e:  # the server's client speaks of "the reference": say which one
+        if not cfg.teacher.url:
+            raise
+        raise ConfigError(f"teacher.url={cfg.teacher.url!r} (the teacher's server) cannot teach model.name_or_path="
+                          f"{cfg.model.name_or_path!r}: {e}") from e
+    model = getattr(handle.impl, "model", None)
+    if model is not None and vocab_size is not None and model.config.get_text_config().vocab_size != vocab_size:
+        refuse(cfg, f"its vocabulary size {model.config.get_text_config().vocab_size} is not the policy's {vocab_size}")
+    return handle

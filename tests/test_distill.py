@@ -1,0 +1,204 @@
+"""On-policy distillation (issue 44): the teacher's term on every token's advantage and ``--algo opd``, against
+float64 computations written out here; the teacher in-process and as a ref_client.py server give the same log-probs;
+a teacher with another tokenizer is refused naming both models; the config's errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from algos import ALGORITHMS
+from grpo.foundation import rl_math
+from grpo.foundation.config import ConfigError
+from grpo.foundation.plugins import StepContext
+from tests.helpers import config, make_batch, policy_logp
+
+LENGTHS = [3, 5, 1, 4, 2, 2, 5, 3]
+REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5]
+G, W = 4, 5
+
+
+def teacher_logp(batch, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return (-torch.rand(batch.mask.shape, generator=g, dtype=torch.float64) * 3 - 0.05) * batch.mask
+
+
+def test_distilled_advantages_by_hand():
+    """A_t - coef * (l_student - l_teacher)_t on completion tokens, 0 on padding; [rows] or [rows, T] advantages."""
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    t = teacher_logp(batch)
+    adv = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, -2.0], dtype=torch.float64)
+    got = rl_math.distilled_advantages(adv, batch.old_logp, t, batch.mask, 0.7)
+    old, tea, mask = batch.old_logp.tolist(), t.tolist(), batch.mask.tolist()
+    for i in range(len(LENGTHS)):
+        for j in range(W):
+            want = (adv[i].item() - 0.7 * (old[i][j] - tea[i][j])) if mask[i][j] else 0.0
+            assert got[i, j].item() == pytest.approx(want, abs=1e-15)
+    per_token = adv.unsqueeze(-1).expand(-1, W).clone()
+    assert torch.equal(rl_math.distilled_advantages(per_token, batch.old_logp, t, batch.mask, 0.7), got)
+
+
+def hand_opd_loss(logp, old, tea, mask, coef, eps=0.2):
+    """token-mean over the batch of -min(rho A, clip(rho) A), A_t = -coef (l_old - l_teacher)_t."""
+    total, n = 0.0, 0
+    for i in range(len(mask)):
+        for j in range(len(mask[i])):
+            if not mask[i][j]:
+                continue
+            a = -coef * (old[i][j] - tea[i][j])
+            rho = math.exp(logp[i][j] - old[i][j])
+            total += min(rho * a, min(max(rho, 1 - eps), 1 + eps) * a)
+            n += 1
+    return -total / n
+
+
+def test_opd_loss_and_gradient_by_hand():
+    cfg = config("opd", **{"teacher.model": "builtin:tiny-char", "teacher.coef": 0.5})
+    algo = ALGORITHMS.get("opd")(cfg)
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    batch.teacher_logp = teacher_logp(batch)
+    ctx = StepContext(cfg, 0)
+    batch.advantages = algo.advantages(batch, ctx)
+    assert not batch.advantages.any()  # no task reward
+    batch = algo.prepare_loss(batch, ctx)
+    logp = policy_logp(batch)
+    norms = rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)
+    out = algo.loss(logp, batch, norms)
+    args = (batch.old_logp.tolist(), batch.teacher_logp.tolist(), batch.mask.tolist(), 0.5)
+    assert out.loss.item() == pytest.approx(hand_opd_loss(logp.detach().tolist(), *args), rel=1e-12, abs=1e-14)
+    out.loss.backward()
+    for i, j in [(0, 0), (1, 4), (3, 2), (6, 3)]:
+        h = 1e-6
+        plus, minus = logp.detach().clone(), logp.detach().clone()
+        plus[i, j] += h
+        minus[i, j] -= h
+        fd = (hand_opd_loss(plus.tolist(), *args) - hand_opd_loss(minus.tolist(), *args)) / (2 * h)
+        assert logp.grad[i, j].item() == pytest.approx(fd, rel=1e-5, abs=1e-9)
+    # the step's metrics, by hand: the mean gap, the teacher's mean probability, the term's share (all of it here)
+    gaps = [o - t for ro, rt, rm in zip(*args[:3]) for o, t, m in zip(ro, rt, rm) if m]
+    probs = [math.exp(t) for rt, rm in zip(args[1], args[2]) for t, m in zip(rt, rm) if m]
+    assert ctx.metrics["distill/reverse_kl"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-12)
+    assert ctx.metrics["distill/teacher_prob"] == pytest.approx(sum(probs) / len(probs), rel=1e-12)
+    assert ctx.metrics["distill/share"] == 1.0
+
+
+def test_grpo_with_a_teacher_adds_the_term_to_its_group_advantages():
+    """Any token-level algorithm: its own advantage A_i on every token, minus coef * gap_t (slime's form); the
+    share of the term in the magnitude, by hand."""
+    cfg = config("grpo", **{"teacher.url": "http://127.0.0.1:1", "teacher.coef": 0.3})
+    algo = ALGORITHMS.get("grpo")(cfg)
+    assert algo.needs_old_logprobs  # l_old is the student's side of the term
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    batch.teacher_logp = teacher_logp(batch, seed=3)
+    ctx = StepContext(cfg, 0)
+    batch.advantages = algo.advantages(batch, ctx)
+    group = batch.advantages.clone()
+    batch = algo.prepare_loss(batch, ctx)
+    old, tea, mask = batch.old_logp.tolist(), batch.teacher_logp.tolist(), batch.mask.tolist()
+    term = task = 0.0
+    for i in range(len(mask)):
+        for j in range(W):
+            want = (group[i].item() - 0.3 * (old[i][j] - tea[i][j])) * mask[i][j]
+            assert batch.advantages[i, j].item() == pytest.approx(want, abs=1e-12)
+            term += abs(0.3 * (old[i][j] - tea[i][j])) * mask[i][j]
+            task += abs(group[i].item()) * mask[i][j]
+    assert ctx.metrics["distill/share"] == pytest.approx(term / (term + task), rel=1e-12)
+    # without a teacher: untouched, no metrics
+    plain = ALGORITHMS.get("grpo")(config("grpo"))
+    b2 = make_batch(LENGTHS, REWARDS, G, W)
+    b2.advantages = plain.advantages(b2, StepContext(plain.cfg, 0))
+    c2 = StepContext(plain.cfg, 0)
+    assert plain.prepare_loss(b2, c2).advantages.dim() == 1 and not any(k.startswith("distill/") for k in c2.metrics)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"teacher.model": "a", "teacher.url": "http://x:1"}, r"teacher.model='a' and teacher.url='http://x:1': name one"),
+    ({"teacher.url": "x:1"}, r"teacher.url='x:1' is invalid: it must start with http:// or https://"),
+    ({"teacher.model": "a", "teacher.coef": -1}, r"teacher.coef=-1.0 is invalid: it must be >= 0"),
+])
+def test_teacher_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        config("grpo", **overrides)
+
+
+def test_opd_needs_a_teacher_and_sequence_level_losses_refuse_one():
+    with pytest.raises(ConfigError, match=r"opd learns from a teacher, and none is named: set teacher.model"):
+        config("opd")
+    with pytest.raises(ConfigError, match=r"teacher.coef > 0 \(now 0.0\)"):
+        config("opd", **{"teacher.model": "builtin:tiny-char", "teacher.coef": 0})
+    with pytest.raises(ConfigError, match=r"teacher: on-policy distillation adds a term to each token's advantage, "
+                                          r"and gspo has a sequence-level loss"):
+        config("gspo", **{"teacher.model": "builtin:tiny-char"})
+    assert config("opd", **{"teacher.model": "builtin:tiny-char", "rollout.num_generations": 1}).algo.name == "opd"
+
+
+def test_the_teacher_server_gives_the_in_process_teachers_logprobs(tmp_path):
+    """The same teacher in the trainer's process and behind ref_client.py (a real process on loopback): the same
+    per-token log-probs, which are not the student's own."""
+    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.modeling import load_model, load_tokenizer
+    from grpo.foundation.tiny import BUILTIN_NAME, write_tiny
+    from grpo.reference.launch import ServerProcess, free_port
+    from grpo.reference.teacher import make_teacher
+    from tests.patience import SERVER_S
+
+    folder = write_tiny(tmp_path / "teacher", seed=5)
+    tok = load_tokenizer(BUILTIN_NAME)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (4, 7, 2)]
+    completions = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (5, 1, 6)]
+    packed = pack(prompts, completions, tok.pad_token_id, 6)
+    local = make_teacher(config("grpo", **{"teacher.model": str(folder)}), torch.device("cpu"), tok, len(tok))
+    srv = ServerProcess(["--model", str(folder)], port=free_port(), log_path=tmp_path / "srv.log",
+                        env={"OMP_NUM_THREADS": "1"})
+    srv.start(timeout=SERVER_S)
+    try:
+        remote = make_teacher(config("grpo", **{"teacher.url": srv.url}), torch.device("cpu"), tok, len(tok))
+        assert (local.kind, remote.kind) == ("in-process", "server")
+        a, b = local.logprobs(packed, 0.8), remote.logprobs(packed, 0.8)
+    finally:
+        assert srv.stop() == 0
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        own, _ = completion_logprobs(load_model(config("grpo").model, BUILTIN_NAME), packed, 0.8)
+        want, _ = completion_logprobs(load_model(config("grpo").model, str(folder)), packed, 0.8)
+    torch.testing.assert_close(a, want.float(), rtol=0, atol=1e-6)
+    assert (a - own.float()).abs().max() > 1e-3
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
+    from grpo.foundation.modeling import load_tokenizer
+    from grpo.foundation.tiny import BUILTIN_NAME
+    from grpo.reference.teacher import make_teacher
+
+    tok = load_tokenizer(BUILTIN_NAME)
+    cfg = config("grpo", **{"teacher.model": "builtin:tiny-arith"})
+    with pytest.raises(ConfigError, match=r"teacher.model='builtin:tiny-arith' cannot teach model.name_or_path="
+                                          r"'builtin:tiny-char': its tokenizer \(\d+ tokens\) is not the policy's"):
+        make_teacher(cfg, torch.device("cpu"), tok, len(tok))
+
+
+@pytest.mark.parametrize("algo", ["opd", "grpo"])
+def test_a_run_distils_from_an_in_process_teacher(single_rank_env, tmp_path, algo):
+    """Two steps through the Trainer: the teacher's log-probs reach the batch, the metrics are logged, and opd's
+    loss is the teacher's term alone (grpo's: its group advantages plus the term)."""
+    from grpo.foundation.tiny import write_tiny
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    teacher = write_tiny(tmp_path / "teacher", seed=5)
+    cfg = load_config("configs/opd.yaml", algo, [
+        f"teacher.model={teacher}", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+        "rollout.prompts_per_step=4", "rollout.num_generations=2", "reward_pool.num_workers=0",
+        "logging.progress_bar=false", "logging.plot=false", "algo.beta=0"])
+    tr = Trainer(cfg)
+    assert tr.teacher is not None and tr.teacher.kind == "in-process"
+    history = tr.train()
+    assert len(history) == 2
+    for h in history:
+        assert h["distill/reverse_kl"] != 0 and 0 < h["distill/teacher_prob"] < 1 and math.isfinite(h["loss"])
+        assert h["distill/share"] == 1.0 if algo == "opd" else 0 < h["distill/share"] <= 1
+    batch = tr._last_batch
+    assert batch.teacher_logp is not None and batch.advantages.shape == batch.mask.shape
