@@ -59,6 +59,7 @@ class Algorithm(LossOptions):
     ratio_clip: ClassVar[bool] = True  # the loss is PPO's clipped surrogate (ppo_token_loss / sequence_ppo_loss)
     multi_turn: ClassVar[bool] = False  # needs multi-turn rollouts (env.name): per-turn credit assignment
     needs_sum_pi_squared: ClassVar[bool] = False  # the old-policy pass also gives sum_v pi_v^2 (batch.extra)
+    learns_from_rewards: ClassVar[bool] = True  # False: its advantages use no reward (opd); rewards may be empty
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -79,6 +80,8 @@ class Algorithm(LossOptions):
         policy-gradient term for TIS and the token masks, a ratio clip for algo.delta, advantages from the outcome
         score for KL in the reward. ConfigError naming the fix otherwise."""
         name, a = cfg.algo.name, cfg.algo
+        if cls.learns_from_rewards and not cfg.rewards:
+            raise ConfigError("rewards is empty: name at least one reward function")
         if cls.multi_turn and not cfg.env.name:
             raise ConfigError(
                 f"{name} needs multi-turn rollouts, and env.name is not set: set env.name (a registered environment, "

@@ -32,6 +32,7 @@ class OPD(GRPO):
     defaults = {"beta": 0.0, "clip_eps_low": 0.2, "clip_eps_high": 0.2, "aggregation": "token-mean"}
     knobs = ("clip_eps_low", "clip_eps_high", "num_iterations")
     group_relative = False  # one sample per prompt is enough: the teacher scores every token
+    learns_from_rewards = False  # rewards: [] is allowed (no reward metrics then)
 
     @classmethod
     def check_capabilities(cls, cfg) -> None:

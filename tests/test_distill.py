@@ -202,3 +202,27 @@ def test_a_run_distils_from_an_in_process_teacher(single_rank_env, tmp_path, alg
         assert h["distill/share"] == 1.0 if algo == "opd" else 0 < h["distill/share"] <= 1
     batch = tr._last_batch
     assert batch.teacher_logp is not None and batch.advantages.shape == batch.mask.shape
+
+
+def test_opd_needs_no_reward_function(single_rank_env, tmp_path):
+    """rewards: [] with opd: no reward workers, no reward metrics, the teacher's term alone; any algorithm that
+    learns from rewards still refuses an empty list, and evaluation then needs its own correctness reward."""
+    from grpo.foundation.tiny import write_tiny
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    teacher = write_tiny(tmp_path / "teacher", seed=5)
+    cfg = load_config("configs/opd.yaml", None, [
+        f"teacher.model={teacher}", "rewards=[]", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+        "rollout.prompts_per_step=4", "rollout.num_generations=1", "logging.progress_bar=false",
+        "logging.plot=false"])
+    tr = Trainer(cfg)
+    assert tr.rewards is None
+    history = tr.train()
+    assert len(history) == 2 and all(h["distill/share"] == 1.0 and math.isfinite(h["loss"]) for h in history)
+    assert not any(k.startswith("reward/") for h in history for k in h)
+    with pytest.raises(ConfigError, match="rewards is empty: name at least one reward function"):
+        config("grpo", rewards="[]")
+    with pytest.raises(ConfigError, match=r"eval.every=5 scores with the first reward function, and rewards is "
+                                          r"empty: set eval.correctness"):
+        config("opd", **{"teacher.model": str(teacher), "rewards": "[]", "eval.every": 5, "data.eval_holdout": 10})

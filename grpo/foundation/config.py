@@ -670,9 +670,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"logging.report_to[{i}]={target!r} is invalid: choose from ['tensorboard', 'wandb']"
             )
-    if not cfg.rewards:
-        raise ConfigError("rewards is empty: name at least one reward function")
-    _validate_teacher(cfg.teacher)
+    _validate_teacher(cfg.teacher)  # (an empty rewards list: the algorithm's check_capabilities decides)
     _validate_lora(cfg)
     _validate_data(cfg.data)
     _validate_eval(cfg)
@@ -915,6 +913,9 @@ def _validate_eval(cfg: Config) -> None:
     if e.every and d.eval_path is None and d.eval_split is None and not d.eval_holdout:
         raise ConfigError(f"eval.every={e.every} needs held-out data: set data.eval_path, data.eval_split "
                           "or data.eval_holdout")
+    if e.every and e.correctness is None and not cfg.rewards:
+        raise ConfigError(f"eval.every={e.every} scores with the first reward function, and rewards is empty: set "
+                          "eval.correctness, e.g. eval.correctness={fn: math_correct}")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -191,7 +191,8 @@ class RolloutService:
             batch.sampler_logp = completion_logp_tensor(comp.logprobs, batch.width)
         if self.on_generated is not None:  # e.g. the trainer's reference request, in flight while rewards run
             self.on_generated(batch)
-        self.score(batch)
+        if self.scorer is not None:  # none: a run whose algorithm learns from no reward (opd, rewards: [])
+            self.score(batch)
         return batch
 
     def score(self, batch: RolloutBatch) -> None:

@@ -286,15 +286,17 @@ def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss
             m[f"{prefix}/max"] = float(dist.all_reduce_max(x.max().double().reshape(1)))
             m[f"{prefix}/min"] = -float(dist.all_reduce_max((-x.min()).double().reshape(1)))
 
-    moments("reward", batch.rewards)
+    if batch.rewards is not None:  # (None: a run without reward functions, opd's)
+        moments("reward", batch.rewards)
     for name, vals in batch.reward_terms.items():  # nan: rows the source skipped (None), left out
         scored = ~torch.isnan(vals.reshape(-1))
         moments(f"reward/{name}", torch.nan_to_num(vals.reshape(-1), nan=0.0), mask=scored)
     adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[batch.mask.bool()]
     moments("advantage", adv, with_range=True)
-    zero = rl_math.uniform_groups(batch.rewards, batch.group_size).double()
-    zs = dist.all_reduce_sum(torch.stack([zero.sum(), torch.tensor(float(zero.numel()), dtype=torch.float64)]))
-    m["advantage/zero_group_frac"] = float(zs[0] / zs[1])
+    if batch.rewards is not None:
+        zero = rl_math.uniform_groups(batch.rewards, batch.group_size).double()
+        zs = dist.all_reduce_sum(torch.stack([zero.sum(), torch.tensor(float(zero.numel()), dtype=torch.float64)]))
+        m["advantage/zero_group_frac"] = float(zs[0] / zs[1])
     # lengths as generated (DAPO's overlong filter zeroes the masks of truncated completions)
     lengths = torch.tensor([float(len(c)) for c in batch.completion_ids], dtype=torch.float64)
     m["completion/length_mean"] = float(rl_math.global_mean_std(lengths)[0])
@@ -327,5 +329,5 @@ def log_samples(batch: Optional[RolloutBatch], cfg: Config, step: int) -> list[d
     n = cfg.logging.samples_per_log
     if batch is None or not n or step % cfg.logging.log_every:
         return []
-    return [{"prompt": batch.prompt_text[i], "completion": batch.completion_text[i], "reward": float(batch.rewards[i])}
+    return [{"prompt": batch.prompt_text[i], "completion": batch.completion_text[i], "reward": None if batch.rewards is None else float(batch.rewards[i])}
             for i in range(min(n, len(batch)))]

@@ -67,7 +67,7 @@ class Trainer:
         self.tokenizer, self.dataset, self.sampler = build.data(cfg, self.env)
         # with an environment the rewards are its own: no reward functions, no reward workers
         self.rewards = (parts.rewards(cfg.rewards, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox)
-                        if self.env is None else None)
+                        if self.env is None and cfg.rewards else None)  # (none for opd with rewards: [])
         if self.rewards is not None:  # a reward that cannot take these columns fails now, not on every row
             self.rewards.check_columns([k for k in self.dataset.items[0] if k != "prompt"])
 
