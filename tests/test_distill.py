@@ -226,3 +226,24 @@ def test_opd_needs_no_reward_function(single_rank_env, tmp_path):
     with pytest.raises(ConfigError, match=r"eval.every=5 scores with the first reward function, and rewards is "
                                           r"empty: set eval.correctness"):
         config("opd", **{"teacher.model": str(teacher), "rewards": "[]", "eval.every": 5, "data.eval_holdout": 10})
+
+
+def test_opd_gradient_equals_trls_iw_opd_with_gamma_0():
+    """TRL 1.16's IW-OPD trainer (trl/experimental/iw_opd, ``_compute_iw_opd_loss``) with iw_opd_gamma = 0: advantage
+    l_teacher - l_rollout per token (detached), loss sum(-l * A) over the valid tokens / their number. Written out here
+    from that definition: on the sampling policy (mu = 1, l = l_old) its gradient with respect to the policy's
+    log-probs is opd's (coef 1; the values differ, -mean(l A) against -mean(rho A), the gradients do not)."""
+    cfg = config("opd", **{"teacher.model": "builtin:tiny-char"})
+    algo = ALGORITHMS.get("opd")(cfg)
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    batch.teacher_logp = teacher_logp(batch)
+    ctx = StepContext(cfg, 0)
+    batch.advantages = algo.advantages(batch, ctx)
+    batch = algo.prepare_loss(batch, ctx)
+    ours = batch.old_logp.clone().requires_grad_(True)  # on-policy: the current log-probs are the old ones
+    algo.loss(ours, batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)).loss.backward()
+    theirs = batch.old_logp.clone().requires_grad_(True)
+    a_opd = ((batch.teacher_logp - batch.old_logp) * batch.mask).detach()
+    trl = (-theirs * a_opd * batch.mask).sum() / batch.mask.sum()
+    trl.backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-15)
