@@ -94,6 +94,9 @@ class Algorithm(LossOptions):
         if a.tis_cap is not None and not cls.token_level_pg:
             raise ConfigError(f"algo.tis_cap={a.tis_cap!r} weights each token's policy-gradient term, and {name} has a "
                               f"sequence-level loss: set algo.tis_cap=null, or pick a token-level algorithm")
+        if a.rollout_correction is not None and not cls.token_level_pg:
+            raise ConfigError(f"algo.rollout_correction weights each token's policy-gradient term, and {name} has a "
+                              f"sequence-level loss: set algo.rollout_correction=null, or pick a token-level algorithm")
         if a.kl_in_reward and not cls.takes_kl_in_reward():
             raise ConfigError(
                 f"algo.kl_in_reward={a.kl_in_reward!r} does not apply to {name}: its advantages are not computed "
@@ -140,7 +143,8 @@ class Algorithm(LossOptions):
     def needs_old_logprobs(self) -> bool:
         """With mu = 1 and on-policy data, l_old = sg[l]: no extra forward pass (KL in the reward needs l_old
         before the loss)."""
-        return self.a.num_iterations > 1 or self.a.kl_in_reward > 0 or distilling(self.cfg)  # distillation: l_old
+        return (self.a.num_iterations > 1 or self.a.kl_in_reward > 0 or distilling(self.cfg)  # distillation: l_old
+                or self.a.rollout_correction is not None)  # its weights are the whole batch's, before the loss
 
     @property
     def needs_entropy(self) -> bool:

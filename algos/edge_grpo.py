@@ -67,6 +67,10 @@ class EdgeGRPO(GRPO):
             raise ConfigError(f"algo.tis_cap={cfg.algo.tis_cap!r} with algo.guided_correction: the corrected "
                               "completions were not sampled by the engine, so they have no sampler log-probs to "
                               "weight by; set algo.tis_cap=null or algo.guided_correction=false")
+        if cfg.algo.options.guided_correction and cfg.algo.rollout_correction is not None:
+            raise ConfigError("algo.rollout_correction with algo.guided_correction: the corrected completions were not "
+                              "sampled by the engine, so they have no sampler log-probs to weight by; set "
+                              "algo.rollout_correction=null or algo.guided_correction=false")
 
     @property
     def needs_entropy(self) -> bool:

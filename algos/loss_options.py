@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import math
+
 import torch
 
 from grpo.foundation import rl_math, dist
@@ -64,6 +66,8 @@ class LossOptions:
             batch.mask = batch.mask * (~batch.truncated.bool()).unsqueeze(1).to(batch.mask.dtype)
         if batch.teacher_logp is not None:
             self.distill(batch, ctx)
+        if self.a.rollout_correction is not None:
+            self.correct_rollout(batch, ctx)
         rho = self.a.top_entropy_quantile
         if rho < 1.0:
             ent, valid = batch.entropy.double(), batch.mask.bool()
@@ -96,6 +100,37 @@ class LossOptions:
         term = float(rl_math.global_mean_std((coef * gap).abs(), mask=mask)[0])
         total = term + float(rl_math.global_mean_std(task.expand_as(gap), mask=mask)[0])
         ctx.metrics["distill/share"] = term / total if total > 0 else 0.0
+
+    def correct_rollout(self, batch: RolloutBatch, ctx: StepContext) -> None:
+        """``algo.rollout_correction``: the whole batch's weights (rl_math.rollout_correction_weight, applied to each
+        token's policy-gradient term in ``tis``) and the sampler/trainer mismatch, over all ranks: ``rollout_corr/k1``
+        and ``/k3`` (estimates of KL(pi_sampler || pi_old) on the sampled tokens), the token ratio's ``/ratio_max``
+        and ``/ratio_min``, ``/weight_mean``, and the share of tokens ``/masked_frac`` (mode mask: weight 0) or
+        ``/truncated_frac`` (mode truncate: ratio clamped)."""
+        rc, mask = self.a.rollout_correction, batch.mask
+        if batch.sampler_logp is None:
+            raise RuntimeError(f"algo.rollout_correction needs the sampler's log-probs, but the generation engine "
+                               f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use a built-in engine "
+                               f"(hf, static, vllm) or set algo.rollout_correction=null")
+        w = rl_math.rollout_correction_weight(batch.old_logp, batch.sampler_logp, mask, rc.level, rc.mode, rc.high,
+                                              rc.low)
+        batch.extra = {**batch.extra, "rollout_weight": w.to(mask.dtype)}
+        d = (batch.old_logp.double() - batch.sampler_logp.double()) * mask.double()
+        log_mean(ctx, "rollout_corr/k1", -d, mask)
+        log_mean(ctx, "rollout_corr/k3", torch.exp(d) - d - 1, mask)
+        log_mean(ctx, "rollout_corr/weight_mean", w.double(), mask)
+        valid = mask.bool()
+        top = d[valid].max() if valid.any() else torch.tensor(-math.inf, dtype=torch.float64)
+        bottom = d[valid].min() if valid.any() else torch.tensor(math.inf, dtype=torch.float64)
+        ctx.metrics["rollout_corr/ratio_max"] = math.exp(float(dist.all_reduce_max(top.reshape(1))[0]))
+        ctx.metrics["rollout_corr/ratio_min"] = math.exp(-float(dist.all_reduce_max(-bottom.reshape(1))[0]))
+        if rc.mode == "mask":
+            log_mean(ctx, "rollout_corr/masked_frac", (w == 0).double(), mask)
+        else:
+            plain = rl_math.rollout_correction_weight(batch.old_logp, batch.sampler_logp, mask, rc.level, "truncate",
+                                                      math.inf, None)
+            out = (plain > rc.high) | (plain < (rc.low if rc.low is not None else -math.inf))
+            log_mean(ctx, "rollout_corr/truncated_frac", out.double(), mask)
 
     def adapt_entropy_coef(self, mean_entropy: float) -> None:
         """Skywork-OR1's adaptive entropy control (arXiv 2505.22312, §3.2.5), once per step, from the step's
@@ -135,6 +170,8 @@ class LossOptions:
         """The per-token weights of the policy-gradient term (never of the KL term): ``algo.tis_cap``,
         ``algo.off_policy_mask_threshold`` and ``algo.top_entropy_quantile`` (the last two: 0/1 masks)."""
         per_token, stats = self.tis_weight(per_token, logp, mb)
+        if "rollout_weight" in mb.extra:  # algo.rollout_correction (prepare_loss)
+            per_token = per_token * mb.extra["rollout_weight"]
         if self.a.off_policy_mask_threshold is not None:
             ref = mb.sampler_logp if mb.sampler_logp is not None else self.old_logp(logp, mb)
             seq_kl = rl_math.masked_mean(ref - logp.detach(), mb.mask, dim=-1).unsqueeze(-1)

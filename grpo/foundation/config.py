@@ -302,6 +302,21 @@ class EnvConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Rollout correction (``algo.rollout_correction``; docs/algorithms.md, "Sampler and trainer"): each token's
+    policy-gradient term times a weight from the ratio pi_old / pi_sampler of the engine's own log-probs, at the
+    token, the sequence (the product over its tokens) or the geometric-mean level (exp of the mean log-ratio).
+    truncate: the ratio clamped into [low, high]; mask: the ratio kept inside [low, high] and 0 outside (TRL's
+    *_mask, IcePop at the token level with low = 1/beta, high = beta). ``algo.tis_cap: C`` is {level: token, mode:
+    truncate, high: C}."""
+
+    level: Literal["token", "sequence", "geometric"] = "token"  # where the ratio is taken (TRL's token_* / sequence_*)
+    mode: Literal["truncate", "mask"] = "truncate"  # clamp the ratio, or zero the weight outside [low, high]
+    high: float = positive(2.0)  # C_max (TRL's vllm_importance_sampling_clip_max, 3 there)
+    low: Optional[float] = positive(None)  # C_min; null: no lower bound (TRL's default)
+
+
+@dataclass
 class AlgoConfig:
     """Shared algorithm knobs. Algorithm-specific keys (``algo.<key>``) are validated
     against the chosen algorithm's ``Options`` dataclass and stored in ``options``."""
@@ -327,6 +342,9 @@ class AlgoConfig:
     # Truncated importance sampling: each token's policy-gradient term times min(pi_old / pi_sampler, C),
     # pi_sampler from the generation engine's own log-probs (every built-in engine: hf, static, vllm).
     tis_cap: Optional[float] = positive(None)  # C; null = off
+    # The general form (level token / sequence / geometric, mode truncate / mask, its bounds; null = off): its
+    # weights come from a whole-batch old-policy pass, logged with the sampler/trainer mismatch (rollout_corr/*)
+    rollout_correction: Optional[RolloutCorrectionConfig] = None
     # KL in the reward (verl's use_kl_in_reward, OpenRLHF's default): each token's reward gets
     # -kl_in_reward * k1 = -coef (l_old - l_ref) before the advantages (the outcome score r_i becomes
     # r_i - coef sum_t k1); 0 = off. Only for algorithms whose advantages come from the outcome score.
@@ -657,6 +675,17 @@ def validate(cfg: Config) -> None:
             raise ConfigError("train.stop_when.metric is empty: name a per-step metric such as reward/mean")
     if a.clip_eps_low >= 1:
         raise ConfigError(f"algo.clip_eps_low={a.clip_eps_low!r} is invalid: it must be < 1")
+    if a.rollout_correction is not None:
+        rc = a.rollout_correction
+        if a.tis_cap is not None:
+            raise ConfigError(f"algo.tis_cap={a.tis_cap!r} and algo.rollout_correction: tis_cap is rollout_correction="
+                              f"{{level: token, mode: truncate, high: {a.tis_cap}}}; set one of them")
+        if rc.low is not None and rc.low >= rc.high:
+            raise ConfigError(f"algo.rollout_correction.low={rc.low!r} must be < algo.rollout_correction.high="
+                              f"{rc.high!r}")
+        if cfg.env.name:
+            raise ConfigError(f"algo.rollout_correction is not supported with multi-turn rollouts (env.name="
+                              f"{cfg.env.name!r}): set algo.rollout_correction=null")
     if a.tis_cap is not None:
         if cfg.env.name:
             raise ConfigError(

@@ -7,6 +7,7 @@ completion tokens (up to and including EOS).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -173,6 +174,26 @@ def tis_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.T
     without gradient; 1 outside the mask (padding never overflows into a NaN)."""
     d = torch.where(mask.bool(), old_logp.detach() - sampler_logp, torch.zeros_like(sampler_logp))
     return torch.exp(d).clamp(max=cap)
+
+
+def rollout_correction_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, level: str,
+                              mode: str, high: float, low: Optional[float] = None) -> torch.Tensor:
+    """Rollout correction's weight [rows, T] (no gradient), d_t = l_old - l_sampler on completion tokens (0 elsewhere):
+    token r_t = exp(d_t); sequence r = exp(sum_t d_t); geometric r = exp(sum_t d_t / |o|) (each row's r on all its
+    tokens). truncate: clamp(r, low, high); mask: r where low <= r <= high, else 0 (TRL's vllm_importance_sampling_mode
+    *_truncate / *_mask; IcePop = token mask with [1/beta, beta]). tis_weight is token truncate without ``low``."""
+    m = mask.bool()
+    d = torch.where(m, old_logp.detach() - sampler_logp, torch.zeros_like(sampler_logp))
+    if level == "token":
+        log_r = d
+    else:
+        total = d.sum(-1, keepdim=True)
+        log_r = (total if level == "sequence" else total / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(d)
+    r = torch.exp(log_r)
+    if mode == "truncate":
+        return r.clamp(min=low, max=high)
+    keep = (r <= high) & (r >= (low if low is not None else -math.inf))
+    return torch.where(keep, r, torch.zeros_like(r))
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -378,7 +378,8 @@ class HFEngine:
         self.keeps = bool(setup.cfg.env.name)
         self.store: Optional[PrefixStore] = None
         self.metrics: dict[str, float] = {}
-        self.logprobs = setup.cfg.algo.tis_cap is not None  # the sampler's log-probs, when the run uses them
+        a = setup.cfg.algo  # the sampler's log-probs, when the run uses them
+        self.logprobs = a.tis_cap is not None or a.rollout_correction is not None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
         s = self.setup
