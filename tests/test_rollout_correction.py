@@ -165,3 +165,33 @@ def test_two_steps_on_the_hf_engine_log_the_mismatch(single_rank_env, tmp_path):
         assert abs(h["rollout_corr/k1"]) < 1e-5 and h["rollout_corr/k3"] < 1e-8
         assert h["rollout_corr/masked_frac"] == 0 and h["rollout_corr/weight_mean"] == pytest.approx(1, abs=1e-4)
         assert h["rollout_corr/ratio_min"] <= 1 <= h["rollout_corr/ratio_max"] < 1 + 1e-4
+
+
+@pytest.mark.parametrize("engine", ["hf", "tests.stale_engine:StaleEngine"])
+def test_a_stale_sampler_is_flagged_and_masked_a_fresh_one_is_not(single_rank_env, tmp_path, capsys, engine):
+    """Issue 45: a sampler that kept the step-0 weights (never synced) drifts from the trainer with every update: its
+    tokens' ratios leave [0.8, 1.25] and are masked, and the health check names stale weights; the hf engine samples
+    with the trainer's own weights: nothing masked, no warning."""
+    from pathlib import Path
+
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    cfg = load_config(demo, "grpo", [
+        f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false", "train.max_steps=4",
+        "rollout.prompts_per_step=8", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
+        f"rollout.engine={engine}", "model.dtype=fp32", "train.lr=0.05", "logging.health_patience=1",
+        f"{RC}={{level: token, mode: mask, low: 0.8, high: 1.25}}",
+        "algo.entropy_coef=0.5"])  # the untrained model's rewards are all 0: the entropy bonus moves the weights
+    history = Trainer(cfg).train()
+    err = capsys.readouterr().err
+    first, last = history[0], history[-1]
+    assert first["rollout_corr/masked_frac"] == 0 and abs(first["rollout_corr/k1"]) < 1e-5  # step 1: same weights
+    if engine == "hf":
+        assert all(h["rollout_corr/masked_frac"] == 0 and h["sampler_gap/mean"] < 1e-4 for h in history)
+        assert "log-probs of its own tokens differ" not in err
+    else:
+        assert last["rollout_corr/masked_frac"] > 0.05 and last["rollout_corr/k3"] > 100 * max(first["rollout_corr/k3"],
+                                                                                                 1e-12)
+        assert last["sampler_gap/mean"] > 0.1 and "stale weights" in err and "rollout.engine=tests.stale_engine" in err

@@ -466,7 +466,8 @@ class LoggingConfig:
     wandb_name: Optional[str] = None  # W&B run name (null: W&B picks one)
     wandb_entity: Optional[str] = None  # W&B entity, a user or team (null: your default)
     wandb_tags: list[str] = field(default_factory=list)  # W&B run tags
-    # warn when a run looks stuck (truncation, all-equal groups, zero gradient) this many steps in a row
+    # warn when a run looks stuck (truncation, all-equal groups, zero gradient, a mismatched sampler) this many steps
+    # in a row
     health_patience: int = positive(5)
 
 

@@ -5,7 +5,9 @@
     - a reward source fails (raises or times out) on more than half of its rows: reward errors, not a hard task,
     - more than 95% of the groups have all-equal rewards (every advantage of the group is 0) while the
       rewards themselves work: the task is too hard or too easy,
-    - the gradient norm is 0.
+    - the gradient norm is 0,
+    - the engine's log-probs of its own tokens are more than 0.1 nats per token from the trainer's (a stale or
+      mismatched sampler).
 ``NonFiniteWatchdog`` counts steps whose loss or gradient norm is not finite (their update is
 skipped) and stops the run after ``limit`` of them in a row, naming the step and the likely causes;
 no checkpoint ever holds weights from a skipped update.
@@ -26,6 +28,9 @@ from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.plugins import RewardServiceError
 from grpo.reference.protocol import ReferenceServerError
+
+SAMPLER_GAP_WARN = 0.1  # nats per token: far above bf16 kernels' usual gap (docs/metrics.md), a stale sampler's
+
 
 def reward_failed_frac(m: dict[str, float]) -> float:
     """The largest share of rows any reward source failed on (errors + timeouts) this step."""
@@ -51,6 +56,15 @@ CHECKS = {
         "nothing: the task is too hard or too easy for the policy, or the reward too coarse. Raise "
         "rollout.num_generations={G}, use a partial-credit reward, or use dynamic sampling (--algo dapo).",
     ),
+    "sampler_mismatch": (
+        lambda m: m.get("sampler_gap/mean", 0.0) > SAMPLER_GAP_WARN,
+        "the generation engine's log-probs of its own tokens differ from the trainer's by more than "
+        f"{SAMPLER_GAP_WARN} nats per token on average (sampler_gap/mean; rollout_corr/k1 and /k3 with "
+        "algo.rollout_correction): the likely causes are stale weights (the engine missed a weight sync: "
+        "rollout.engine={engine}), lower-precision kernels (bf16 / fp16 sampling against an fp32 trainer), or "
+        "top-k / top-p truncation (the sampler's log-probs are of the filtered distribution; rollout.top_k=0 and "
+        "rollout.top_p=1 show the kernels alone). algo.rollout_correction corrects or masks the affected tokens.",
+    ),
     "zero_gradient": (
         lambda m: m.get("grad_norm", 1.0) == 0.0,
         "the gradient norm is 0: nothing is being learned (all advantages 0, every token masked, or "
@@ -74,7 +88,8 @@ class LearningHealth:
                 self.warned.add(name)
                 r = self.cfg.rollout
                 msg = (f"WARNING (step {step}, {self.patience} steps in a row): "
-                       + text.format(L=r.max_completion_length, G=r.num_generations, lr=self.cfg.train.lr))
+                       + text.format(L=r.max_completion_length, G=r.num_generations, lr=self.cfg.train.lr,
+                                     engine=r.engine))
                 given.append(msg)
                 if self.main:
                     print(msg, file=sys.stderr, flush=True)
