@@ -29,7 +29,7 @@ from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.plugins import RewardServiceError
 from grpo.reference.protocol import ReferenceServerError
 
-SAMPLER_GAP_WARN = 0.1  # nats per token: far above bf16 kernels' usual gap (docs/metrics.md), a stale sampler's
+SAMPLER_GAP_WARN = 0.1  # nats per token: 2-5x bf16 kernels' mean gap on a GPU (0.02-0.04, docs/results.md)
 
 
 def reward_failed_frac(m: dict[str, float]) -> float:
