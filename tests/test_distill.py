@@ -247,3 +247,33 @@ def test_opd_gradient_equals_trls_iw_opd_with_gamma_0():
     trl = (-theirs * a_opd * batch.mask).sum() / batch.mask.sum()
     trl.backward()
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_a_teacher_server_that_is_gone_is_named_as_the_teacher(tmp_path):
+    """Not there at start, and gone mid-run: ReferenceServerError naming teacher.url (the client's own message
+    speaks of the reference)."""
+    from grpo.foundation.logprobs import pack
+    from grpo.foundation.modeling import load_tokenizer
+    from grpo.foundation.tiny import BUILTIN_NAME
+    from grpo.reference.launch import ServerProcess, free_port
+    from grpo.reference.protocol import ReferenceServerError
+    from grpo.reference.teacher import make_teacher
+    from tests.patience import SERVER_S
+
+    tok = load_tokenizer(BUILTIN_NAME)
+    quick = {"ref.startup_wait": 0, "ref.retry_window": 0, "ref.connect_timeout": 1}
+    port = free_port()
+    with pytest.raises(ReferenceServerError, match=rf"the teacher's server \(teacher.url='http://127.0.0.1:{port}'"):
+        make_teacher(config("grpo", **{"teacher.url": f"http://127.0.0.1:{port}", **quick}), torch.device("cpu"), tok,
+                     len(tok))
+    srv = ServerProcess(["--model", BUILTIN_NAME], port=port, log_path=tmp_path / "srv.log",
+                        env={"OMP_NUM_THREADS": "1"})
+    srv.start(timeout=SERVER_S)
+    try:
+        teacher = make_teacher(config("grpo", **{"teacher.url": srv.url, **quick}), torch.device("cpu"), tok, len(tok))
+        packed = pack([[5, 6, 7]], [[8, 9]], tok.pad_token_id, 2)
+        assert teacher.logprobs(packed, 1.0).shape == (1, 2)
+    finally:
+        srv.stop()
+    with pytest.raises(ReferenceServerError, match=r"the teacher's server \(teacher.url="):
+        teacher.logprobs(packed, 1.0)

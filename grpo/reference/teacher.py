@@ -11,13 +11,45 @@ here, both naming the two models when they differ.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from typing import Optional
 
 import torch
 
 from grpo.foundation.config import Config, ConfigError, distilling
+from grpo.foundation.logprobs import Packed
 from grpo.reference.handle import ReferenceHandle, make_reference
 from grpo.reference.in_process import Loader
+from grpo.reference.protocol import ReferenceServerError
+
+
+class TeacherHandle(ReferenceHandle):
+    """The reference handle, whose server errors say they are the teacher's (the client's own words speak of the
+    reference and of ``ref.url``)."""
+
+    def __init__(self, impl, url: Optional[str]):
+        super().__init__(impl)
+        self.url = url
+
+    def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
+        inner = super().submit(packed, temperature)
+        if not self.remote:
+            return inner
+        out: Future = Future()
+
+        def relay(done: Future) -> None:
+            e = done.exception()
+            if e is None:
+                out.set_result(done.result())
+            else:
+                out.set_exception(teacher_error(self.url, e) if isinstance(e, ReferenceServerError) else e)
+
+        inner.add_done_callback(relay)
+        return out
+
+
+def teacher_error(url: Optional[str], e: Exception) -> ReferenceServerError:
+    return ReferenceServerError(f"the teacher's server (teacher.url={url!r}; the settings named ref.* apply to it): {e}")
 
 
 def teacher_config(cfg: Config) -> Config:
@@ -58,7 +90,9 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
             raise
         raise ConfigError(f"teacher.url={cfg.teacher.url!r} (the teacher's server) cannot teach model.name_or_path="
                           f"{cfg.model.name_or_path!r}: {e}") from e
+    except ReferenceServerError as e:  # not there at start
+        raise teacher_error(cfg.teacher.url, e) from None
     model = getattr(handle.impl, "model", None)
     if model is not None and vocab_size is not None and model.config.get_text_config().vocab_size != vocab_size:
         refuse(cfg, f"its vocabulary size {model.config.get_text_config().vocab_size} is not the policy's {vocab_size}")
-    return handle
+    return TeacherHandle(handle.impl, cfg.teacher.url)
