@@ -200,6 +200,7 @@ def test_a_run_distils_from_an_in_process_teacher(single_rank_env, tmp_path, alg
     for h in history:
         assert h["distill/reverse_kl"] != 0 and 0 < h["distill/teacher_prob"] < 1 and math.isfinite(h["loss"])
         assert h["distill/share"] == 1.0 if algo == "opd" else 0 < h["distill/share"] <= 1
+        assert h["time/teacher"] > 0  # the in-process teacher's forward, apart from the old-policy pass
     batch = tr._last_batch
     assert batch.teacher_logp is not None and batch.advantages.shape == batch.mask.shape
 

@@ -11,6 +11,7 @@ here, both naming the two models when they differ.
 from __future__ import annotations
 
 import dataclasses
+import time
 from concurrent.futures import Future
 from typing import Optional
 
@@ -46,6 +47,15 @@ class TeacherHandle(ReferenceHandle):
 
         inner.add_done_callback(relay)
         return out
+
+
+def ask_teacher(teacher: Optional[ReferenceHandle], batch, pad_id: int,
+                temperature: float) -> tuple[Optional["Future[torch.Tensor]"], float]:
+    """The teacher's request for ``batch`` (None without a teacher) and the seconds asking took: a server's answer
+    comes later (its request is in flight meanwhile), an in-process teacher computes here."""
+    t0 = time.perf_counter()
+    future = None if teacher is None else teacher.submit(batch.packed(None, pad_id), temperature)
+    return future, time.perf_counter() - t0
 
 
 def teacher_error(url: Optional[str], e: Exception) -> ReferenceServerError:

@@ -29,7 +29,7 @@ from grpo.foundation.config import Config, ConfigError, dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
 from grpo.foundation.plugins import AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
-from grpo.reference.teacher import make_teacher
+from grpo.reference.teacher import ask_teacher, make_teacher
 from grpo.rollout.service import RolloutService
 from grpo.training import build, deepspeed_engine as ds
 from grpo.training.build import make_env_setup  # noqa: F401 - its home before build.py
@@ -210,13 +210,12 @@ class Trainer:
         return step
 
     def logprob_phase(self, step: Step) -> None:
-        """The reference's log-probs (asked first: a server computes them meanwhile) and, only if the algorithm
-        needs them, the old policy's log-probs and entropy."""
+        """The reference's and the teacher's log-probs (asked first: a server computes them meanwhile) and, only if
+        the algorithm needs them, the old policy's log-probs and entropy."""
         algo, batch = self.algo, step.batch
         t0 = time.perf_counter()
         ref_future = self._reference_request(batch, step.ctx)
-        teacher = None if self.teacher is None else self.teacher.submit(batch.packed(None, self.tokenizer.pad_token_id),
-                                                                        self.cfg.rollout.temperature)
+        teacher, tt = ask_teacher(self.teacher, batch, self.tokenizer.pad_token_id, self.cfg.rollout.temperature)
         if algo.needs_sum_pi_squared:  # verl's optimal token baseline
             old, ent, sq = self.policy_logprobs(batch, algo.needs_entropy, sum_pi_squared=True)
             batch.extra = {**batch.extra, "sum_pi_squared": sq}
@@ -228,10 +227,11 @@ class Trainer:
         t1 = time.perf_counter()
         if ref_future is not None:
             batch.ref_logp = together(ref_future.result).float() * batch.mask
+        step.timings["old_logprobs"], t2 = t1 - t0 - tt, time.perf_counter()
+        step.timings["reference"] = t2 - t1
         if teacher is not None:
             batch.teacher_logp = together(teacher.result).float() * batch.mask
-        step.timings["old_logprobs"] = t1 - t0
-        step.timings["reference"] = time.perf_counter() - t1
+            step.timings["teacher"] = tt + time.perf_counter() - t2
         self.memory.end("logprobs")
 
     def advantage_phase(self, step: Step) -> None:
