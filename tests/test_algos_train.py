@@ -86,8 +86,10 @@ ALGOS: dict[str, tuple[list[str], list[str]]] = {
     "dppo-tv": (["algo.num_iterations=2"], CLIP + ["dppo/capped_frac"]),
     "dppo-kl": (["algo.num_iterations=2"], CLIP + ["dppo/capped_frac"]),
     "dro": ([], CLIP + ["dro/sq_log_ratio"]),  # the preset: dro_beta 0.1, 2 passes
-    # on-policy distillation: the preset's in-process teacher on both ranks
-    "opd": ([], CLIP + ["distill/reverse_kl", "distill/teacher_prob", "distill/share"]),
+    # on-policy distillation: the preset's in-process teacher, partitioned over the ranks under ZeRO-3 like the
+    # reference (its forwards collective)
+    "opd": (["train.zero_stage=3", "train.logprob_chunk_size=32"],
+            CLIP + ["distill/reverse_kl", "distill/teacher_prob", "distill/share", "time/teacher"]),
 }
 EVERY_STEP = ["reward/mean", "reward/std", "reward/digits_match/mean", "advantage/mean", "advantage/std",
               "advantage/min", "advantage/max", "advantage/zero_group_frac", "completion/length_mean",
