@@ -91,12 +91,12 @@ class Algorithm(LossOptions):
                 f"rollout.num_generations={cfg.rollout.num_generations} cannot learn with {name}: its advantages "
                 f"compare the completions of one prompt, so with fewer than 2 every advantage is 0. Set "
                 f"rollout.num_generations >= 2 (papers use 8 to 64)")
-        if a.tis_cap is not None and not cls.token_level_pg:
-            raise ConfigError(f"algo.tis_cap={a.tis_cap!r} weights each token's policy-gradient term, and {name} has a "
-                              f"sequence-level loss: set algo.tis_cap=null, or pick a token-level algorithm")
-        if a.rollout_correction is not None and not cls.token_level_pg:
-            raise ConfigError(f"algo.rollout_correction weights each token's policy-gradient term, and {name} has a "
-                              f"sequence-level loss: set algo.rollout_correction=null, or pick a token-level algorithm")
+        weights = {f"algo.tis_cap={a.tis_cap!r}": a.tis_cap is not None,
+                   "algo.rollout_correction": a.rollout_correction is not None}
+        for key, on in weights.items():
+            if on and not cls.token_level_pg:
+                raise ConfigError(f"{key} weights each token's policy-gradient term, and {name} has a sequence-level "
+                                  f"loss: set {key.split('=')[0]}=null, or pick a token-level algorithm")
         if a.kl_in_reward and not cls.takes_kl_in_reward():
             raise ConfigError(
                 f"algo.kl_in_reward={a.kl_in_reward!r} does not apply to {name}: its advantages are not computed "
