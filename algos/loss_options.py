@@ -112,8 +112,8 @@ class LossOptions:
             raise RuntimeError(f"algo.rollout_correction needs the sampler's log-probs, but the generation engine "
                                f"(rollout.engine={self.cfg.rollout.engine!r}) returned none: use a built-in engine "
                                f"(hf, static, vllm) or set algo.rollout_correction=null")
-        w = rl_math.rollout_correction_weight(batch.old_logp, batch.sampler_logp, mask, rc.level, rc.mode, rc.high,
-                                              rc.low)
+        ratio = rl_math.rollout_ratio(batch.old_logp, batch.sampler_logp, mask, rc.level)
+        w = rl_math.bound_ratio(ratio, rc.mode, rc.high, rc.low)
         batch.extra = {**batch.extra, "rollout_weight": w.to(mask.dtype)}
         d = (batch.old_logp.double() - batch.sampler_logp.double()) * mask.double()
         log_mean(ctx, "rollout_corr/k1", -d, mask)
@@ -127,9 +127,7 @@ class LossOptions:
         if rc.mode == "mask":
             log_mean(ctx, "rollout_corr/masked_frac", (w == 0).double(), mask)
         else:
-            plain = rl_math.rollout_correction_weight(batch.old_logp, batch.sampler_logp, mask, rc.level, "truncate",
-                                                      math.inf, None)
-            out = (plain > rc.high) | (plain < (rc.low if rc.low is not None else -math.inf))
+            out = (ratio > rc.high) | (ratio < (rc.low if rc.low is not None else -math.inf))
             log_mean(ctx, "rollout_corr/truncated_frac", out.double(), mask)
 
     def adapt_entropy_coef(self, mean_entropy: float) -> None:

@@ -81,7 +81,12 @@ def launcher_env_kept():
     train.py) does not inherit the port this process's own process group listens on (EADDRINUSE)."""
     before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
     yield
-    for k, v in before.items():
+    restore_env(before)
+
+
+def restore_env(old: dict) -> None:
+    """Put the environment variables back as ``old`` has them (None: unset)."""
+    for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
         else:
@@ -96,11 +101,7 @@ def single_rank_env():
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    restore_env(old)
 
 
 # The suite's slowest files, slowest first (their time in `make test` on the 2-core machine, 2026-11-26: 46 s
