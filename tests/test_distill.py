@@ -136,8 +136,8 @@ def test_opd_needs_a_teacher_and_sequence_level_losses_refuse_one():
 
 def test_the_teacher_server_gives_the_in_process_teachers_logprobs(tmp_path):
     """The same teacher in the trainer's process and behind ref_client.py (a real process on loopback): the same
-    per-token log-probs, which are not the student's own."""
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    per-token log-probs, which are not the student's own, and the same top-k next tokens."""
+    from grpo.foundation.logprobs import completion_logprobs, completion_scores, pack
     from grpo.foundation.modeling import load_model, load_tokenizer
     from grpo.foundation.tiny import BUILTIN_NAME, write_tiny
     from grpo.reference.launch import ServerProcess, free_port
@@ -158,9 +158,17 @@ def test_the_teacher_server_gives_the_in_process_teachers_logprobs(tmp_path):
         remote = make_teacher(config("grpo", **{"teacher.url": srv.url}), torch.device("cpu"), tok, len(tok))
         assert (local.kind, remote.kind) == ("in-process", "server")
         a, b = local.logprobs(packed, 0.8), remote.logprobs(packed, 0.8)
+        ta, tb = local.submit_topk(packed, 0.8, 16).result(), remote.submit_topk(packed, 0.8, 16).result()
     finally:
         assert srv.stop() == 0
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the top-k (the teacher's support for the exact divergence): the same from both, and the model's own
+    torch.testing.assert_close(ta.logprobs, a, rtol=0, atol=0)
+    torch.testing.assert_close(ta.topk_logprobs, tb.topk_logprobs, rtol=0, atol=1e-6)
+    assert torch.equal(ta.topk_ids, tb.topk_ids) and ta.topk_ids.shape == (3, 6, 16)
+    with torch.no_grad():
+        full = completion_scores(load_model(config("grpo").model, str(folder)), packed, 0.8, top_k=16)
+    torch.testing.assert_close(ta.topk_logprobs, full.topk_logprobs.float(), rtol=0, atol=1e-6)
     with torch.no_grad():
         own, _ = completion_logprobs(load_model(config("grpo").model, BUILTIN_NAME), packed, 0.8)
         want, _ = completion_logprobs(load_model(config("grpo").model, str(folder)), packed, 0.8)

@@ -357,3 +357,65 @@ def test_shared_prefix_runs_each_prompt_once(grouped_rows, monkeypatch):
     with torch.no_grad():
         completion_logprobs(model, pack(prompts, completions, 0, 6))
     assert shapes == [(3, 6), (9, 5)]  # 3 prompts padded to 6; completions without their last token
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 2.5)])
+def test_several_targets_per_row_with_their_gradients(fused, chunk_size, temperature, softcap):
+    """[n, m] targets (a teacher's top-k scored by the student): each log-prob and the gradients of hidden states,
+    weight and bias equal autograd through the full log-softmax in float64, with the entropy alongside."""
+    from grpo.foundation.logprobs import head_logprobs
+
+    head, hidden, _, g = random_head(11)
+    targets = torch.randint(0, 11, (13, 4), generator=g)
+    upstream = torch.randn(13, 4, generator=g, dtype=torch.float64)
+    lp, ent = head_logprobs(head, hidden, targets, temperature, chunk_size, with_entropy=True, softcap=softcap,
+                            fused=fused)
+    assert lp.shape == (13, 4)
+    fast = torch.autograd.grad((lp * upstream).sum(), [hidden] + list(head.parameters()))
+    logits = head(hidden)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logsm = torch.log_softmax(logits / temperature, -1)
+    ref = torch.stack([torch.stack([logsm[i, targets[i, j]] for j in range(4)]) for i in range(13)])
+    slow = torch.autograd.grad((ref * upstream).sum(), [hidden] + list(head.parameters()))
+    torch.testing.assert_close(lp, ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ent, -(logsm.exp() * logsm).sum(-1).detach(), atol=1e-12, rtol=1e-12)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_scores_top_k_and_gathered_equal_the_full_softmax(model_and_rows, chunk_size, temperature):
+    """completion_scores: the top-k of each completion position's next-token distribution (values and ids, most
+    likely first), and the log-probs of given ids with their gradient, against one unpadded forward per row."""
+    from grpo.foundation.logprobs import completion_scores
+
+    model, prompts, completions = model_and_rows
+    V, k = model.config.vocab_size, 5
+    packed = pack(prompts, completions, pad_id=0, width=8)
+    g = torch.Generator().manual_seed(4)
+    asked = torch.randint(0, V, (len(prompts), 8, 3), generator=g)
+    s = completion_scores(model, packed, temperature, chunk_size, gather_ids=asked, top_k=k)
+    lp, _ = completion_logprobs(model, packed, temperature, chunk_size)
+    torch.testing.assert_close(s.logprobs, lp, atol=0, rtol=0)
+    assert s.topk_logprobs.shape == (len(prompts), 8, k) and not s.topk_logprobs.requires_grad
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        logits = model(input_ids=torch.tensor([p + c])).logits[0].double() / temperature
+        logsm = torch.log_softmax(logits, -1)
+        for t in range(8):
+            if t >= len(c):  # beyond the row: zeros
+                assert not s.topk_logprobs[i, t].any() and not s.topk_ids[i, t].any() and not s.gathered[i, t].any()
+                continue
+            row = logsm[len(p) + t - 1]
+            top = row.topk(k)
+            torch.testing.assert_close(s.topk_logprobs[i, t], top.values, atol=1e-12, rtol=1e-12)
+            assert s.topk_ids[i, t].tolist() == top.indices.tolist()
+            torch.testing.assert_close(s.gathered[i, t], row[asked[i, t]], atol=1e-12, rtol=1e-12)
+    # the gathered log-probs carry their gradient to the weights
+    s = completion_scores(model, packed, temperature, chunk_size, gather_ids=asked)
+    s.gathered.sum().backward()
+    assert model.get_output_embeddings().weight.grad is not None
+    model.zero_grad(set_to_none=True)

@@ -13,6 +13,7 @@ from grpo.reference.wire import (
     TooLarge,
     WireError,
     decode_response,
+    decode_scores,
     encode,
     encode_flat_response,
     encode_request,
@@ -89,6 +90,9 @@ def test_response_round_trip_fills_zeros_beyond_lengths():
         (lambda t, h: h.update(with_entropy="yes"), "with_entropy", "true or false"),
         (lambda t, h: h.update(pad_id=VOCAB + 1), "pad_id", "outside the vocabulary"),
         (lambda t, h: h.update(rows_per_pass=0), "rows_per_pass", ">= 1"),
+        (lambda t, h: h.update(top_k=65), "top_k", "64 tokens per position at most"),
+        (lambda t, h: h.update(top_k=-1), "top_k", ">= 0"),
+        (lambda t, h: h.update(top_k=2.5), "top_k", "integer"),
         (lambda t, h: h.update(colour="blue"), "colour", "unknown header field"),
     ],
 )
@@ -232,3 +236,27 @@ def test_a_temperature_too_large_for_a_float_is_refused():
     with pytest.raises(WireError) as e:
         parse_request(encode(tensors, header), VOCAB, 16384)
     assert e.value.field == "temperature" and "finite number" in e.value.message
+
+
+def test_top_k_round_trip_and_answers_checked_against_the_question():
+    """top_k travels in the header; the answer's [T, k] top-k log-probs and ids come back as [B, width, k] with zeros
+    beyond each row; an answer with top-k tensors nobody asked for, or of the wrong shape or dtype, is refused."""
+    p = ragged_batch(2, rows=6, vocab=VOCAB, width=16)
+    assert parse_request(encode_request(p, 0.7, top_k=5), VOCAB, 16384).top_k == 5
+    assert parse_request(encode_request(p, 0.7), VOCAB, 16384).top_k == 0
+    small = ragged_batch(2, rows=3, vocab=20)
+    with pytest.raises(WireError, match="20 tokens per position at most"):  # a vocabulary smaller than k
+        parse_request(encode_request(small, 0.7, top_k=40), 20, 16384)
+    lengths = torch.tensor([3, 0, 2])
+    lp, tlp, tid = torch.randn(3, 5), torch.randn(3, 5, 4), torch.randint(0, VOCAB, (3, 5, 4))
+    body = encode_flat_response(flatten_rows(lp, lengths), None, {}, (flatten_rows(tlp, lengths), flatten_rows(tid, lengths)))
+    got, _ = decode_scores(body, lengths, 5, top_k=4)
+    mask = torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)
+    assert torch.equal(got.topk_logprobs[mask], tlp[mask]) and torch.equal(got.topk_ids[mask], tid[mask])
+    assert not got.topk_logprobs[~mask].any() and got.topk_ids.dtype == torch.long
+    with pytest.raises(WireError, match="not asked for"):
+        decode_scores(body, lengths, 5)
+    with pytest.raises(WireError, match=r"\[5, 4\]"):
+        decode_scores(body, lengths, 5, top_k=3)
+    with pytest.raises(WireError, match="topk_logprobs"):
+        decode_scores(encode_flat_response(flatten_rows(lp, lengths), None, {}), lengths, 5, top_k=4)

@@ -8,6 +8,7 @@ is checkpointed, so neither the forward nor the backward pass ever holds a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,17 +54,29 @@ def _head_logits(head: torch.nn.Module, hidden: torch.Tensor, temperature: float
     return logits / temperature
 
 
+def _gather(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits[i, targets[i]] for [n] targets ([n]), or logits[i, targets[i, j]] for [n, m] targets ([n, m])."""
+    if targets.dim() == 2:
+        return logits.gather(-1, targets)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row [n] value ``x`` shaped to broadcast against ``like`` ([n] or [n, m])."""
+    return x.unsqueeze(-1) if like.dim() == 2 else x
+
+
 def _chunk_logprob(head, hidden, targets, temperature, softcap):
     logits = _head_logits(head, hidden, temperature, softcap)
     lse = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return _gather(logits, targets) - _per_row(lse, targets)
 
 
 def _chunk_logprob_entropy(head, hidden, targets, temperature, softcap, entropy_grad=False, sum_pi_squared=False):
     """(log-probs, entropy, sum_v pi_v^2 or None); the last is detached, the entropy too unless ``entropy_grad``."""
     logits = _head_logits(head, hidden, temperature, softcap)
     lse = torch.logsumexp(logits, dim=-1)
-    lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    lp = _gather(logits, targets) - _per_row(lse, targets)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         probs = torch.softmax(logits, dim=-1)
         entropy = lse - (probs * logits).sum(-1)
@@ -101,7 +114,7 @@ class _LinearHeadLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, chunk_size, with_entropy,
                 entropy_grad=False, sum_pi_squared=False):
         n, acc = hidden.shape[0], _acc_dtype(weight.dtype)
-        lp = torch.empty(n, dtype=acc, device=hidden.device)
+        lp = torch.empty(targets.shape, dtype=acc, device=hidden.device)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
         sq = torch.empty(n, dtype=acc, device=hidden.device) if sum_pi_squared else None
@@ -109,7 +122,7 @@ class _LinearHeadLogprob(torch.autograd.Function):
             e = min(n, s + chunk_size)
             logits = _LinearHeadLogprob._logits(hidden[s:e], weight, bias, temperature, softcap)[0]
             lse[s:e] = torch.logsumexp(logits, dim=-1)
-            lp[s:e] = logits.gather(-1, targets[s:e].unsqueeze(-1)).squeeze(-1) - lse[s:e]
+            lp[s:e] = _gather(logits, targets[s:e]) - _per_row(lse[s:e], targets[s:e])
             if ent is not None:  # H = lse - sum_v p_v z_v
                 z = logits
                 ent[s:e] = lse[s:e] - (torch.exp(z - lse[s:e].unsqueeze(-1)) * z).sum(-1)
@@ -146,21 +159,23 @@ class _LinearHeadLogprob(torch.autograd.Function):
         acc = _acc_dtype(weight.dtype)  # weight gradients summed over chunks in at least float32
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        grad_lp = torch.zeros_like(lse) if grad_lp is None else grad_lp.to(acc)
+        grad_lp = torch.zeros(targets.shape, dtype=acc, device=lse.device) if grad_lp is None else grad_lp.to(acc)
+        cols = targets if targets.dim() == 2 else targets.unsqueeze(-1)  # [n, m] targets: m log-probs per row
         grad_ent = grad_ent.to(acc) if (grad_ent is not None and ent is not None) else None
         for s in range(0, hidden.shape[0], chunk):
             e = min(hidden.shape[0], s + chunk)
             logits, th = _LinearHeadLogprob._logits(hidden[s:e], weight, bias, T, cap)
-            g = grad_lp[s:e]
+            g = grad_lp[s:e].reshape(e - s, -1)  # [chunk, m]
+            g_all = g.sum(-1)  # d lp_j / d z = onehot(target_j) - softmax: the softmax's share adds up over j
             logp = logits.sub_(lse[s:e].unsqueeze(-1))  # log softmax, in place
             if grad_ent is None:  # d lp / d logits = onehot - softmax, times the incoming gradient, in place
-                dz = logp.exp_().mul_(-g.unsqueeze(-1))
+                dz = logp.exp_().mul_(-g_all.unsqueeze(-1))
             else:  # + d H / d logits = -p (log p + H), times its incoming gradient
                 p = logp.exp()
-                dz = logp.add_(ent[s:e].unsqueeze(-1)).mul_(grad_ent[s:e].unsqueeze(-1)).add_(g.unsqueeze(-1))
+                dz = logp.add_(ent[s:e].unsqueeze(-1)).mul_(grad_ent[s:e].unsqueeze(-1)).add_(g_all.unsqueeze(-1))
                 dz.mul_(p).neg_()
                 del p
-            dz.scatter_add_(-1, targets[s:e].unsqueeze(-1), g.unsqueeze(-1))
+            dz.scatter_add_(-1, cols[s:e], g)
             if T != 1.0:
                 dz.div_(T)
             if th is not None:  # d (c tanh(x / c)) / dx = 1 - tanh^2
@@ -219,7 +234,8 @@ def head_logprobs(
     entropy_grad: bool = False,
     sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """log softmax(head(h)/T)[target] for [n, H] hidden states, chunk by chunk; the entropy (``with_entropy``)
+    """log softmax(head(h)/T)[target] for [n, H] hidden states and [n] targets (or [n, m] targets: [n, m] log-probs,
+    each with its gradient), chunk by chunk; the entropy (``with_entropy``)
     is detached unless ``entropy_grad``. Returns (log-probs, entropy or None), and a third tensor with
     ``sum_pi_squared``: sum_v pi_v^2 per token, detached (verl's optimal token baseline).
 
@@ -273,6 +289,39 @@ def head_logprobs(
     if sum_pi_squared:
         return lp, (ent if want_entropy else None), (torch.cat(sqs) if sqs else hidden.new_zeros(0))
     return lp, ent
+
+
+@torch.no_grad()
+def head_topk(head: torch.nn.Module, hidden: torch.Tensor, k: int, temperature: float = 1.0, chunk_size: int = 0,
+              softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely next tokens after each of [n, H] hidden states: (log-probs [n, k] float32 or float64, ids
+    [n, k]), most likely first; one [chunk x vocab] logits tensor at a time. A ZeRO-3 head is gathered once."""
+    chunk_size = device_chunk_size(chunk_size, hidden.device)
+    n = hidden.shape[0]
+    if type(head) is torch.nn.Linear:
+        def logits_of(h):
+            return _LinearHeadLogprob._logits(h, head.weight, head.bias, temperature, softcap)[0]
+    else:
+        def logits_of(h):
+            return _head_logits(head, h, temperature, softcap)
+    starts = list(range(0, n, chunk_size))
+    if partitioned(head) and type(head) is not torch.nn.Linear:  # gathered in each call: as many calls per rank
+        starts += [n] * (_collective_max(len(starts)) - len(starts))
+    gather = contextlib.nullcontext()
+    if _partitioned_linear(head):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters([p for p in (head.weight, head.bias) if p is not None])
+    vals, idx = [], []
+    with gather:
+        for s in starts:
+            logits = logits_of(hidden[s : s + chunk_size])
+            top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+            vals.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+            idx.append(top.indices)
+    if not vals:
+        return hidden.new_zeros((0, k), dtype=torch.float32), torch.zeros((0, k), dtype=torch.long, device=hidden.device)
+    return torch.cat(vals), torch.cat(idx)
 
 
 def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
@@ -337,6 +386,80 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
     return h_last[idx].unsqueeze(1)
 
 
+@dataclass
+class Scores:
+    """What :func:`completion_scores` computes for each completion token (every tensor [B, width, ...], 0 beyond a
+    row's length)."""
+
+    logprobs: torch.Tensor  # [B, width] log-probs of the completion tokens
+    entropy: Optional[torch.Tensor] = None  # [B, width] (``with_entropy``)
+    sum_pi_squared: Optional[torch.Tensor] = None  # [B, width] sum_v pi_v^2, detached (``sum_pi_squared``)
+    gathered: Optional[torch.Tensor] = None  # [B, width, m] log-probs of ``gather_ids`` (differentiable)
+    topk_logprobs: Optional[torch.Tensor] = None  # [B, width, k] the k most likely next tokens' log-probs (no grad)
+    topk_ids: Optional[torch.Tensor] = None  # [B, width, k] their ids, most likely first
+
+
+def completion_scores(
+    model: torch.nn.Module,
+    packed: Packed,
+    temperature: float = 1.0,
+    chunk_size: int = 0,
+    with_entropy: bool = False,
+    share_prefix: bool = True,
+    entropy_grad: bool = False,
+    sum_pi_squared: bool = False,
+    gather_ids: Optional[torch.Tensor] = None,
+    top_k: int = 0,
+) -> Scores:
+    """Log-probs of each row's completion tokens, and what else is asked, from one forward pass (:class:`Scores`).
+
+    ``gather_ids`` [B, width, m]: also the log-probs of these m tokens at each completion position, with their
+    gradient (a teacher's top-k, where the student's distribution is compared over the teacher's support).
+    ``top_k``: also the k most likely next tokens at each completion position, without gradient (what a teacher or
+    a reference sends). Rows that share a prompt (a group) run it once (``share_prefix``; see
+    :func:`_shared_prefix_hidden`); the LM head runs on completion positions only.
+    """
+    device = next(model.parameters()).device
+    ids = packed.input_ids.to(device)
+    B, width = ids.shape[0], packed.width
+    # which (row, column) pairs hold a completion token: found on the host, where the lengths are (a nonzero
+    # on the device would make the host wait for it), then copied over
+    valid = np.arange(width)[None, :] < packed.length.cpu().numpy()[:, None]  # [B, width]
+    rows, tcols = (torch.from_numpy(x).to(device, non_blocking=True) for x in valid.nonzero())
+    pos = packed.start.to(device)[rows] + tcols  # position of the completion token
+    targets = ids[rows, pos]
+    if gather_ids is not None:  # [n, 1 + m]: the sampled token, then the asked ones
+        targets = torch.cat([targets.unsqueeze(-1), gather_ids.to(device)[rows, tcols]], dim=-1)
+    prompts, which = _prompt_groups(packed) if share_prefix and B > 1 else ([], [])
+    share = bool(prompts) and len(prompts) < B and _can_share_prefix(model, ids.shape[1])
+    if partitioned(model):  # ZeRO-3: one forward pass or two (prompts, then completions) on every rank alike
+        share = not dist.any_rank(not (share and width > 1))
+    if share:
+        h = _shared_prefix_hidden(model, packed, prompts, which, device)[rows, tcols]
+    else:
+        hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
+        h = hidden[rows, pos - 1]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    head = model.get_output_embeddings()
+    lp, ent, *sq = head_logprobs(head, h, targets, temperature, chunk_size, with_entropy,
+                                 softcap, entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
+
+    def spread(values: torch.Tensor) -> torch.Tensor:  # [n, ...] -> [B, width, ...], zeros elsewhere
+        return torch.zeros(B, width, *values.shape[1:], dtype=values.dtype, device=device).index_put((rows, tcols), values)
+
+    out = Scores(spread(lp[:, 0] if gather_ids is not None else lp))
+    if gather_ids is not None:
+        out.gathered = spread(lp[:, 1:])
+    if ent is not None:
+        out.entropy = spread(ent)
+    if sum_pi_squared:
+        out.sum_pi_squared = spread(sq[0])
+    if top_k:
+        topk_lp, topk_ids = head_topk(head, h, top_k, temperature, chunk_size, softcap)
+        out.topk_logprobs, out.topk_ids = spread(topk_lp), spread(topk_ids)
+    return out
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     packed: Packed,
@@ -349,36 +472,7 @@ def completion_logprobs(
 ) -> tuple[torch.Tensor, ...]:
     """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy (``with_entropy``;
     differentiable with ``entropy_grad``); with ``sum_pi_squared`` a third [B, width] tensor, sum_v pi_v^2.
-
-    Rows that share a prompt (a group) run it once (``share_prefix``; see
-    :func:`_shared_prefix_hidden`); the LM head runs on completion positions only.
-    """
-    device = next(model.parameters()).device
-    ids = packed.input_ids.to(device)
-    B, width = ids.shape[0], packed.width
-    # which (row, column) pairs hold a completion token: found on the host, where the lengths are (a nonzero
-    # on the device would make the host wait for it), then copied over
-    valid = np.arange(width)[None, :] < packed.length.cpu().numpy()[:, None]  # [B, width]
-    rows, tcols = (torch.from_numpy(x).to(device, non_blocking=True) for x in valid.nonzero())
-    pos = packed.start.to(device)[rows] + tcols  # position of the completion token
-    targets = ids[rows, pos]
-    prompts, which = _prompt_groups(packed) if share_prefix and B > 1 else ([], [])
-    share = bool(prompts) and len(prompts) < B and _can_share_prefix(model, ids.shape[1])
-    if partitioned(model):  # ZeRO-3: one forward pass or two (prompts, then completions) on every rank alike
-        share = not dist.any_rank(not (share and width > 1))
-    if share:
-        h = _shared_prefix_hidden(model, packed, prompts, which, device)[rows, tcols]
-    else:
-        hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
-        h = hidden[rows, pos - 1]
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    lp, ent, *sq = head_logprobs(model.get_output_embeddings(), h, targets, temperature, chunk_size, with_entropy,
-                                 softcap, entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
-    out = torch.zeros(B, width, dtype=lp.dtype, device=device)
-    out = out.index_put((rows, tcols), lp)
-    ent_out = None
-    if ent is not None:
-        ent_out = torch.zeros(B, width, dtype=ent.dtype, device=device).index_put((rows, tcols), ent)
-    if sum_pi_squared:
-        return out, ent_out, torch.zeros(B, width, dtype=sq[0].dtype, device=device).index_put((rows, tcols), sq[0])
-    return out, ent_out
+    (:func:`completion_scores` as a tuple.)"""
+    s = completion_scores(model, packed, temperature, chunk_size, with_entropy, share_prefix, entropy_grad,
+                          sum_pi_squared)
+    return (s.logprobs, s.entropy, s.sum_pi_squared) if sum_pi_squared else (s.logprobs, s.entropy)

@@ -1,6 +1,7 @@
 """The reference as the trainer and the algorithms see it, whatever kind it is.
 
     logprobs / submit(packed, temperature)   reference log-probs (a future: a server works meanwhile)
+    submit_topk(packed, temperature, k)      the same, and the k most likely next tokens at each position
     kind                                     "in-process" (a frozen copy), "adapters-off" (LoRA: the policy
                                              with its adapters off, no copy) or "server"
     version, folder                          bumped by every reload or sync; the HF folder the weights came
@@ -25,8 +26,8 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.config import Config
-from grpo.foundation.logprobs import Packed
-from grpo.reference.protocol import Reference
+from grpo.foundation.logprobs import Packed, Scores
+from grpo.reference.protocol import MAX_TOP_K, Reference
 from grpo.reference.in_process import AdapterDisabledReference, InProcessReference, Loader
 
 StateDict = dict[str, torch.Tensor]
@@ -50,6 +51,12 @@ class ReferenceHandle:
 
     def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
         return self.submit(packed, temperature).result()
+
+    def submit_topk(self, packed: Packed, temperature: float, top_k: int) -> "Future[Scores]":
+        """Log-probs and the ``top_k`` (<= MAX_TOP_K) most likely next tokens at each completion position."""
+        if not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k={top_k}: a reference sends between 1 and {MAX_TOP_K} tokens per position")
+        return self.impl.submit_topk(packed, temperature, top_k)
 
     # ----------------------------------------------------------------- weights
     @property

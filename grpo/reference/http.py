@@ -32,8 +32,8 @@ import requests
 import torch
 
 from grpo.foundation.config import Config, ConfigError
-from grpo.foundation.logprobs import Packed
-from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_response, encode_request
+from grpo.foundation.logprobs import Packed, Scores
+from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, decode_scores, encode_request
 from grpo.reference.protocol import ReferenceServerError
 
 log = logging.getLogger("reference")
@@ -311,13 +311,19 @@ class HTTPReference:
     def logprobs(self, packed: Packed, temperature: float, with_entropy: bool = False
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[rows, width] float32 log-probs (and entropy) of ``packed``'s completion tokens."""
+        s = self.scores(packed, temperature, with_entropy)
+        return s.logprobs, s.entropy
+
+    def scores(self, packed: Packed, temperature: float, with_entropy: bool = False, top_k: int = 0) -> Scores:
+        """[rows, width] float32 log-probs of ``packed``'s completion tokens (and entropy; and the ``top_k`` most
+        likely next tokens at each position, [rows, width, top_k])."""
         t_enc = time.perf_counter()
-        body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass)
+        body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass, top_k)
         t0 = time.perf_counter()
         resp = self._request("POST", "/v1/logprobs", body=body, content_type=CONTENT_TYPE, key=uuid.uuid4().hex)
         t_dec = time.perf_counter()
         try:
-            lp, ent, header = decode_response(resp.content, packed.length, packed.width)
+            scores, header = decode_scores(resp.content, packed.length, packed.width, top_k)
         except WireError as e:
             raise ReferenceServerError(f"reference server at {self.url} sent a malformed answer: {e}") from None
         self._check_read_timeout(float(header.get("compute_ms", 0.0)) / 1000, packed.input_ids.shape[0])
@@ -332,7 +338,7 @@ class HTTPReference:
             m["ref/bytes_sent"] += len(body)
             m["ref/bytes_received"] += len(resp.content)
             m["ref/requests"] += 1
-        return lp, ent
+        return scores
 
     def _check_read_timeout(self, compute_s: float, rows: int) -> None:
         """Warn once when the server's compute time for one request is over half of ref.read_timeout."""
@@ -349,6 +355,9 @@ class HTTPReference:
 
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
         return self._pool.submit(lambda: self.logprobs(packed, temperature)[0])
+
+    def submit_topk(self, packed: Packed, temperature: float, top_k: int) -> "Future[Scores]":
+        return self._pool.submit(lambda: self.scores(packed, temperature, top_k=top_k))
 
     def info(self) -> dict:
         return self._request("GET", "/v1/info").json()

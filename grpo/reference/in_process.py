@@ -12,8 +12,14 @@ from typing import Callable, Optional
 import torch
 
 from grpo.foundation.config import Config
-from grpo.foundation.logprobs import Packed
-from grpo.reference.protocol import sliced_logprobs
+from grpo.foundation.logprobs import Packed, Scores
+from grpo.reference.protocol import sliced_scores
+
+
+def _ready(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 class _LocalReference:
@@ -22,13 +28,17 @@ class _LocalReference:
     source: str
     version: int
 
-    def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
+    def scores(self, packed: Packed, temperature: float, top_k: int = 0) -> Scores:
         raise NotImplementedError
 
+    def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
+        return self.scores(packed, temperature).logprobs
+
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
-        fut: Future = Future()
-        fut.set_result(self.logprobs(packed, temperature))
-        return fut
+        return _ready(self.logprobs(packed, temperature))
+
+    def submit_topk(self, packed: Packed, temperature: float, top_k: int) -> "Future[Scores]":
+        return _ready(self.scores(packed, temperature, top_k))
 
     def info(self) -> dict:
         return {"model": self.source, "version": self.version}
@@ -50,9 +60,9 @@ class InProcessReference(_LocalReference):
         self.model = self.load(self.source)
         self.version = 0
 
-    def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
-        return sliced_logprobs(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
-                               max_rows=self.cfg.train.micro_batch_size, synced=self.synced)[0]
+    def scores(self, packed: Packed, temperature: float, top_k: int = 0) -> Scores:
+        return sliced_scores(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
+                             max_rows=self.cfg.train.micro_batch_size, synced=self.synced, top_k=top_k)
 
     def reload(self, checkpoint_dir: str) -> dict:
         self.model = None  # the old copy goes before the new one comes
@@ -78,15 +88,15 @@ class AdapterDisabledReference(_LocalReference):
         self.version = 0
         self.source = cfg.model.name_or_path
 
-    def logprobs(self, packed: Packed, temperature: float) -> torch.Tensor:
+    def scores(self, packed: Packed, temperature: float, top_k: int = 0) -> Scores:
         from grpo.foundation.lora import adapters_disabled
 
         was_training = self.model.training
         self.model.eval()
         try:
             with adapters_disabled(self.model):
-                return sliced_logprobs(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
-                                       max_rows=self.cfg.train.micro_batch_size)[0]
+                return sliced_scores(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
+                                     max_rows=self.cfg.train.micro_batch_size, top_k=top_k)
         finally:
             self.model.train(was_training)
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from grpo.foundation.config import Config, ConfigError, distilling
-from grpo.foundation.logprobs import Packed
+from grpo.foundation.logprobs import Packed, Scores
 from grpo.reference.handle import ReferenceHandle, make_reference
 from grpo.reference.in_process import Loader
 from grpo.reference.protocol import ReferenceServerError
@@ -33,7 +33,12 @@ class TeacherHandle(ReferenceHandle):
         self.url = url
 
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
-        inner = super().submit(packed, temperature)
+        return self._relabelled(super().submit(packed, temperature))
+
+    def submit_topk(self, packed: Packed, temperature: float, top_k: int) -> "Future[Scores]":
+        return self._relabelled(super().submit_topk(packed, temperature, top_k))
+
+    def _relabelled(self, inner: Future) -> Future:
         if not self.remote:
             return inner
         out: Future = Future()

@@ -10,9 +10,11 @@ Request (``POST /v1/logprobs``), rows concatenated without padding:
              completion_lens  int32|int64 [B]  completion tokens of each row to score (>= 0)
     header   temperature (number > 0), with_entropy (bool, default false),
              pad_id (int, default 0), rows_per_pass (int >= 1, optional: the client's
-             micro-batch size, so the server's forward passes match the in-process reference's)
+             micro-batch size, so the server's forward passes match the in-process reference's),
+             top_k (int in [0, 64], default 0: also the top_k most likely next tokens at each position)
 Response:
-    tensors  logprobs [T] float32 (T = sum completion_lens), entropy [T] float32 when asked
+    tensors  logprobs [T] float32 (T = sum completion_lens), entropy [T] float32 when asked,
+             topk_logprobs [T, top_k] float32 and topk_ids [T, top_k] int32 (most likely first) when asked
     header   version, rows, tokens, compute_ms (the forward), parse_ms (reading and checking the
              body), wait_ms (the wait for the device thread beyond compute_ms)
 
@@ -32,13 +34,14 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from grpo.foundation.logprobs import Packed
+from grpo.foundation.logprobs import Packed, Scores
+from grpo.reference.protocol import MAX_TOP_K
 
 CONTENT_TYPE = "application/vnd.grpo-ref+safetensors"
 TOKEN_ENV = "GRPO_REF_TOKEN"  # the bearer token, for server and client alike
 INT_DTYPES = (torch.int32, torch.int64)
 REQUEST_TENSORS = ("input_ids", "prompt_lens", "completion_lens")
-HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass")
+HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass", "top_k")
 
 
 class WireError(ValueError):
@@ -142,8 +145,8 @@ def flatten_rows(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def unflatten_rows(flat: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Inverse of :func:`flatten_rows`: zeros beyond each row's length."""
-    out = torch.zeros(len(lengths), width, dtype=flat.dtype)
+    """Inverse of :func:`flatten_rows` ([sum lengths, ...] -> [B, width, ...]): zeros beyond each row's length."""
+    out = torch.zeros(len(lengths), width, *flat.shape[1:], dtype=flat.dtype)
     out[torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)] = flat
     return out
 
@@ -162,6 +165,7 @@ class LogprobRequest:
     temperature: float
     with_entropy: bool
     rows_per_pass: Optional[int]
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         seq = self.prompt_lens + self.completion_lens
@@ -185,12 +189,14 @@ class LogprobRequest:
 
 
 def encode_request(packed: Packed, temperature: float, with_entropy: bool = False, pad_id: int = 0,
-                   rows_per_pass: Optional[int] = None) -> bytes:
+                   rows_per_pass: Optional[int] = None, top_k: int = 0) -> bytes:
     ids, prompt_lens, completion_lens = flatten_packed(packed)
     small = torch.int32 if ids.numel() == 0 or int(ids.max()) < 2**31 else torch.int64
     header: dict[str, Any] = {"temperature": float(temperature), "with_entropy": bool(with_entropy), "pad_id": int(pad_id)}
     if rows_per_pass is not None:
         header["rows_per_pass"] = int(rows_per_pass)
+    if top_k:
+        header["top_k"] = int(top_k)
     tensors = {"input_ids": ids.to(small), "prompt_lens": prompt_lens.to(torch.int32),
                "completion_lens": completion_lens.to(torch.int32)}
     return encode(tensors, header)
@@ -298,29 +304,60 @@ def parse_request(body: bytes, vocab_size: int, max_row_tokens: int,
     if pad_id >= vocab_size:
         raise WireError("pad_id", f"{pad_id} is outside the vocabulary [0, {vocab_size})")
     rows_per_pass = _int_field(header, "rows_per_pass", None, 1)
-    return LogprobRequest(ids, prompt_lens, completion_lens, pad_id, t, with_entropy, rows_per_pass)
+    top_k = _int_field(header, "top_k", 0, 0)
+    if top_k > min(MAX_TOP_K, vocab_size):
+        raise WireError("top_k", f"{top_k} is more than this server sends ({min(MAX_TOP_K, vocab_size)} tokens per "
+                                 f"position at most); ask for fewer")
+    return LogprobRequest(ids, prompt_lens, completion_lens, pad_id, t, with_entropy, rows_per_pass, top_k)
 
 
 # --------------------------------------------------------------------------- response
 
 
-def encode_flat_response(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], header: dict) -> bytes:
-    """A response from flat [T] values (each row's completion tokens, back to back)."""
+def encode_flat_response(logprobs: torch.Tensor, entropy: Optional[torch.Tensor], header: dict,
+                         topk: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> bytes:
+    """A response from flat [T] values (each row's completion tokens, back to back), and the flat [T, k] top-k
+    log-probs and ids when asked."""
     tensors = {"logprobs": logprobs.float()}
     if entropy is not None:
         tensors["entropy"] = entropy.float()
+    if topk is not None:
+        tensors["topk_logprobs"], tensors["topk_ids"] = topk[0].float(), topk[1].to(torch.int32)
     return encode(tensors, header)
+
+
+ANSWER_TENSORS = {"logprobs": torch.float32, "entropy": torch.float32, "topk_logprobs": torch.float32,
+                  "topk_ids": torch.int32}
+
+
+def decode_scores(body: bytes, lengths: torch.Tensor, width: int, top_k: int = 0) -> tuple[Scores, dict]:
+    """(:class:`Scores` as [B, width] tensors, [B, width, top_k] for the top-k, header) of a server answer for rows of
+    ``lengths``; anything else than what was asked, in its dtype and shape, raises :class:`WireError`."""
+    tensors, header = decode(body)
+    expected = int(lengths.sum())
+    for name, t in tensors.items():
+        shape = (expected, top_k) if name.startswith("topk_") else (expected,)
+        if name not in ANSWER_TENSORS or (name.startswith("topk_") and not top_k):
+            raise WireError(name, "the server sent a tensor that was not asked for")
+        if t.dtype != ANSWER_TENSORS[name] or t.shape != shape:
+            raise WireError(name, f"the server sent {str(t.dtype)} {list(t.shape)}; expected "
+                                  f"{str(ANSWER_TENSORS[name])} {list(shape)}")
+    for name in ("logprobs",) + (("topk_logprobs", "topk_ids") if top_k else ()):
+        if name not in tensors:
+            raise WireError(name, "missing from the server's answer")
+    ent = tensors.get("entropy")
+    out = Scores(unflatten_rows(tensors["logprobs"], lengths, width),
+                 None if ent is None else unflatten_rows(ent, lengths, width))
+    if top_k:
+        out.topk_logprobs = unflatten_rows(tensors["topk_logprobs"], lengths, width)
+        bad = (tensors["topk_ids"] < 0).any()
+        if bool(bad):
+            raise WireError("topk_ids", "the server sent a negative token id")
+        out.topk_ids = unflatten_rows(tensors["topk_ids"].long(), lengths, width)
+    return out, header
 
 
 def decode_response(body: bytes, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
     """([B, width] log-probs, entropy or None, header) of a server answer for rows of ``lengths``."""
-    tensors, header = decode(body)
-    expected = int(lengths.sum())
-    for name, t in tensors.items():
-        if t.dtype != torch.float32 or t.shape != (expected,):
-            raise WireError(name, f"the server sent {str(t.dtype)} {list(t.shape)}; expected float32 [{expected}]")
-    if "logprobs" not in tensors:
-        raise WireError("logprobs", "missing from the server's answer")
-    ent = tensors.get("entropy")
-    return (unflatten_rows(tensors["logprobs"], lengths, width),
-            None if ent is None else unflatten_rows(ent, lengths, width), header)
+    scores, header = decode_scores(body, lengths, width)
+    return scores.logprobs, scores.entropy, header

@@ -418,14 +418,16 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
                                  "computing log-probs failed")
         if failed is not None:
             return failed
-        lp, ent, seconds, version = result
+        scores, seconds, version = result
         # where the server's time went besides the forward (scripts/benchmarks/bench_ref_http.py): reading and checking the
         # body, and the wait for the device thread beyond its compute (queue, hand-off)
         parse_ms, wait_ms = (t1 - t0) * 1000, (time.perf_counter() - t1 - seconds) * 1000
         bottle.request.environ["grpo.log"] = {"rows": req.rows, "tokens": req.tokens,
                                               "compute_ms": round(seconds * 1000, 2), "version": version}
-        out = encode_flat_response(lp, ent, {"version": version, "rows": req.rows, "tokens": req.tokens,
-                                             "compute_ms": seconds * 1000, "parse_ms": parse_ms, "wait_ms": wait_ms})
+        topk = (scores.topk_logprobs, scores.topk_ids) if req.top_k else None
+        out = encode_flat_response(scores.logprobs, scores.entropy,
+                                   {"version": version, "rows": req.rows, "tokens": req.tokens,
+                                    "compute_ms": seconds * 1000, "parse_ms": parse_ms, "wait_ms": wait_ms}, topk)
         return bottle.HTTPResponse(out, status=200, headers={"Content-Type": CONTENT_TYPE})
 
     @app.post("/v1/reward")

@@ -36,9 +36,10 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from grpo.foundation.config import ConfigError, ModelConfig
+from grpo.foundation.logprobs import Scores
 from grpo.foundation.modeling import load_model, load_tokenizer, tokenizer_fingerprint
 from grpo.reference.wire import LogprobRequest, flatten_rows
-from grpo.reference.protocol import row_slices, sliced_logprobs
+from grpo.reference.protocol import row_slices, sliced_scores
 
 
 class QueueFull(Exception):
@@ -288,23 +289,24 @@ class DeviceWorker:
             if job.waiters == 0:
                 job.left_at = time.monotonic()
 
-    def _logprobs(self, model: torch.nn.Module, req: LogprobRequest, job: Job) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Flat [T] log-probs (and entropy) of ``req``, padding one forward pass's rows at a time.
+    def _logprobs(self, model: torch.nn.Module, req: LogprobRequest, job: Job) -> Scores:
+        """Flat [T] log-probs (and entropy; and [T, k] top-k log-probs and ids) of ``req``, padding one forward
+        pass's rows at a time.
 
-        The passes are ``sliced_logprobs``' own (same row slices, same padded width), so the answer
+        The passes are ``sliced_scores``' own (same row slices, same padded width), so the answer
         is the one the in-process reference computes from the whole padded batch. Between passes,
         a job whose clients have all gone stops (:class:`Abandoned`).
         """
-        lps, ents = [], []
+        parts = []
         for rows in row_slices(req.rows, req.row_tokens, req.rows_per_pass, self.max_batch_tokens):
             if self._drop_if_abandoned(job):
                 raise Abandoned(f"every client of this request has gone; stopped before rows {rows.start}+")
             part = req.packed(rows)
-            lp, ent = sliced_logprobs(model, part, req.temperature, self.chunk_size, with_entropy=req.with_entropy)
-            lps.append(flatten_rows(lp, part.length))
-            if ent is not None:
-                ents.append(flatten_rows(ent, part.length))
-        return torch.cat(lps), (torch.cat(ents) if req.with_entropy else None)
+            s = sliced_scores(model, part, req.temperature, self.chunk_size, with_entropy=req.with_entropy,
+                              top_k=req.top_k)
+            parts.append({k: flatten_rows(v, part.length) for k, v in vars(s).items() if v is not None})
+        flat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return Scores(**flat)
 
     def _load_reward(self, source: str):
         from grpo.foundation.plugins import SERVICES
@@ -328,7 +330,8 @@ class DeviceWorker:
         return self._submit_keyed(run, key)
 
     def submit(self, req: LogprobRequest, key: Optional[Hashable] = None) -> Job:
-        """A job whose future gives (flat log-probs [T], flat entropy or None, compute seconds, weights version).
+        """A job whose future gives (flat :class:`Scores`: [T] log-probs, entropy or None, [T, k] top-k or None;
+        compute seconds, weights version).
 
         With ``key``, a job of the same key that is queued, running or finished uncollected is joined
         instead. The caller must :meth:`leave` the job once it stops waiting.
@@ -337,10 +340,10 @@ class DeviceWorker:
         def run(job: Job):
             current, version = self.current, self.version  # as of the job's turn: a reload may precede it
             t0 = time.perf_counter()
-            lp, ent = self._logprobs(current.model, req, job)
+            scores = self._logprobs(current.model, req, job)
             with self._lock:
                 self.stats["computed"] += 1
-            return lp, ent, time.perf_counter() - t0, version
+            return scores, time.perf_counter() - t0, version
 
         return self._submit_keyed(run, key)
 
