@@ -86,16 +86,20 @@ class LossOptions:
         return batch
 
     def distill(self, batch: RolloutBatch, ctx: StepContext) -> None:
-        """``teacher``: A_t <- A_t - coef * (l_old - l_teacher)_t (rl_math.distilled_advantages), per token. Logged:
+        """``teacher``: A_t <- A_t - coef * (l_old - l_teacher)_t (rl_math.distilled_advantages), per token; with
+        ``teacher.top_k`` the advantages stay (the divergence joins the loss: :meth:`loss_with_bonus`). Logged:
         ``distill/reverse_kl`` (the mean of l_old - l_teacher over the tokens, the sampled-token estimate of
         KL(student || teacher)), ``distill/teacher_prob`` (the teacher's mean probability of the student's tokens),
-        ``distill/share`` (the distillation term's share of the advantages' magnitude, sum over tokens)."""
+        ``distill/share`` (the distillation term's share of the advantages' magnitude, sum over tokens; with top_k,
+        of the loss's: logged by the training pass)."""
         coef, mask = self.cfg.teacher.coef, batch.mask
-        before = batch.advantages
-        batch.advantages = rl_math.distilled_advantages(before, batch.old_logp, batch.teacher_logp, mask, coef)
         gap = (batch.old_logp.double() - batch.teacher_logp.double()) * mask.double()
         log_mean(ctx, "distill/reverse_kl", gap, mask)
         log_mean(ctx, "distill/teacher_prob", batch.teacher_logp.double().exp(), mask)
+        if self.cfg.teacher.top_k:
+            return
+        before = batch.advantages
+        batch.advantages = rl_math.distilled_advantages(before, batch.old_logp, batch.teacher_logp, mask, coef)
         task = (before.unsqueeze(-1) if before.dim() == 1 else before).double().abs() * mask.double()
         term = float(rl_math.global_mean_std((coef * gap).abs(), mask=mask)[0])
         total = term + float(rl_math.global_mean_std(task.expand_as(gap), mask=mask)[0])
@@ -141,14 +145,31 @@ class LossOptions:
         self.entropy_c = min(max(self.entropy_c + step, a.entropy_coef_min), a.entropy_coef_max)
 
     def loss_with_bonus(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], mb: RolloutBatch,
-                        norms: rl_math.StepNorms) -> LossOutput:
+                        norms: rl_math.StepNorms, student_topk: Optional[torch.Tensor] = None) -> LossOutput:
         """The algorithm's loss, minus alpha * H aggregated as the loss (``algo.aggregation``) when the entropy
-        bonus is on (``entropy``: the current policy's, with its gradient; None otherwise)."""
+        bonus is on (``entropy``: the current policy's, with its gradient; None otherwise), plus the teacher's
+        top-k divergence (``student_topk``: the current policy's log-probs of the teacher's top-k tokens [rows, T,
+        k], with their gradient; None without ``teacher.top_k``)."""
         out = self.loss(logp, mb, norms)
-        if entropy is None:
-            return out
-        bonus = rl_math.aggregate(-self.entropy_alpha * entropy, mb.mask, self.a.aggregation, norms)
-        return LossOutput(out.loss + bonus, {**out.stats, "entropy_bonus/entropy": masked_stat(entropy, mb.mask)})
+        if entropy is not None:
+            bonus = rl_math.aggregate(-self.entropy_alpha * entropy, mb.mask, self.a.aggregation, norms)
+            out = LossOutput(out.loss + bonus, {**out.stats, "entropy_bonus/entropy": masked_stat(entropy, mb.mask)})
+        if student_topk is not None:
+            out = self.add_topk_divergence(out, student_topk, mb, norms)
+        return out
+
+    def add_topk_divergence(self, out: LossOutput, student_topk: torch.Tensor, mb: RolloutBatch,
+                            norms: rl_math.StepNorms) -> LossOutput:
+        """+ coef * D_beta(teacher || student) over the teacher's top-k tokens (rl_math.topk_divergence), aggregated
+        as the loss. Logged: ``distill/divergence`` (its mean over the tokens) and ``distill/share`` (|the term| over
+        |the term| + |the rest of the loss|, summed over the micro-batches)."""
+        t = self.cfg.teacher
+        div = rl_math.topk_divergence(student_topk, mb.extra["teacher_topk_logp"], t.beta, t.tail)
+        term = t.coef * rl_math.aggregate(div, mb.mask, self.a.aggregation, norms)
+        size = term.detach().abs().double()
+        stats = {**out.stats, "distill/divergence": masked_stat(div, mb.mask),
+                 "distill/share": (size, size + out.loss.detach().abs().double())}
+        return LossOutput(out.loss + term, stats)
 
     def options_state_dict(self) -> dict:
         """The shared options' state (every algorithm): the adaptive entropy coefficient c_k."""

@@ -32,7 +32,9 @@ RANGES: dict[str, Any] = {
     "in (0, 1]": lambda v: 0 < v <= 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 64]": lambda v: 0 <= v <= 64,
 }
+MAX_TOP_K = 64  # top-k log-probs per position that a reference or a teacher sends at most (the wire's bound too)
 
 
 def ranged(default: Any, within: str, hint: str = "", factory: Any = None) -> Any:
@@ -448,11 +450,17 @@ class TeacherConfig:
 
     Every token's advantage becomes A_t - coef * (log pi_student - log pi_teacher)_t (the reverse KL on the sampled
     token as a dense negative reward, slime's form) for any token-level algorithm; ``--algo opd`` is that term
-    alone (no reward in the advantage)."""
+    alone (no reward in the advantage). With ``top_k`` the term is instead GKD's divergence over the teacher's top-k
+    next tokens at each position, added to the loss: coef * D_beta(teacher || student) (TRL's server distillation)."""
 
     model: Optional[str] = None  # the teacher in the trainer's process (an HF folder or name; small setups)
     url: Optional[str] = None  # a ref_client.py server holding the teacher (ref.token and ref.*_timeout apply)
     coef: float = at_least_zero(1.0)  # lambda of the distillation term (slime's opd_kl_coef; 0 = the term off)
+    # 0: the sampled-token term on the advantage; k: GKD's divergence over the teacher's k likeliest tokens (TRL's loss_top_k)
+    top_k: int = ranged(0, "in [0, 64]", "0 = the sampled-token term; k = the teacher's k most likely tokens")
+    # with top_k, GKD's beta: 0 = forward KL(teacher || student), 1 = reverse KL, between = the generalized JSD
+    beta: float = ranged(0.0, "in [0, 1]", "GKD's beta: 0 = forward KL, 1 = reverse KL, between = the JSD")
+    tail: bool = True  # with top_k: the mass outside the top-k as one more bucket (TRL's loss_add_tail)
 
 
 @dataclass
@@ -900,6 +908,15 @@ def _validate_teacher(t: TeacherConfig) -> None:
                           f"server at url)")
     if t.url is not None and not t.url.startswith(("http://", "https://")):
         raise ConfigError(f"teacher.url={t.url!r} is invalid: it must start with http:// or https://")
+    if not t.top_k and (t.beta != 0.0 or not t.tail):
+        key = f"teacher.beta={t.beta!r}" if t.beta != 0.0 else f"teacher.tail={t.tail!r}"
+        raise ConfigError(f"{key} shapes the divergence over the teacher's top-k tokens, and teacher.top_k=0 (the "
+                          f"sampled-token term): set teacher.top_k (1 to {MAX_TOP_K}), or leave {key.split('=')[0]} "
+                          f"at its default")
+    if t.top_k == 1 and not t.tail:
+        raise ConfigError("teacher.top_k=1 with teacher.tail=false: a distribution over one token is always the "
+                          "teacher's, so the divergence is 0 and nothing is learnt; keep teacher.tail=true or raise "
+                          "teacher.top_k")
 
 
 def distilling(cfg: Config) -> bool:

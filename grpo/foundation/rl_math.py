@@ -290,6 +290,31 @@ def distilled_advantages(adv: torch.Tensor, student_logp: torch.Tensor, teacher_
     return (per_token - coef * gap) * mask.to(dtype)
 
 
+def topk_divergence(student: torch.Tensor, teacher: torch.Tensor, beta: float, tail: bool = True) -> torch.Tensor:
+    """GKD's generalized JSD (Agarwal et al. 2024, eq. 1) over the teacher's top-k next tokens at each position, as
+    TRL's server distillation computes it (``_jsd_divergence`` after ``_add_tail_bucket``). ``student`` and
+    ``teacher``: [..., k] log-probs of the same k tokens (the teacher's most likely); returns [...].
+
+    The support: with ``tail`` the k tokens plus one bucket for the rest, log(1 - sum_i exp(lp_i)) (the sum kept
+    below 1, log-sum <= -1e-7); without it both sides renormalised over the k tokens. Then with s, t the student's
+    and the teacher's distributions on it: beta 0 gives KL(t || s) = sum_i t_i (log t_i - log s_i) (forward), beta 1
+    gives KL(s || t) (reverse), and between beta KL(t || m) + (1 - beta) KL(s || m) with m = beta t + (1 - beta) s.
+    """
+    def on_support(lp: torch.Tensor) -> torch.Tensor:
+        if tail:
+            log_sum = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
+            return torch.cat([lp, torch.log(-torch.expm1(log_sum))], dim=-1)
+        return lp - torch.logsumexp(lp, dim=-1, keepdim=True)
+
+    s, t = on_support(student), on_support(teacher.to(student.dtype))
+    if beta == 0.0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1.0:
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logsumexp(torch.stack([s + math.log1p(-beta), t + math.log(beta)]), dim=0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
 K3_LOG_RATIO_CLAMP = 20.0  # |d| before exp in k3 (verl's low_var_kl bound on d)
 
 

@@ -25,9 +25,9 @@ from typing import Callable, Optional
 import torch
 
 from grpo.foundation import dist
-from grpo.foundation.config import Config
+from grpo.foundation.config import MAX_TOP_K, Config
 from grpo.foundation.logprobs import Packed, Scores
-from grpo.reference.protocol import MAX_TOP_K, Reference
+from grpo.reference.protocol import Reference
 from grpo.reference.in_process import AdapterDisabledReference, InProcessReference, Loader
 
 StateDict = dict[str, torch.Tensor]

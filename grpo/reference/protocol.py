@@ -6,7 +6,7 @@ log-probs on either side. The server's client is in http.py.
 ``submit`` starts the work and returns a future whose ``result()`` gives [rows, width] log-probs, so a remote
 request can run while the trainer scores rewards and computes old log-probs. ``submit_topk`` also asks for the
 ``top_k`` most likely next tokens at every completion position (their log-probs and ids, [rows, width, top_k];
-at most :data:`MAX_TOP_K`): the support of a teacher's exact top-k divergence, and of the audit's.
+at most grpo.foundation.config.MAX_TOP_K, 64): the support of a teacher's exact top-k divergence, and of the audit's.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.logprobs import Packed, Scores, completion_scores
-
-
-MAX_TOP_K = 64  # top-k log-probs per position that a reference or a teacher sends at most (the wire's bound)
 
 
 class ReferenceServerError(RuntimeError):

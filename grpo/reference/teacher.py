@@ -28,9 +28,9 @@ class TeacherHandle(ReferenceHandle):
     """The reference handle, whose server errors say they are the teacher's (the client's own words speak of the
     reference and of ``ref.url``)."""
 
-    def __init__(self, impl, url: Optional[str]):
+    def __init__(self, impl, url: Optional[str], top_k: int = 0):
         super().__init__(impl)
-        self.url = url
+        self.url, self.top_k = url, top_k  # top_k: also its k most likely tokens at each position (teacher.top_k)
 
     def submit(self, packed: Packed, temperature: float) -> "Future[torch.Tensor]":
         return self._relabelled(super().submit(packed, temperature))
@@ -54,13 +54,29 @@ class TeacherHandle(ReferenceHandle):
         return out
 
 
-def ask_teacher(teacher: Optional[ReferenceHandle], batch, pad_id: int,
-                temperature: float) -> tuple[Optional["Future[torch.Tensor]"], float]:
-    """The teacher's request for ``batch`` (None without a teacher) and the seconds asking took: a server's answer
-    comes later (its request is in flight meanwhile), an in-process teacher computes here."""
+def ask_teacher(teacher: Optional[TeacherHandle], batch, pad_id: int,
+                temperature: float) -> tuple[Optional[Future], float]:
+    """The teacher's request for ``batch`` (None without a teacher; its top-k too with ``teacher.top_k``) and the
+    seconds asking took: a server's answer comes later (its request is in flight meanwhile), an in-process teacher
+    computes here. :func:`take_answer` puts the answer into the batch."""
     t0 = time.perf_counter()
-    future = None if teacher is None else teacher.submit(batch.packed(None, pad_id), temperature)
+    future = None
+    if teacher is not None and teacher.top_k:
+        future = teacher.submit_topk(batch.packed(None, pad_id), temperature, teacher.top_k)
+    elif teacher is not None:
+        future = teacher.submit(batch.packed(None, pad_id), temperature)
     return future, time.perf_counter() - t0
+
+
+def take_answer(batch, answer: "torch.Tensor | Scores") -> None:
+    """The teacher's answer into ``batch``: its log-probs of the sampled tokens (``teacher_logp``) and, when asked,
+    its top-k log-probs and token ids (``extra["teacher_topk_logp"]``, ``extra["teacher_topk_ids"]``, [rows, T,
+    k], zeros beyond each row)."""
+    lp = answer.logprobs if isinstance(answer, Scores) else answer
+    batch.teacher_logp = lp.float() * batch.mask
+    if isinstance(answer, Scores):
+        batch.extra = {**batch.extra, "teacher_topk_logp": answer.topk_logprobs.float(),
+                       "teacher_topk_ids": answer.topk_ids.long()}
 
 
 def teacher_error(url: Optional[str], e: Exception) -> ReferenceServerError:
@@ -110,4 +126,4 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
     model = getattr(handle.impl, "model", None)
     if model is not None and vocab_size is not None and model.config.get_text_config().vocab_size != vocab_size:
         refuse(cfg, f"its vocabulary size {model.config.get_text_config().vocab_size} is not the policy's {vocab_size}")
-    return TeacherHandle(handle.impl, cfg.teacher.url)
+    return TeacherHandle(handle.impl, cfg.teacher.url, cfg.teacher.top_k)

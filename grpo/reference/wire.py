@@ -35,7 +35,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from grpo.foundation.logprobs import Packed, Scores
-from grpo.reference.protocol import MAX_TOP_K
+from grpo.foundation.config import MAX_TOP_K
 
 CONTENT_TYPE = "application/vnd.grpo-ref+safetensors"
 TOKEN_ENV = "GRPO_REF_TOKEN"  # the bearer token, for server and client alike

@@ -307,8 +307,8 @@ def step_metrics(batch: RolloutBatch, stats: dict[str, list[torch.Tensor]], loss
     if stats:
         names = sorted(stats)
         red = dist.all_reduce_sum(torch.stack([torch.stack(stats[n]) for n in names]))
-        for i, n in enumerate(names):
-            m[n] = float(red[i, 0] / red[i, 1].clamp(min=1))
+        for i, n in enumerate(names):  # sum / count; 0 where nothing was counted
+            m[n] = float(red[i, 0] / red[i, 1]) if float(red[i, 1]) > 0 else 0.0
     m["loss"] = float(dist.all_reduce_sum(loss_sum.reshape(1)))
     m["grad_norm"] = grad_norm
     m["lr"] = lr

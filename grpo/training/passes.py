@@ -14,7 +14,7 @@ from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
 from grpo.foundation.config import Config
 from grpo.foundation.plugins import StepContext
-from grpo.foundation.logprobs import completion_logprobs
+from grpo.foundation.logprobs import completion_logprobs, completion_scores
 from grpo.training import deepspeed_engine as ds
 from grpo.training.metrics import SamplerGap
 
@@ -88,14 +88,18 @@ class PolicyPasses:
             engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
             ds.begin_micro_batch(engine)
             mb = batch.select(rows or [0]).to(self.device)
-            logp, ent = completion_logprobs(self.model, mb.packed(None, self.pad_id), cfg.rollout.temperature,
-                                            cfg.train.logprob_chunk_size, entropy_grad=self.algo.entropy_bonus)
+            s = completion_scores(self.model, mb.packed(None, self.pad_id), cfg.rollout.temperature,
+                                  cfg.train.logprob_chunk_size, entropy_grad=self.algo.entropy_bonus,
+                                  gather_ids=mb.extra.get("teacher_topk_ids"))  # teacher.top_k: its support
+            logp, ent = s.logprobs, s.entropy
             if not rows:  # another rank's extra micro-batch: a pass of weight 0 through the same modules
-                engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
+                engine.backward(logp.sum() * 0.0 + (0.0 if s.gathered is None else s.gathered.sum() * 0.0),
+                                scale_wrt_gas=False)
                 continue
             if gap is not None:  # before any update of this step: logp is pi_old
                 gap.add(mb.old_logp if mb.old_logp is not None else logp, mb.sampler_logp, mb.mask)
-            out = self.algo.loss_with_bonus(logp.float(), ent.float() if ent is not None else None, mb, norms)
+            out = self.algo.loss_with_bonus(logp.float(), ent.float() if ent is not None else None, mb, norms,
+                                            s.gathered.float() if s.gathered is not None else None)
             # DeepSpeed averages gradients over ranks: multiply by the world size so the
             # summed shares give exactly the gradient of the whole step's loss.
             engine.backward(out.loss * self.world, scale_wrt_gas=False)

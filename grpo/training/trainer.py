@@ -29,7 +29,7 @@ from grpo.foundation.config import Config, ConfigError, dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
 from grpo.foundation.plugins import AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
-from grpo.reference.teacher import ask_teacher, make_teacher
+from grpo.reference.teacher import ask_teacher, make_teacher, take_answer
 from grpo.rollout.service import RolloutService
 from grpo.training import build, deepspeed_engine as ds
 from grpo.training.build import make_env_setup  # noqa: F401 - its home before build.py
@@ -230,7 +230,7 @@ class Trainer:
         step.timings["old_logprobs"], t2 = t1 - t0 - tt, time.perf_counter()
         step.timings["reference"] = t2 - t1
         if teacher is not None:
-            batch.teacher_logp = together(teacher.result).float() * batch.mask
+            take_answer(batch, together(teacher.result))
             step.timings["teacher"] = tt + time.perf_counter() - t2
         self.memory.end("logprobs")
 
