@@ -33,6 +33,7 @@ RANGES: dict[str, Any] = {
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 64]": lambda v: 0 <= v <= 64,
+    "in [1, 64]": lambda v: 1 <= v <= 64,
 }
 MAX_TOP_K = 64  # top-k log-probs per position that a reference or a teacher sends at most (the wire's bound too)
 
@@ -477,6 +478,12 @@ class LoggingConfig:
     # warn when a run looks stuck (truncation, all-equal groups, zero gradient, a mismatched sampler) this many steps
     # in a row
     health_patience: int = positive(5)
+    # the audit of whole next-token distributions (docs/metrics.md#audit): every this many steps, the top-k KL of the
+    # sampler against the trainer and of the reference against the policy, on a few rows (0 = off)
+    audit_every: int = at_least_zero(0)
+    audit_top_k: int = ranged(8, "in [1, 64]")  # the support of each audited position: the k most likely tokens
+    audit_rows: int = positive(8)  # rows of each rank's batch audited (what bounds the audit's cost)
+    audit_warn_kl: float = positive(0.05)  # nats: an audited KL above it prints a warning naming the likely causes
 
 
 @dataclass

@@ -31,6 +31,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     ignore_eos: bool = False  # benchmarks only: EOS does not end a completion
     forced_eos_lengths: tuple[int, ...] = ()  # benchmarks only: row i ends with EOS at [i % len] tokens
+    topk_logprobs: int = 0  # the audit's steps: also the k most likely tokens of each step's distribution
 
     @classmethod
     def from_rollout(cls, cfg: RolloutConfig, **changes: Any) -> "SamplingParams":
@@ -50,6 +51,11 @@ class Completions:
     truncated: torch.Tensor  # [R] bool: no EOS within max_tokens
     logprobs: Optional[list[list[float]]] = None  # the sampler's log-prob of each drawn token, if it has them
     reused: int = 0  # prompt positions whose KV came from the engine's earlier rows, not fed again
+    # SamplingParams.topk_logprobs = k, when the engine has them: at each drawn token, the k most likely tokens of
+    # the distribution it was drawn from (temperature applied, before top-k / top-p), [R, max_tokens, k] log-probs
+    # and ids, zeros past each row's end
+    topk_logprobs: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
 
     def mask(self, width: int) -> torch.Tensor:
         return completion_mask([len(t) for t in self.tokens], width)

@@ -291,6 +291,9 @@ def generate(
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     forced = None if cfg.ignore_eos or not eos_ids else forced_eos(cfg, R, device)
     result_lp = torch.zeros((R, T), dtype=torch.float64, device=device) if logprobs else None
+    K = cfg.topk_logprobs  # the audit's: the k most likely tokens of each step's distribution
+    top_lp = torch.zeros((R, T, K), dtype=torch.float32, device=device) if K else None
+    top_ids = torch.zeros((R, T, K), dtype=torch.long, device=device) if K else None
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     finished = torch.zeros(R, dtype=torch.bool, device=device)  # EOS drawn (the row may not have left yet)
     active = torch.arange(R, device=device)
@@ -321,6 +324,9 @@ def generate(
             result[active, t] = tok
             if result_lp is not None:
                 result_lp[active, t] = token_logprobs(logits, tok, cfg.temperature, cfg.top_p, cfg.top_k).double()
+            if K:
+                top = torch.log_softmax(logits.float() / cfg.temperature, dim=-1).topk(K, dim=-1)
+                top_lp[active, t], top_ids[active, t] = top.values, top.indices
             was = finished[active]
             if eos.numel():
                 now = torch.isin(tok, eos) & ~was
@@ -364,7 +370,12 @@ def generate(
     eos_set = set(int(e) for e in eos_ids)
     truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
     lps = None if result_lp is None else [row[:m] for row, m in zip(result_lp.tolist(), lengths_l)]
-    return Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused)
+    out = Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused)
+    if K:  # zeros past each row's end (a finished row's slots may hold its last steps' values)
+        past = (torch.arange(T, device=device).unsqueeze(0) >= lengths.unsqueeze(1)).unsqueeze(-1)
+        out.topk_logprobs = top_lp.masked_fill(past, 0.0).cpu()
+        out.topk_ids = top_ids.masked_fill(past, 0).cpu()
+    return out
 
 
 class HFEngine:

@@ -84,6 +84,9 @@ class RolloutService:
         # called with each single-turn step's batch once generated, before its rewards (the trainer's early
         # reference request); None: nothing
         self.on_generated: Optional[Callable[[RolloutBatch], None]] = None
+        # the audit's steps (grpo/training/audit.py): the engine's top-k of each drawn token's distribution, into
+        # batch.extra["sampler_topk_logp" / "sampler_topk_ids"]; 0: not asked
+        self.audit_top_k = 0
 
     @classmethod
     def build(cls, cfg, model: torch.nn.Module, tokenizer, eos_ids: list[int],
@@ -173,7 +176,7 @@ class RolloutService:
                 n: Optional[int] = None) -> RolloutBatch:
         """G completions for each prompt, scored: the rows of one step (group-major)."""
         G = self.cfg.num_generations if n is None else n
-        comp = self.generate(prompts, n=G)
+        comp = self.generate(prompts, dataclasses.replace(self.params, topk_logprobs=self.audit_top_k), n=G)
         rows = [i for i in range(len(prompts)) for _ in range(G)]
         prompt_ids = [prompts[i] for i in rows]
         batch = RolloutBatch(
@@ -189,6 +192,10 @@ class RolloutService:
         )
         if comp.logprobs is not None:
             batch.sampler_logp = completion_logp_tensor(comp.logprobs, batch.width)
+        if comp.topk_logprobs is not None:  # [R, max_tokens, k] -> the batch's width
+            width = batch.width
+            batch.extra = {**batch.extra, "sampler_topk_logp": comp.topk_logprobs[:, :width].float(),
+                           "sampler_topk_ids": comp.topk_ids[:, :width].long()}
         if self.on_generated is not None:  # e.g. the trainer's reference request, in flight while rewards run
             self.on_generated(batch)
         if self.scorer is not None:  # none: a run whose algorithm learns from no reward (opd, rewards: [])

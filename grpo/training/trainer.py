@@ -5,6 +5,7 @@ One step, on every rank (``train_step``: one call per phase, in this order):
               (shaping / filtering / refill / correction / pruning)
   logprobs    the reference request (a server's sent right after generation) -> the teacher's request
               (distillation) -> old log-probs / entropy (only if needed) -> reference and teacher log-probs
+              -> the audit (every logging.audit_every steps; grpo/training/audit.py)
   advantages  the algorithm's advantages and its whole-batch options -> the step's norms
   update      mu optimizer passes over micro-batches (grpo/training/passes.py) -> weight sync to the engine
   metrics     reduced over ranks; the watchdogs
@@ -38,6 +39,7 @@ from grpo.training.configure import check_ranks
 from grpo.training import resume as checkpoints
 from grpo.training.checkpoint import prune_reference_folders
 from grpo.training.evaluation import Evaluator
+from grpo.training.audit import Audit
 from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard, stop_reached, together
 from grpo.training.metrics import MetricsLogger, SamplerGap, log_samples, step_metrics
 from grpo.training.partitioned import frozen_partitioned
@@ -105,6 +107,7 @@ class Trainer:
         self.logger = MetricsLogger(cfg, start_step=self.step)
         self.health = LearningHealth(cfg, cfg.logging.health_patience, dist.is_main())
         self.gc_timer = GcTimer()  # time/gc: the garbage collector's pauses inside each step
+        self.audit = Audit(cfg)  # whole next-token distributions, every logging.audit_every steps
         self.memory = MemoryPeaks(self.device)  # memory/<phase>_gib on CUDA: where a step's peak comes from
         self.step_watch = OutlierWatch(verbose=dist.is_main())  # a step > 1.5x the running median is named
         self.watchdog = NonFiniteWatchdog(cfg, cfg.train.max_nonfinite_steps)
@@ -200,6 +203,7 @@ class Trainer:
         self.memory.begin()
         if self.rewards is not None:
             self.rewards.set_state(self.step, self.cfg.train.max_steps)
+        self.rollout.audit_top_k = self.audit.top_k(self.step)  # the engine's top-k, on the audit's steps
         batch = together(lambda: self.generate(self._rank_indices()))  # generation and the rewards
         ctx = self.context()
         # The one place where algorithms change the batch (shaping, filtering + refill, correction, pruning).
@@ -232,6 +236,7 @@ class Trainer:
         if teacher is not None:
             take_answer(batch, together(teacher.result))
             step.timings["teacher"] = tt + time.perf_counter() - t2
+        self.audit.run(self.step, batch, self.model, self.reference, self.tokenizer.pad_token_id, step.ctx.metrics)
         self.memory.end("logprobs")
 
     def advantage_phase(self, step: Step) -> None:

@@ -1,0 +1,103 @@
+"""The audit of whole next-token distributions (``logging.audit_every``; docs/metrics.md#audit).
+
+The rollout-correction metrics compare the sampler and the trainer on the sampled token alone. Every
+``audit_every`` steps (step 0 included), on the first ``audit_rows`` rows of each rank's batch, this compares
+whole next-token distributions at every completion position, over the k most likely tokens (``audit_top_k``) plus
+one bucket for the rest (rl_math.topk_divergence, beta 0):
+
+    audit/sampler_kl     KL(pi_sampler || pi_trainer) on the sampler's top-k: the engine's distribution at each
+                         drawn token (temperature applied) against the trainer's forward with the same weights
+    audit/reference_kl   KL(pi_ref || pi_theta) on the reference's top-k (a run with a reference)
+
+with their maxima over positions (``.../max``) and the audit's seconds (``time/audit``). Both come from one
+forward pass of the policy without gradient over the audited rows, which scores it on both supports (the
+reference's top-k comes from the reference's own pass, in-process or from its server). The policy audited is the
+one that sampled the step (before its update). A KL past ``audit_warn_kl`` prints a warning naming the likely
+causes: for the sampler its dtype, its kernels, or weights the engine did not get (a missed sync); for the
+reference at step 0, a reference that is not the policy's starting weights.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import torch
+
+from grpo.foundation import dist, rl_math
+from grpo.foundation.batch import RolloutBatch
+from grpo.foundation.config import Config
+from grpo.foundation.logprobs import completion_scores
+
+
+class Audit:
+    def __init__(self, cfg: Config):
+        self.cfg, self.every, self.k = cfg, cfg.logging.audit_every, cfg.logging.audit_top_k
+        self._said_no_sampler = False
+
+    def top_k(self, step: int) -> int:
+        """The engine's top-k to ask for in this step's rollout (0: no audit this step)."""
+        return self.k if self.every and step % self.every == 0 else 0
+
+    def run(self, step: int, batch: RolloutBatch, model: torch.nn.Module, reference, pad_id: int,
+            metrics: dict[str, float]) -> None:
+        """On an audit step, the audit's metrics into ``metrics``. Collective: every rank calls it every step."""
+        if not self.top_k(step):
+            return
+        t0 = time.perf_counter()
+        rows = list(range(min(self.cfg.logging.audit_rows, len(batch))))
+        sub = batch.select(rows or [0])
+        mask = sub.mask.double() * (1.0 if rows else 0.0)  # a rank without rows joins the collectives with none
+        packed, temperature = sub.packed(None, pad_id), self.cfg.rollout.temperature
+        ref = None if reference is None else reference.submit_topk(packed, temperature, self.k)
+        sampler = sub.extra.get("sampler_topk_ids")
+        if sampler is None:
+            self._no_sampler()
+        ref_scores = None if ref is None else ref.result()
+        supports = [x for x in (sampler, None if ref_scores is None else ref_scores.topk_ids) if x is not None]
+        if not supports:
+            return
+        with torch.no_grad():
+            s = completion_scores(model, packed, temperature, self.cfg.train.logprob_chunk_size,
+                                  gather_ids=torch.cat(supports, dim=-1))
+        policy = s.gathered.double().cpu()
+        if sampler is not None:
+            kl = rl_math.topk_divergence(policy[..., : self.k], sub.extra["sampler_topk_logp"].double(), 0.0)
+            self._log(metrics, "audit/sampler_kl", kl, mask)
+        if ref_scores is not None:
+            kl = rl_math.topk_divergence(policy[..., -self.k:], ref_scores.topk_logprobs.double(), 0.0)
+            self._log(metrics, "audit/reference_kl", kl, mask)
+        metrics["time/audit"] = time.perf_counter() - t0
+        self._warn(step, metrics)
+
+    @staticmethod
+    def _log(metrics: dict[str, float], name: str, kl: torch.Tensor, mask: torch.Tensor) -> None:
+        metrics[name] = float(rl_math.global_mean_std(kl, mask=mask)[0])
+        top = (kl * mask).max() if kl.numel() else torch.zeros((), dtype=torch.float64)
+        metrics[f"{name}_max"] = float(dist.all_reduce_max(top.reshape(1))[0])
+
+    def _no_sampler(self) -> None:
+        if not self._said_no_sampler and dist.is_main():
+            print(f"audit: the rollout returned no top-k log-probs (rollout.engine={self.cfg.rollout.engine!r}; the "
+                  f"hf engine's single-turn rollouts have them), so audit/sampler_kl is not measured; the "
+                  f"reference's audit runs when the run has a reference", flush=True)
+        self._said_no_sampler = True
+
+    def _warn(self, step: int, m: dict[str, float]) -> None:
+        limit, cfg = self.cfg.logging.audit_warn_kl, self.cfg
+        if not dist.is_main():
+            return
+        if m.get("audit/sampler_kl", 0.0) > limit:
+            warnings.warn(
+                f"step {step}: audit/sampler_kl={m['audit/sampler_kl']:.4g} nats > logging.audit_warn_kl={limit:g}: "
+                f"the generation engine's next-token distributions are not the trainer's. Likely causes: stale "
+                f"weights (the engine missed a weight sync: rollout.engine={cfg.rollout.engine!r}), its dtype "
+                f"(bf16 / fp16 sampling against the trainer's model.dtype={cfg.model.dtype!r}), its kernels (CUDA "
+                f"graphs, vLLM). algo.rollout_correction corrects or masks the affected tokens.",
+                RuntimeWarning, stacklevel=2)
+        if step == 0 and m.get("audit/reference_kl", 0.0) > limit:
+            warnings.warn(
+                f"step 0: audit/reference_kl={m['audit/reference_kl']:.4g} nats > logging.audit_warn_kl={limit:g} "
+                f"before any update: the reference is not the policy's starting weights (ref.model="
+                f"{cfg.ref.model!r}, ref.url={cfg.ref.url!r}: another checkpoint, or another dtype than "
+                f"model.dtype={cfg.model.dtype!r}).", RuntimeWarning, stacklevel=2)
+
