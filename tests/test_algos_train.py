@@ -87,9 +87,12 @@ ALGOS: dict[str, tuple[list[str], list[str]]] = {
     "dppo-kl": (["algo.num_iterations=2"], CLIP + ["dppo/capped_frac"]),
     "dro": ([], CLIP + ["dro/sq_log_ratio"]),  # the preset: dro_beta 0.1, 2 passes
     # on-policy distillation: the preset's in-process teacher, partitioned over the ranks under ZeRO-3 like the
-    # reference (its forwards collective)
-    "opd": (["train.zero_stage=3", "train.logprob_chunk_size=32"],
-            CLIP + ["distill/reverse_kl", "distill/teacher_prob", "distill/share", "time/teacher"]),
+    # reference (its forwards collective), sending its top-4 (the student scored on them with their gradient); the
+    # audit on every step (the hf engine's top-k, the partitioned reference's)
+    "opd": (["train.zero_stage=3", "train.logprob_chunk_size=32", "teacher.top_k=4", "teacher.beta=0.5",
+             "algo.beta=0.01", "logging.audit_every=1", "logging.audit_rows=3"],
+            CLIP + ["distill/reverse_kl", "distill/teacher_prob", "distill/share", "time/teacher", "distill/divergence",
+                    "audit/sampler_kl", "audit/reference_kl", "time/audit"]),
 }
 EVERY_STEP = ["reward/mean", "reward/std", "reward/digits_match/mean", "advantage/mean", "advantage/std",
               "advantage/min", "advantage/max", "advantage/zero_group_frac", "completion/length_mean",
