@@ -178,6 +178,29 @@ def test_sampled_logprobs_equal_a_float64_recomputation(top_k, top_p):
         torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), want, rtol=0, atol=1e-5)  # fp32 sampler
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, temperature=0.7, top_k=5, top_p=0.9),
+                                    dataclasses.replace(GREEDY, max_tokens=8)])
+def test_the_audits_top_k_is_the_full_softmax_before_filtering(params):
+    """topk_logprobs=k (the audit's steps): at each drawn token, the k most likely tokens of softmax(logits / T) (before
+    the sampler's top-k / top-p) in float64, zeros past each row's end; greedy, rows end early (EOS, compaction)."""
+    model = build("qwen2")
+    eos = (eos_mid_run(model, PROMPTS),)
+    engine = static.StaticEngine(setup_for(model, eos=eos))
+    engine.check_every = 1  # compactions as soon as rows end
+    out = engine.generate(PROMPTS, dataclasses.replace(params, topk_logprobs=4), n=3)
+    assert out.topk_logprobs.shape == (9, 8, 4)
+    assert params.top_k != 1 or any(len(t) < 8 for t in out.tokens)  # greedy: EOS ends some rows early
+    for i, toks in enumerate(out.tokens):
+        prompt = PROMPTS[i // 3]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + toks])).logits[0, len(prompt) - 1: -1]
+        top = torch.log_softmax(logits.double() / params.temperature, -1).topk(4, dim=-1)
+        torch.testing.assert_close(out.topk_logprobs[i, : len(toks)].double(), top.values, rtol=0, atol=1e-5)
+        assert torch.equal(out.topk_ids[i, : len(toks)], top.indices)
+        assert not out.topk_logprobs[i, len(toks):].any() and not out.topk_ids[i, len(toks):].any()
+    assert engine.generate(PROMPTS, SamplingParams(max_tokens=3), n=1).topk_logprobs is None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_logprob_gap_against_the_trainer(device):
     """bf16 weights: the sampler's log-probs against the trainer's (``completion_logprobs``) on the same weights.

@@ -218,12 +218,17 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
 
 
 def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: float,
-           top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+           top_k: int, audit_k: int = 0) -> tuple[torch.Tensor, ...]:
     """(token [R], the sampler's log-prob of it [R]) from float32 logits [R, V] and uniforms ``u`` [R]:
-    the hf engine's sampler (``filter_logits``, ``sample_categorical``), no host sync."""
+    the hf engine's sampler (``filter_logits``, ``sample_categorical``), no host sync. ``audit_k`` (the audit's
+    steps): also the k most likely tokens of the distribution before top-k / top-p, [R, k] log-probs and ids."""
     z = filter_logits(logits, temperature, top_p, top_k)
     tok = sample_categorical(z, u[:, None])
-    return tok, torch.log_softmax(z, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    lp = torch.log_softmax(z, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    if not audit_k:
+        return tok, lp
+    top = torch.log_softmax(logits.float() / temperature, dim=-1).topk(audit_k, dim=-1)
+    return tok, lp, top.values, top.indices
 
 
 def rows_bucket(n: int) -> int:
@@ -380,7 +385,7 @@ class StaticEngine:
 
     def _step(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, u: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: float,
-              sampling: tuple[float, float, int]) -> tuple[torch.Tensor, torch.Tensor]:
+              sampling: tuple[float, float, int, int]) -> tuple[torch.Tensor, ...]:
         return sample(self.logits(flat, tok, pos, col, k, v, kpos, length, rope_scale), u, *sampling)
 
     def _run_step(self, w: Weights, tok, pos, col, u, k, v, kpos, length, sampling):
@@ -439,7 +444,8 @@ class StaticEngine:
         R, Lp = P * G, max(len(p) for p in prompts)
         Rb = rows_bucket(R)
         k_all, v_all, kpos_all = self._buffers(Rb, round_up(Lp + T, LENGTH_BUCKET), w.embed.dtype)
-        sampling = (params.temperature, params.top_p, params.top_k)
+        sampling = (params.temperature, params.top_p, params.top_k, params.topk_logprobs)
+        K = params.topk_logprobs  # the audit's steps: the top-k of each drawn token's distribution
 
         # prefill: each prompt once, its KV then copied to its G rows
         ids = torch.full((P, Lp), pad, dtype=torch.long)
@@ -464,6 +470,8 @@ class StaticEngine:
         logits = torch.cat([logits.repeat_interleave(G, dim=0), logits.new_zeros(Rb - R, logits.shape[-1])])
         out_tok = torch.full((R + 1, T), pad, dtype=torch.long, device=dev)
         out_lp = torch.zeros((R + 1, T), dtype=torch.float32, device=dev)
+        out_top = (torch.zeros((R + 1, T, K), dtype=torch.float32, device=dev),
+                   torch.zeros((R + 1, T, K), dtype=torch.long, device=dev)) if K else None
         lengths = torch.full((R + 1,), T, dtype=torch.long, device=dev)
         finished = torch.zeros(R + 1, dtype=torch.bool, device=dev)
         finished[R] = True
@@ -477,18 +485,20 @@ class StaticEngine:
         cols = torch.arange(Lp, Lp + T, device=dev)
         cap = k_all[0].shape[2]
         k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]  # each layer's rows of the bucket
-        tok, lp = sample(logits, u_all[0, rows], *sampling)
+        tok, lp, *top = sample(logits, u_all[0, rows], *sampling)
         for t in range(T):
             if t:
                 col = Lp + t - 1  # the column of token t - 1, fed now
                 length = min(cap, round_up(col + 1, self.length_bucket or cap))
-                tok, lp = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows], k_rows, v_rows,
-                                         kpos_all[:Rb], length, sampling)
+                tok, lp, *top = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows], k_rows, v_rows,
+                                               kpos_all[:Rb], length, sampling)
                 nxt = nxt + 1
             if forced is not None:
                 tok = torch.where(forced[rows] == t + 1, eos[0], tok)
             out_tok[rows, t] = tok
             out_lp[rows, t] = lp
+            if out_top is not None:
+                out_top[0][rows, t], out_top[1][rows, t] = top
             if eos is None:
                 continue
             now = torch.isin(tok, eos) & ~finished[rows]
@@ -528,4 +538,9 @@ class StaticEngine:
         tokens = [row[:m] for row, m in zip(toks, lengths_l)]
         eos_set = set(self.setup.eos_ids)
         truncated = torch.tensor([not (tk and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
-        return Completions(tokens=tokens, truncated=truncated, logprobs=[row[:m] for row, m in zip(lps, lengths_l)])
+        out = Completions(tokens=tokens, truncated=truncated, logprobs=[row[:m] for row, m in zip(lps, lengths_l)])
+        if out_top is not None:  # zeros past each row's end
+            past = (torch.arange(T, device=dev).unsqueeze(0) >= lengths[:R].unsqueeze(1)).unsqueeze(-1)
+            out.topk_logprobs = out_top[0][:R].masked_fill(past, 0.0).cpu()
+            out.topk_ids = out_top[1][:R].masked_fill(past, 0).cpu()
+        return out
