@@ -456,6 +456,9 @@ class TeacherConfig:
 
     model: Optional[str] = None  # the teacher in the trainer's process (an HF folder or name; small setups)
     url: Optional[str] = None  # a ref_client.py server holding the teacher (ref.token and ref.*_timeout apply)
+    # with model.lora: a LoRA adapter folder trained on the policy's base; the teacher is that base with this adapter,
+    # in the trainer's process, sharing the base's weights with the policy (no second copy)
+    adapter: Optional[str] = None
     coef: float = at_least_zero(1.0)  # lambda of the distillation term (slime's opd_kl_coef; 0 = the term off)
     # 0: the sampled-token term on the advantage; k: GKD's divergence over the teacher's k likeliest tokens (TRL's loss_top_k)
     top_k: int = ranged(0, "in [0, 64]", "0 = the sampled-token term; k = the teacher's k most likely tokens")
@@ -715,7 +718,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"logging.report_to[{i}]={target!r} is invalid: choose from ['tensorboard', 'wandb']"
             )
-    _validate_teacher(cfg.teacher)  # (an empty rewards list: the algorithm's check_capabilities decides)
+    _validate_teacher(cfg)  # (an empty rewards list: the algorithm's check_capabilities decides)
     _validate_lora(cfg)
     _validate_data(cfg.data)
     _validate_eval(cfg)
@@ -909,10 +912,20 @@ def _require_rewards(user_tree: dict, cfg: Config) -> None:
         f"command line: 'rewards=[{{fn: NAME}}]' (docs/troubleshooting.md)")
 
 
-def _validate_teacher(t: TeacherConfig) -> None:
-    if t.model and t.url:
-        raise ConfigError(f"teacher.model={t.model!r} and teacher.url={t.url!r}: name one teacher (in-process, or the "
-                          f"server at url)")
+def _validate_teacher(cfg: Config) -> None:
+    t = cfg.teacher
+    named = [f"teacher.{k}={v!r}" for k, v in (("model", t.model), ("url", t.url), ("adapter", t.adapter)) if v]
+    if len(named) > 1:
+        raise ConfigError(f"{' and '.join(named)}: name one teacher (in-process, the server at url, or the policy's "
+                          f"base with an adapter)")
+    if t.adapter and cfg.model.lora is None:
+        raise ConfigError(f"teacher.adapter={t.adapter!r} is a LoRA adapter on the policy's base, and the policy has no "
+                          f"LoRA (model.lora is null): set model.lora, or name the teacher with teacher.model (a whole "
+                          f"model, or an adapter folder merged into its base)")
+    if t.adapter and cfg.ref.sync_every:
+        raise ConfigError(f"teacher.adapter={t.adapter!r} shares the policy's base, which ref.sync_every="
+                          f"{cfg.ref.sync_every} moves toward the policy (LoRA's reference is that base): name the "
+                          f"reference apart (ref.model or ref.url), or set ref.sync_every=0")
     if t.url is not None and not t.url.startswith(("http://", "https://")):
         raise ConfigError(f"teacher.url={t.url!r} is invalid: it must start with http:// or https://")
     if not t.top_k and (t.beta != 0.0 or not t.tail):
@@ -928,7 +941,7 @@ def _validate_teacher(t: TeacherConfig) -> None:
 
 def distilling(cfg: Config) -> bool:
     """A teacher is named and its term is on."""
-    return bool(cfg.teacher.model or cfg.teacher.url) and cfg.teacher.coef > 0
+    return bool(cfg.teacher.model or cfg.teacher.url or cfg.teacher.adapter) and cfg.teacher.coef > 0
 
 
 def _validate_data(d: DataConfig) -> None:

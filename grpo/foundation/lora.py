@@ -8,6 +8,8 @@ DeepSpeed all see the same module as without LoRA, and everything LoRA needs is 
 
     apply_lora(model, cfg, base)    inject the adapters (only they train; fp32 even on a bf16 base)
     adapters_disabled(model)        a context in which the model is its frozen base (the free reference)
+    add_adapter(model, folder, name) another saved adapter beside the model's own, frozen (a teacher)
+    adapter_active(model, name)     a context in which the model is its base with that adapter
     save_adapter(model, folder)     PEFT's own format: ``PeftModel.from_pretrained(base, folder)`` loads it
     base_state_dict(model)          the frozen base's weights, under the transformers model's own names
     merged_state_dict(model)        the adapted policy's weights (base + scale * B A), same names
@@ -158,6 +160,70 @@ def adapters_disabled(model) -> Iterator[None]:
     finally:
         for m, on in zip(modules, was):
             m.enable_adapters(on)
+
+
+@contextmanager
+def adapter_active(model, name: str) -> Iterator[None]:
+    """Within the context the model computes its frozen base with adapter ``name`` (``add_adapter``) instead of
+    its own; afterwards its own adapter is active again and every parameter's ``requires_grad`` is as it was
+    (PEFT's ``set_adapter`` marks the active adapter trainable)."""
+    modules = _adapter_modules(model)
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    was = [list(m.active_adapters) for m in modules]
+    try:
+        for m in modules:
+            m.set_adapter(name)
+        yield
+    finally:
+        for m, names in zip(modules, was):
+            m.set_adapter(names)
+        for p, g in grads:
+            p.requires_grad_(g)
+
+
+def add_adapter(model, folder: str | Path, name: str) -> None:
+    """Load a saved LoRA adapter (PEFT's format) next to the model's own, under ``name``, inactive and frozen: the
+    base's weights are shared, the adapter adds its A and B. Every key of the folder's weights must land on a new
+    parameter and every new parameter must be loaded (a ConfigError names the first that does not)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not is_adapter_folder(folder) or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"{folder} is not a LoRA adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, as a LoRA "
+                          f"run's checkpoints hold them)")
+    peft_cfg = PeftLoraConfig.from_pretrained(str(folder))
+    if peft_cfg.modules_to_save:
+        raise ConfigError(f"{folder}: the adapter trains whole modules too (modules_to_save={peft_cfg.modules_to_save}),"
+                          f" which cannot be shared with the policy's base; use an adapter without them")
+    own = dict(model.peft_config)
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing. is deprecated", category=FutureWarning)
+        inject_adapter_in_model(peft_cfg, model, adapter_name=name)
+    model.peft_config = {**own, name: peft_cfg}
+    for m in _adapter_modules(model):  # the model's own adapter stays the active one
+        m.set_adapter(ADAPTER)
+    for p, g in grads:
+        p.requires_grad_(g)
+    params = {n: p for n, p in model.named_parameters() if f".{name}." in f".{n}." and "lora_" in n}
+    loaded = set()
+    with torch.no_grad():
+        for key, value in load_file(str(folder / ADAPTER_WEIGHTS)).items():
+            parts = key[len(PEFT_PREFIX):].split(".") if key.startswith(PEFT_PREFIX) else key.split(".")
+            at = next((i for i, x in enumerate(parts) if x.startswith("lora_")), None)
+            target = None if at is None else ".".join(parts[: at + 1] + [name] + parts[at + 1:])
+            if target not in params or params[target].shape != value.shape:
+                raise ConfigError(f"{folder}: its weight {key} {list(value.shape)} has no place in this model "
+                                  f"(is the adapter trained on model.name_or_path's base?)")
+            params[target].copy_(value.to(params[target].dtype))
+            params[target].requires_grad_(False)
+            loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ConfigError(f"{folder}: {len(missing)} of the adapter's parameters are not in its weights, e.g. "
+                          f"{missing[0]}")
 
 
 # --------------------------------------------------------------------------- weights

@@ -3,7 +3,8 @@
     logprobs / submit(packed, temperature)   reference log-probs (a future: a server works meanwhile)
     submit_topk(packed, temperature, k)      the same, and the k most likely next tokens at each position
     kind                                     "in-process" (a frozen copy), "adapters-off" (LoRA: the policy
-                                             with its adapters off, no copy) or "server"
+                                             with its adapters off, no copy), "server", or "adapter" (a LoRA
+                                             teacher: the policy's base with another adapter)
     version, folder                          bumped by every reload or sync; the HF folder the weights came
                                              from (None: the initial model)
     weights_hash()                           a server's hash of its weights (checked on --resume)
@@ -36,8 +37,9 @@ StateDict = dict[str, torch.Tensor]
 class ReferenceHandle:
     def __init__(self, impl: Reference):
         self.impl = impl
-        self.kind = ("adapters-off" if isinstance(impl, AdapterDisabledReference)
-                     else "in-process" if isinstance(impl, InProcessReference) else "server")
+        self.kind = getattr(impl, "kind", None) or ("adapters-off" if isinstance(impl, AdapterDisabledReference)
+                                                    else "in-process" if isinstance(impl, InProcessReference)
+                                                    else "server")
         self.remote = self.kind == "server"
         # an in-process copy partitioned over the ranks (ZeRO-3): no rank holds its whole state dict, so it is
         # synced like a server's (rank 0 writes the new weights, every rank loads them partitioned)

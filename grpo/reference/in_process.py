@@ -1,6 +1,7 @@
 """The reference computed in this process: a frozen copy of the reference model (InProcessReference), or with
-LoRA the policy itself with its adapters off (AdapterDisabledReference). Both implement
-grpo.reference.protocol.Reference; the HTTP server's client is in http.py.
+LoRA the policy itself with its adapters off (AdapterDisabledReference); and with LoRA a teacher that is the
+policy's base with another adapter (AdapterTeacher). All implement grpo.reference.protocol.Reference; the HTTP
+server's client is in http.py.
 """
 
 from __future__ import annotations
@@ -91,14 +92,7 @@ class AdapterDisabledReference(_LocalReference):
     def scores(self, packed: Packed, temperature: float, top_k: int = 0) -> Scores:
         from grpo.foundation.lora import adapters_disabled
 
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with adapters_disabled(self.model):
-                return sliced_scores(self.model, packed, temperature, self.cfg.train.logprob_chunk_size,
-                                     max_rows=self.cfg.train.micro_batch_size, top_k=top_k)
-        finally:
-            self.model.train(was_training)
+        return in_eval(self.cfg, self.model, adapters_disabled(self.model), packed, temperature, top_k)
 
     def reload(self, checkpoint_dir: str) -> dict:
         from grpo.foundation.lora import load_base
@@ -108,6 +102,45 @@ class AdapterDisabledReference(_LocalReference):
         self.version += 1
         self.source = checkpoint_dir
         return self.info()
+
+
+TEACHER_ADAPTER = "teacher"  # the name of teacher.adapter beside the policy's own adapter
+
+
+class AdapterTeacher(_LocalReference):
+    """On-policy distillation's teacher with LoRA (``teacher.adapter``): the policy's frozen base with another adapter,
+    loaded beside the policy's own in the same model (grpo.foundation.lora.add_adapter: no second copy of the base).
+    Its log-probs run in eval mode with that adapter active; then the policy's adapter is active again, every
+    ``requires_grad`` as it was, and the model's mode restored."""
+
+    kind = "adapter"
+
+    def __init__(self, cfg: Config, model: torch.nn.Module):
+        from grpo.foundation.lora import add_adapter
+
+        self.cfg, self.model, self.version = cfg, model, 0
+        self.source = str(cfg.teacher.adapter)
+        add_adapter(model, cfg.teacher.adapter, TEACHER_ADAPTER)
+
+    def scores(self, packed: Packed, temperature: float, top_k: int = 0) -> Scores:
+        from grpo.foundation.lora import adapter_active
+
+        return in_eval(self.cfg, self.model, adapter_active(self.model, TEACHER_ADAPTER), packed, temperature, top_k)
+
+    def reload(self, checkpoint_dir: str) -> dict:
+        raise RuntimeError("a teacher adapter (teacher.adapter) is fixed for the run: it is not reloaded")
+
+
+def in_eval(cfg: Config, model: torch.nn.Module, context, packed: Packed, temperature: float, top_k: int) -> Scores:
+    """``model``'s scores of ``packed`` in eval mode within ``context`` (its adapters switched), the mode restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with context:
+            return sliced_scores(model, packed, temperature, cfg.train.logprob_chunk_size,
+                                 max_rows=cfg.train.micro_batch_size, top_k=top_k)
+    finally:
+        model.train(was_training)
 
 
 def load_whole(cfg: Config, source: str, device: torch.device) -> torch.nn.Module:

@@ -20,7 +20,7 @@ import torch
 from grpo.foundation.config import Config, ConfigError, distilling
 from grpo.foundation.logprobs import Packed, Scores
 from grpo.reference.handle import ReferenceHandle, make_reference
-from grpo.reference.in_process import Loader
+from grpo.reference.in_process import AdapterTeacher, Loader
 from grpo.reference.protocol import ReferenceServerError
 
 
@@ -108,10 +108,16 @@ def refuse(cfg: Config, problem: str) -> None:
 
 
 def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: Optional[int] = None,
-                 load: Optional[Loader] = None, synced: bool = False) -> Optional[ReferenceHandle]:
-    """The teacher's handle (None when no teacher is named or its term is off)."""
+                 load: Optional[Loader] = None, synced: bool = False,
+                 policy: Optional[torch.nn.Module] = None) -> Optional[ReferenceHandle]:
+    """The teacher's handle (None when no teacher is named or its term is off). ``policy``: the trainer's model,
+    which holds ``teacher.adapter`` beside its own adapter (LoRA)."""
     if not distilling(cfg):
         return None
+    if cfg.teacher.adapter:
+        if policy is None:
+            raise ValueError("make_teacher: with teacher.adapter the teacher lives in the policy; pass it as policy=")
+        return TeacherHandle(AdapterTeacher(cfg, policy), None, cfg.teacher.top_k)
     if cfg.teacher.model and tokenizer is not None:
         check_same_tokenizer(cfg, tokenizer)  # before the teacher's weights are loaded
     try:

@@ -6,7 +6,8 @@ whole next-token distributions at every completion position, over the k most lik
 one bucket for the rest (rl_math.topk_divergence, beta 0):
 
     audit/sampler_kl     KL(pi_sampler || pi_trainer) on the sampler's top-k: the engine's distribution at each
-                         drawn token (temperature applied) against the trainer's forward with the same weights
+                         drawn token (temperature applied; hf, static and vllm return it: SamplingParams.topk_logprobs)
+                         against the trainer's forward with the same weights
     audit/reference_kl   KL(pi_ref || pi_theta) on the reference's top-k (a run with a reference)
 
 with their maxima over positions (``.../max``) and the audit's seconds (``time/audit``). Both come from one
@@ -78,7 +79,7 @@ class Audit:
     def _no_sampler(self) -> None:
         if not self._said_no_sampler and dist.is_main():
             print(f"audit: the rollout returned no top-k log-probs (rollout.engine={self.cfg.rollout.engine!r}; the "
-                  f"hf engine's single-turn rollouts have them), so audit/sampler_kl is not measured; the "
+                  f"built-in engines' single-turn rollouts have them), so audit/sampler_kl is not measured; the "
                   f"reference's audit runs when the run has a reference", flush=True)
         self._said_no_sampler = True
 

@@ -32,6 +32,10 @@ def sync_reference(ref: Any, alpha: float, out: Path, step: int, cfg: Config, en
     if ref is None:
         raise RuntimeError("sync_reference: this run has no reference (beta = 0)")
     if ref.kind == "adapters-off":
+        if cfg.teacher.adapter:  # the teacher is this base plus its own adapter: moving the base moves the teacher
+            raise RuntimeError(f"a reference sync with LoRA merges the policy into its base, and teacher.adapter="
+                               f"{cfg.teacher.adapter!r} shares that base: the teacher would change. Name the "
+                               f"reference apart (ref.model or ref.url) or the teacher apart (teacher.model)")
         lora.sync_base(model, alpha)  # the same arithmetic on every rank
         if dist.is_main():
             write_weights(model, lora.base_state_dict(model), tokenizer, folder)

@@ -89,7 +89,8 @@ class Trainer:
         self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer, vocab_size=vocab,
                                         policy=self.model, synced=zero3 is not None, load=load)
         # on-policy distillation: the teacher, a second reference (grpo/reference/teacher.py); None without one
-        self.teacher = make_teacher(cfg, self.device, self.tokenizer, vocab, load=load, synced=zero3 is not None)
+        self.teacher = make_teacher(cfg, self.device, self.tokenizer, vocab, load=load, synced=zero3 is not None,
+                                    policy=self.model)
         self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
             self.rollout.on_generated = self._early_reference
