@@ -76,6 +76,27 @@ def test_sampler_logprobs_equal_the_trainers(tiny):
     assert max_gap(trainer_logprobs(tiny, prompts, comp, 4, 0.7), comp.logprobs) <= FP32_TOL
 
 
+def test_the_audits_top_k_of_each_drawn_token_is_the_trainers(tiny):
+    """topk_logprobs=k (the audit's steps): vLLM's k most likely tokens at each drawn token, [R, max_tokens, k], are
+    the trainer's full softmax's (temperature applied), zeros past each row's end; without it, none."""
+    prompts = prompts_of(tiny)
+    comp = tiny.generate(prompts, SamplingParams(max_tokens=6, temperature=0.7, topk_logprobs=5), 2)
+    assert comp.topk_logprobs.shape == (8, 6, 5) and comp.topk_ids.shape == (8, 6, 5)
+    rows = [p for p in prompts for _ in range(2)]
+    for r, (p, c) in enumerate(zip(rows, comp.tokens)):
+        with torch.no_grad():
+            logsm = torch.log_softmax(tiny.setup.model(input_ids=torch.tensor([p + c])).logits[0].double() / 0.7, -1)
+        for t in range(6):
+            if t >= len(c):
+                assert not comp.topk_logprobs[r, t].any() and not comp.topk_ids[r, t].any()
+                continue
+            row = logsm[len(p) + t - 1]
+            got = comp.topk_logprobs[r, t].double()
+            assert (got - row[comp.topk_ids[r, t]]).abs().max() <= FP32_TOL  # the trainer's log-probs of its ids
+            assert (got - row.topk(5).values).abs().max() <= FP32_TOL  # and they are the trainer's top 5
+    assert tiny.generate(prompts, SamplingParams(max_tokens=3), 1).topk_logprobs is None
+
+
 def test_top_k_logprobs_are_those_of_the_truncated_distribution(tiny):
     """processed log-probs: the sampled token's log-prob after temperature and top-k, computed here in float64."""
     prompts = prompts_of(tiny, ("12=", "8="))

@@ -80,6 +80,19 @@ def _vllm_dtype(name: str) -> str:
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[name]
 
 
+def topk_of(steps: list[list[dict]], k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, width, k] log-probs and ids of the tokens vLLM ranked 1..k at each step of each row (its ``logprobs=k``
+    answer: those k, plus the drawn token when it ranked lower), zeros past each row's end."""
+    lp = torch.zeros(len(steps), width, k)
+    ids = torch.zeros(len(steps), width, k, dtype=torch.long)
+    for r, row in enumerate(steps):
+        for t, step in enumerate(row[:width]):
+            for tok, x in step.items():
+                if x.rank is not None and 1 <= x.rank <= k:
+                    lp[r, t, x.rank - 1], ids[r, t, x.rank - 1] = float(x.logprob), int(tok)
+    return lp, ids
+
+
 class VLLMEngine:
     """Generation by vLLM; ``sync_weights`` loads the trainer's weights into it."""
 
@@ -106,6 +119,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", trust_remote_code=cfg.model.trust_remote_code,
             enforce_eager=not self.cuda,  # CPU: no inductor compilation at start
         )
+        if cfg.logging.audit_every and cfg.logging.audit_top_k > 20:  # vLLM's default bound on logprobs=k
+            kwargs["max_logprobs"] = cfg.logging.audit_top_k
         if self.cuda:
             kwargs.update(gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.sleep)
         else:
@@ -158,18 +173,23 @@ class VLLMEngine:
             offset = 0
         if not prompts:
             return Completions.empty()
-        outs = self._run(prompts, self._params(params, n, logprobs=0))[offset: offset + mine]
-        tokens, logprobs = [], []
+        K = params.topk_logprobs  # the audit's steps: vLLM's top-k at each drawn token (rank 1..K)
+        outs = self._run(prompts, self._params(params, n, logprobs=K))[offset: offset + mine]
+        tokens, logprobs, steps = [], [], []
         for out in outs:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 tokens.append(ids)
                 logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs, ids)])
+                steps.append(c.logprobs)
         eos = set(int(e) for e in self.setup.eos_ids)
         truncated = torch.tensor([not (t and t[-1] in eos) for t in tokens], dtype=torch.bool)
         if tokens:
             self._last = ([p for p in prompts[offset: offset + mine] for _ in range(n)], tokens)
-        return Completions(tokens=tokens, truncated=truncated, logprobs=logprobs)
+        out = Completions(tokens=tokens, truncated=truncated, logprobs=logprobs)
+        if K:
+            out.topk_logprobs, out.topk_ids = topk_of(steps, K, params.max_tokens)
+        return out
 
     def _tp_gather(self, prompts: list[list[int]]) -> list[list[list[int]]]:
         everyone = dist.all_gather_object(prompts)
