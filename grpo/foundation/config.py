@@ -456,6 +456,10 @@ class TeacherConfig:
 
     model: Optional[str] = None  # the teacher in the trainer's process (an HF folder or name; small setups)
     url: Optional[str] = None  # a ref_client.py server holding the teacher (ref.token and ref.*_timeout apply)
+    # what the server at url speaks: grpo (a ref_client.py server) or openai (vLLM's /v1/completions with
+    # prompt_logprobs; SGLang's too: log-probs at temperature 1, so rollout.temperature must be 1)
+    api: Literal["grpo", "openai"] = "grpo"
+    served_model: Optional[str] = None  # api openai: the model name in requests (default: the one /v1/models lists)
     # with model.lora: a LoRA adapter folder trained on the policy's base; the teacher is that base with this adapter,
     # in the trainer's process, sharing the base's weights with the policy (no second copy)
     adapter: Optional[str] = None
@@ -918,6 +922,10 @@ def _validate_teacher(cfg: Config) -> None:
     if len(named) > 1:
         raise ConfigError(f"{' and '.join(named)}: name one teacher (in-process, the server at url, or the policy's "
                           f"base with an adapter)")
+    if (t.api != "grpo" or t.served_model) and not t.url:
+        key = f"teacher.api={t.api!r}" if t.api != "grpo" else f"teacher.served_model={t.served_model!r}"
+        raise ConfigError(f"{key} describes the server at teacher.url, and teacher.url is not set: set it, or leave "
+                          f"{key.split('=')[0]} at its default")
     if t.adapter and cfg.model.lora is None:
         raise ConfigError(f"teacher.adapter={t.adapter!r} is a LoRA adapter on the policy's base, and the policy has no "
                           f"LoRA (model.lora is null): set model.lora, or name the teacher with teacher.model (a whole "

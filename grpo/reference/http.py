@@ -219,6 +219,13 @@ class HTTPReference:
     """Reference log-probs from a server; implements grpo.reference.protocol.Reference."""
 
     def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None):
+        self._connect(cfg, tokenizer)
+        self._request("GET", "/health")
+        self.server_info = self.info()
+        self._check_compatible(tokenizer, vocab_size)
+
+    def _connect(self, cfg: Config, tokenizer) -> None:
+        """The client's state for ``cfg.ref.url`` (nothing sent yet)."""
         r = cfg.ref
         self.url = r.url.rstrip("/")
         self.timeout = (r.connect_timeout, r.read_timeout)
@@ -232,9 +239,6 @@ class HTTPReference:
         self._lock = threading.Lock()
         self._metrics = self._zero_metrics()
         self._warned_read_timeout = False
-        self._request("GET", "/health")
-        self.server_info = self.info()
-        self._check_compatible(tokenizer, vocab_size)
 
     # ------------------------------------------------------------------ transport
     def _how_to_start(self) -> str:

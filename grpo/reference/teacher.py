@@ -118,6 +118,14 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
         if policy is None:
             raise ValueError("make_teacher: with teacher.adapter the teacher lives in the policy; pass it as policy=")
         return TeacherHandle(AdapterTeacher(cfg, policy), None, cfg.teacher.top_k)
+    if cfg.teacher.api == "openai":
+        from grpo.reference.openai import OpenAITeacher  # vLLM's /v1/completions with prompt_logprobs
+
+        try:
+            return TeacherHandle(OpenAITeacher(teacher_config(cfg), tokenizer, vocab_size), cfg.teacher.url,
+                                 cfg.teacher.top_k)
+        except ReferenceServerError as e:  # not there at start
+            raise teacher_error(cfg.teacher.url, e) from None
     if cfg.teacher.model and tokenizer is not None:
         check_same_tokenizer(cfg, tokenizer)  # before the teacher's weights are loaded
     try:
