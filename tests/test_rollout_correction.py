@@ -1,6 +1,7 @@
 """Rollout correction (issue 45, item 2: ``algo.rollout_correction``): the weights at the token, sequence and
 geometric levels, truncated or masked, against float64 loops written out here; TRL 1.16's
-vllm_importance_sampling_mode (token / sequence, truncate / mask) as its code defines it; tis_cap as one setting;
+vllm_importance_sampling_mode (token / sequence, truncate / mask) and verl's rollout-correction weights and rejection
+masks as their code defines them; tis_cap as one setting;
 the loss and the step's mismatch metrics by hand; the config's refusals; two Trainer steps on the hf engine."""
 
 from __future__ import annotations
@@ -88,6 +89,51 @@ def test_equal_to_trls_vllm_importance_sampling_mode(trl_mode, clip_min):
     ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, mode, 3.0, clip_min)
     m = batch.mask.bool()
     torch.testing.assert_close(ours[m], trl.expand_as(ours)[m], rtol=0, atol=0)
+
+
+def verl_weights(old, samp, mask, level):
+    """verl's rollout_corr_helper: log_ratio = old - rollout; token: exp(clamp(d, -20, 20)); sequence:
+    exp(clamp(sum_t d, -20, 20)); geometric (rejection only): exp(clamp(mean_t d, -20, 20)); padding weights 0."""
+    d = (old - samp) * mask
+    if level == "token":
+        agg = d
+    elif level == "sequence":
+        agg = d.sum(-1, keepdim=True)
+    else:
+        agg = d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+    return torch.exp(agg.clamp(-20.0, 20.0)).expand_as(d) * mask
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncate_equals_verls_truncated_importance_weights(level):
+    """verl's compute_rollout_correction_weights (rollout_is=level, rollout_is_threshold=C): the weights clamped at
+    C from above, no lower bound = ours {level, mode: truncate, high: C, low: null}."""
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    samp = sampler_logp(batch, spread=2.4)
+    verl = verl_weights(batch.old_logp, samp, batch.mask, level).clamp(max=1.7)
+    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, "truncate", 1.7)
+    m = batch.mask.bool()
+    torch.testing.assert_close(ours[m], verl[m], rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_mask_keeps_what_verls_rejection_keeps(level):
+    """verl's compute_rollout_rejection_mask (rollout_rs=level, threshold C, lower defaulting to 1/C) keeps the tokens
+    whose weight lies in [1/C, C] and gives them weight 1 (rejection only); ours {level, mode: mask, high: C, low: 1/C}
+    keeps the same tokens and weights them by the ratio: at the token and sequence levels that is verl's truncated
+    importance weight (rollout_is at the same level, threshold C) times its rejection mask, exactly. verl has no
+    geometric importance weight: there the kept set is the same."""
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    samp = sampler_logp(batch, spread=2.4)
+    C = 1.7
+    w = verl_weights(batch.old_logp, samp, batch.mask, level)
+    keep = ((w >= 1 / C) & (w <= C)).double() * batch.mask
+    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, "mask", C, 1 / C)
+    m = batch.mask.bool()
+    assert torch.equal(ours[m] != 0, keep[m].bool())
+    assert keep[m].any() and (keep[m] == 0).any()  # the bounds bite
+    if level != "geometric":
+        torch.testing.assert_close(ours[m], (w.clamp(max=C) * keep)[m], rtol=1e-15, atol=0)
 
 
 def test_grpo_loss_and_the_steps_metrics_with_a_correction_by_hand():
