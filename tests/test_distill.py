@@ -258,6 +258,22 @@ def test_opd_gradient_equals_trls_iw_opd_with_gamma_0():
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-15)
 
 
+def test_opd_advantages_equal_verl_opds_estimator():
+    """verl's OPD advantage estimator as the verl-opd fork registers it (masoudhashemi/verl-opd,
+    ``algorithm.adv_estimator=opd``, core_algos.compute_opd_advantage, token level, norm_adv_by_std_in_grpo False):
+    advantages = -(l_student - l_teacher) * response_mask, the student's being the rollout's. Written out here; opd's
+    (coef 1, the student's log-probs l_old: with mu = 1 and the hf engine the rollout's numbers) are the same."""
+    cfg = config("opd", **{"teacher.model": "builtin:tiny-char"})
+    algo = ALGORITHMS.get("opd")(cfg)
+    batch = make_batch(LENGTHS, REWARDS, G, W)
+    batch.teacher_logp = teacher_logp(batch)
+    ctx = StepContext(cfg, 0)
+    batch.advantages = algo.advantages(batch, ctx)
+    batch = algo.prepare_loss(batch, ctx)
+    verl = -(batch.old_logp - batch.teacher_logp) * batch.mask
+    torch.testing.assert_close(batch.advantages, verl, rtol=0, atol=1e-15)
+
+
 def test_a_teacher_server_that_is_gone_is_named_as_the_teacher(tmp_path):
     """Not there at start, and gone mid-run: ReferenceServerError naming teacher.url (the client's own message
     speaks of the reference)."""
