@@ -27,6 +27,9 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert (gen_static["engine"], gen_static["mode"], gen_static["rows"]) == ("static", "eager", 4)
     assert gen_static["tokens_per_s"] > 0 and gen_static["greedy_same_tokens"] == gen_static["greedy_tokens"] == 8
     assert 0 <= gen_static["logprob_gap_mean"] <= gen_static["logprob_gap_max"] < 1e-4 and "logprob_gap_mean" not in gen
+    # the audit's figure (issue 45): the sampler's top-8 against the training forward, ~0 in fp32 on both engines
+    for g in (gen, gen_static):
+        assert 0 <= g["audit_kl_mean"] <= g["audit_kl_max"] < 1e-5 and g["audit_top_k"] == 8
     assert short["new_tokens"] < long["new_tokens"]
     # the reward model (a random one-logit classifier of the policy's shape) scored every step, a part of its time
     assert 0 < rm["median"]["reward/rm/latency"] < rm["median"]["time/step"]

@@ -173,12 +173,36 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
             d = torch.cat([(torch.tensor(lp) - trainer[i, : len(lp)].float().cpu()).abs()
                            for i, lp in enumerate(out.logprobs)])
             gap = {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max())}
+        gap.update(audit_kl(engine, model, prompts, params, n))
         if hasattr(engine, "offload"):
             engine.offload()
         del engine
         yield {"engine": name, "mode": mode, "rows": len(out.tokens),
                "new_tokens": spec["gen_tokens"], "seconds": secs, "tokens_per_s": tokens / secs,
                "warmup_seconds": warm, "greedy_same_tokens": same, "greedy_tokens": greedy.max_tokens, **gap}
+
+
+def audit_kl(engine, model, prompts: list[list[int]], params, n: int, k: int = 8) -> dict:
+    """The audit's figure for this engine (issue 45): KL(pi_sampler || pi_trainer) over the engine's top-k of each
+    drawn token's distribution plus the rest (rl_math.topk_divergence), against the training forward on the same
+    weights; mean and max over the positions. {} for an engine without top-k."""
+    import dataclasses
+
+    from grpo.foundation import rl_math
+    from grpo.foundation.logprobs import completion_scores, pack
+
+    out = engine.generate(prompts, dataclasses.replace(params, topk_logprobs=k), n)
+    if out.topk_logprobs is None:
+        return {}
+    packed = pack([p for p in prompts for _ in range(n)], out.tokens, 0)
+    width = packed.width
+    with torch.no_grad():
+        trainer = completion_scores(model, packed, params.temperature, gather_ids=out.topk_ids[:, :width]).gathered
+    kl = rl_math.topk_divergence(trainer.double().cpu(), out.topk_logprobs[:, :width].double(), 0.0)
+    valid = packed.attention_mask.new_zeros(kl.shape, dtype=torch.bool)
+    for i, t in enumerate(out.tokens):
+        valid[i, : len(t)] = True
+    return {"audit_kl_mean": float(kl[valid].mean()), "audit_kl_max": float(kl[valid].max()), "audit_top_k": k}
 
 
 def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
@@ -309,7 +333,7 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
             m = trainer.train_step()
             trainer.step += 1
             trainer.step_watch.check(trainer.step, m)
-            steps.append({k: v for k, v in m.items() if k.startswith(("time/", "memory/"))
+            steps.append({k: v for k, v in m.items() if k.startswith(("time/", "memory/", "audit/", "rollout_corr/"))
                           or k.endswith(("/latency", "_frac")) and k.startswith("reward/")})
         peak = max(_peak_bytes(device), trainer.memory.run_peak)  # the trainer resets the counter at each phase
         n_params = sum(p.numel() for p in trainer.model.parameters())

@@ -34,5 +34,6 @@ stage $G --stages step_1024 --step-engine static:${SM:-graphs}
 B="$PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --device $DEV --dtype ${DTYPE:-bf16} --algo grpo --prompts ${P:-8} --group ${GRP:-8} --micro-batch ${MB:-16} --set rollout.engine=static --set rollout.static.mode=${SM:-graphs}"
 stage $B --vs trl --max-new $(( ${NEW:-256} * 4 )) --steps 2 --warmup 1 --out $BE/1024
 stage $B --vs trl --max-new ${NEW:-256} --steps 3 --warmup 1 --set train.optimizer_states=bf16 --out $BE/bf16  # memory at equal precision
+stage $G --stages step_256 --step-engine static:${SM:-graphs} --set logging.audit_every=1 --set 'algo.rollout_correction={mode: mask}'  # issue 45: the audit and the correction in the step
 stage $PY scripts/benchmarks/gpu_check.py --out $GC --device $DEV --shapes 135m ${TINY:+--tiny} --stages generation,step_256 --engines hf,static:${SM:-graphs} --step-engine static:${SM:-graphs}
 kill $COPIER; copy; ls -la $OUT
