@@ -6,6 +6,7 @@
     python ref_client.py --model path/or/hub-name --port 59875 --dtype bf16     # or without a config
     GRPO_REF_TOKEN=secret python ref_client.py --config c.yaml --host 0.0.0.0   # other machines: token required
     python ref_client.py --config c.yaml --reward-model path/to/rm              # a reward model beside it
+    python ref_client.py --config c.yaml --teacher-model path/to/teacher        # a distillation teacher beside it
 
 Host, port and limits come from the config's ``ref`` section (flags and key=value overrides
 beat it; without --config, the trainer's defaults: the same model on 127.0.0.1:59875); the model
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code (only for models you trust)")
     p.add_argument("--reward-model", help="also serve this sequence classifier as a reward model (POST /v1/reward; "
                                           "the trainer's rewards: [{model: ..., where: server}]; docs/rewards.md)")
+    p.add_argument("--teacher-model", help="also serve this model as on-policy distillation's teacher (the same "
+                                           "tokenizer; the trainer's teacher.url names this server: docs/distillation.md)")
     p.add_argument("--reward-label", help="the reward model's label to read (default: its only logit)")
     p.add_argument("--reward-batch-tokens", type=int, help="padded tokens per reward forward pass (default: "
                                                            "ref.max_batch_tokens)")
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         reward = {"model": args.reward_model, "label": args.reward_label, "batch_tokens": args.reward_batch_tokens,
                   "dtype": cfg.model.dtype if args.dtype else None}
     try:
-        return serve(cfg, device, reward=reward)
+        return serve(cfg, device, reward=reward, teacher=args.teacher_model)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

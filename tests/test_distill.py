@@ -5,6 +5,7 @@ a teacher with another tokenizer is refused naming both models; the config's err
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -174,6 +175,61 @@ def test_the_teacher_server_gives_the_in_process_teachers_logprobs(tmp_path):
         want, _ = completion_logprobs(load_model(config("grpo").model, str(folder)), packed, 0.8)
     torch.testing.assert_close(a, want.float(), rtol=0, atol=1e-6)
     assert (a - own.float()).abs().max() > 1e-3
+
+
+def test_one_server_holds_the_reference_and_the_teacher(tmp_path):
+    """ref_client.py --model REF --teacher-model TEACHER (a real process on loopback): ref.url gets REF's log-probs,
+    teacher.url (the same server) TEACHER's, each equal to its in-process computation; a server without a teacher
+    answers a teacher request with 404 naming --teacher-model; a teacher of another tokenizer is refused at start."""
+    import requests
+
+    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.modeling import load_model, load_tokenizer
+    from grpo.foundation.tiny import BUILTIN_NAME, write_tiny
+    from grpo.reference.handle import make_reference
+    from grpo.reference.launch import ServerProcess, free_port
+    from grpo.reference.teacher import make_teacher
+    from grpo.reference.wire import CONTENT_TYPE, encode_request
+    from tests.patience import SERVER_S
+
+    ref, teacher = write_tiny(tmp_path / "ref", seed=3), write_tiny(tmp_path / "teacher", seed=5)
+    tok = load_tokenizer(BUILTIN_NAME)
+    g = torch.Generator().manual_seed(1)
+    packed = pack([torch.randint(4, 60, (n,), generator=g).tolist() for n in (4, 6)],
+                  [torch.randint(4, 60, (n,), generator=g).tolist() for n in (5, 3)], tok.pad_token_id, 5)
+    srv = ServerProcess(["--model", str(ref), "--teacher-model", str(teacher)], port=free_port(),
+                        log_path=tmp_path / "srv.log", env={"OMP_NUM_THREADS": "1"})
+    srv.start(timeout=SERVER_S)
+    try:
+        cfg = config("grpo", **{"ref.url": srv.url, "teacher.url": srv.url})
+        served_ref = make_reference(cfg, True, torch.device("cpu"), tok, len(tok))
+        served_teacher = make_teacher(cfg, torch.device("cpu"), tok, len(tok))
+        a, b = served_ref.logprobs(packed, 0.9), served_teacher.logprobs(packed, 0.9)
+        assert requests.get(srv.url + "/v1/info").json()["teacher"]["model"] == str(teacher)
+    finally:
+        assert srv.stop() == 0
+    with torch.no_grad():
+        want_ref, _ = completion_logprobs(load_model(cfg.model, str(ref)), packed, 0.9)
+        want_teacher, _ = completion_logprobs(load_model(cfg.model, str(teacher)), packed, 0.9)
+    torch.testing.assert_close(a, want_ref.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(b, want_teacher.float(), rtol=0, atol=1e-6)
+    plain = ServerProcess(["--model", str(ref)], port=free_port(), log_path=tmp_path / "plain.log",
+                          env={"OMP_NUM_THREADS": "1"})
+    plain.start(timeout=SERVER_S)
+    try:
+        resp = requests.post(plain.url + "/v1/logprobs", data=encode_request(packed, 1.0, model="teacher"),
+                             headers={"Content-Type": CONTENT_TYPE})
+    finally:
+        assert plain.stop() == 0
+    assert resp.status_code == 404 and "--teacher-model" in resp.json()["error"] and resp.json()["field"] == "model"
+    other = write_tiny(tmp_path / "other", seed=1, charset="0123456789+-=")
+    bad = ServerProcess(["--model", str(ref), "--teacher-model", str(other)], port=free_port(),
+                        log_path=tmp_path / "bad.log", env={"OMP_NUM_THREADS": "1"})
+    with pytest.raises(RuntimeError, match=r"the reference server exited with code 2"):
+        bad.start(timeout=SERVER_S)
+    bad.stop()
+    assert re.search(r"--teacher-model '.*other': its tokenizer \(\d+ tokens\) is not the reference",
+                     (tmp_path / "bad.log").read_text())
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):

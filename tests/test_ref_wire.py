@@ -93,6 +93,7 @@ def test_response_round_trip_fills_zeros_beyond_lengths():
         (lambda t, h: h.update(top_k=65), "top_k", "64 tokens per position at most"),
         (lambda t, h: h.update(top_k=-1), "top_k", ">= 0"),
         (lambda t, h: h.update(top_k=2.5), "top_k", "integer"),
+        (lambda t, h: h.update(model="critic"), "model", "'critic' is not one of ['reference', 'teacher']"),
         (lambda t, h: h.update(colour="blue"), "colour", "unknown header field"),
     ],
 )
@@ -244,6 +245,8 @@ def test_top_k_round_trip_and_answers_checked_against_the_question():
     p = ragged_batch(2, rows=6, vocab=VOCAB, width=16)
     assert parse_request(encode_request(p, 0.7, top_k=5), VOCAB, 16384).top_k == 5
     assert parse_request(encode_request(p, 0.7), VOCAB, 16384).top_k == 0
+    assert parse_request(encode_request(p, 0.7, model="teacher"), VOCAB, 16384).model == "teacher"
+    assert parse_request(encode_request(p, 0.7), VOCAB, 16384).model == "reference"
     small = ragged_batch(2, rows=3, vocab=20)
     with pytest.raises(WireError, match="20 tokens per position at most"):  # a vocabulary smaller than k
         parse_request(encode_request(small, 0.7, top_k=40), 20, 16384)

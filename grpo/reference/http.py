@@ -218,10 +218,13 @@ def check_reload(cfg: Config) -> None:
 class HTTPReference:
     """Reference log-probs from a server; implements grpo.reference.protocol.Reference."""
 
-    def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None):
+    def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None, role: str = "reference"):
+        """``role`` "teacher" (distillation's teacher at teacher.url): the server's teacher when it holds one beside
+        its reference (started with --teacher-model), else its model."""
         self._connect(cfg, tokenizer)
         self._request("GET", "/health")
         self.server_info = self.info()
+        self.model_field = "teacher" if role == "teacher" and self.server_info.get("teacher") else "reference"
         self._check_compatible(tokenizer, vocab_size)
 
     def _connect(self, cfg: Config, tokenizer) -> None:
@@ -291,7 +294,7 @@ class HTTPReference:
 
     # ------------------------------------------------------------------ start-up checks
     def _check_compatible(self, tokenizer, vocab_size: Optional[int]) -> None:
-        info = self.server_info
+        info = self.server_info if self.model_field == "reference" else self.server_info["teacher"]
         problems = []
         if tokenizer is not None:
             from grpo.foundation.modeling import tokenizer_fingerprint
@@ -322,7 +325,8 @@ class HTTPReference:
         """[rows, width] float32 log-probs of ``packed``'s completion tokens (and entropy; and the ``top_k`` most
         likely next tokens at each position, [rows, width, top_k])."""
         t_enc = time.perf_counter()
-        body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass, top_k)
+        body = encode_request(packed, temperature, with_entropy, self.pad_id, self.rows_per_pass, top_k,
+                              self.model_field)
         t0 = time.perf_counter()
         resp = self._request("POST", "/v1/logprobs", body=body, content_type=CONTENT_TYPE, key=uuid.uuid4().hex)
         t_dec = time.perf_counter()

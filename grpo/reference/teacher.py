@@ -129,7 +129,12 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
     if cfg.teacher.model and tokenizer is not None:
         check_same_tokenizer(cfg, tokenizer)  # before the teacher's weights are loaded
     try:
-        handle = make_reference(teacher_config(cfg), True, device, tokenizer, vocab_size, load=load, synced=synced)
+        if cfg.teacher.url:  # a ref_client.py server: its teacher when it holds one beside its reference
+            from grpo.reference.http import HTTPReference
+
+            handle = ReferenceHandle(HTTPReference(teacher_config(cfg), tokenizer, vocab_size, role="teacher"))
+        else:
+            handle = make_reference(teacher_config(cfg), True, device, tokenizer, vocab_size, load=load, synced=synced)
     except ConfigError as e:  # the server's client speaks of "the reference": say which one
         if not cfg.teacher.url:
             raise

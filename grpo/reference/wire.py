@@ -11,7 +11,9 @@ Request (``POST /v1/logprobs``), rows concatenated without padding:
     header   temperature (number > 0), with_entropy (bool, default false),
              pad_id (int, default 0), rows_per_pass (int >= 1, optional: the client's
              micro-batch size, so the server's forward passes match the in-process reference's),
-             top_k (int in [0, 64], default 0: also the top_k most likely next tokens at each position)
+             top_k (int in [0, 64], default 0: also the top_k most likely next tokens at each position),
+             model ("reference" or "teacher", default "reference": which of the server's models answers; a
+             teacher is there when the server was started with --teacher-model)
 Response:
     tensors  logprobs [T] float32 (T = sum completion_lens), entropy [T] float32 when asked,
              topk_logprobs [T, top_k] float32 and topk_ids [T, top_k] int32 (most likely first) when asked
@@ -41,7 +43,8 @@ CONTENT_TYPE = "application/vnd.grpo-ref+safetensors"
 TOKEN_ENV = "GRPO_REF_TOKEN"  # the bearer token, for server and client alike
 INT_DTYPES = (torch.int32, torch.int64)
 REQUEST_TENSORS = ("input_ids", "prompt_lens", "completion_lens")
-HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass", "top_k")
+HEADER_FIELDS = ("temperature", "with_entropy", "pad_id", "rows_per_pass", "top_k", "model")
+MODELS = ("reference", "teacher")  # the models a server may hold
 
 
 class WireError(ValueError):
@@ -166,6 +169,7 @@ class LogprobRequest:
     with_entropy: bool
     rows_per_pass: Optional[int]
     top_k: int = 0
+    model: str = "reference"
 
     def __post_init__(self) -> None:
         seq = self.prompt_lens + self.completion_lens
@@ -189,7 +193,7 @@ class LogprobRequest:
 
 
 def encode_request(packed: Packed, temperature: float, with_entropy: bool = False, pad_id: int = 0,
-                   rows_per_pass: Optional[int] = None, top_k: int = 0) -> bytes:
+                   rows_per_pass: Optional[int] = None, top_k: int = 0, model: str = "reference") -> bytes:
     ids, prompt_lens, completion_lens = flatten_packed(packed)
     small = torch.int32 if ids.numel() == 0 or int(ids.max()) < 2**31 else torch.int64
     header: dict[str, Any] = {"temperature": float(temperature), "with_entropy": bool(with_entropy), "pad_id": int(pad_id)}
@@ -197,6 +201,8 @@ def encode_request(packed: Packed, temperature: float, with_entropy: bool = Fals
         header["rows_per_pass"] = int(rows_per_pass)
     if top_k:
         header["top_k"] = int(top_k)
+    if model != "reference":  # (an older server knows no "model" field: sent only when it matters)
+        header["model"] = model
     tensors = {"input_ids": ids.to(small), "prompt_lens": prompt_lens.to(torch.int32),
                "completion_lens": completion_lens.to(torch.int32)}
     return encode(tensors, header)
@@ -308,7 +314,10 @@ def parse_request(body: bytes, vocab_size: int, max_row_tokens: int,
     if top_k > min(MAX_TOP_K, vocab_size):
         raise WireError("top_k", f"{top_k} is more than this server sends ({min(MAX_TOP_K, vocab_size)} tokens per "
                                  f"position at most); ask for fewer")
-    return LogprobRequest(ids, prompt_lens, completion_lens, pad_id, t, with_entropy, rows_per_pass, top_k)
+    model = header.get("model", "reference")
+    if model not in MODELS:
+        raise WireError("model", f"{model!r} is not one of {list(MODELS)}")
+    return LogprobRequest(ids, prompt_lens, completion_lens, pad_id, t, with_entropy, rows_per_pass, top_k, model)
 
 
 # --------------------------------------------------------------------------- response

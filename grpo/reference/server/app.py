@@ -412,6 +412,8 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
     def logprobs():
         t0 = time.perf_counter()
         req, digest = _parse(limits, slots, worker.current.vocab_size)
+        if req.model == "teacher" and worker.teacher is None:
+            return error(404, "this server holds no teacher: start it with --teacher-model", "model")
         key = _idempotency_key()
         t1 = time.perf_counter()
         result, failed = _queued(worker, lambda: worker.submit(req, None if key is None else (key, digest)),
@@ -687,9 +689,10 @@ class RefServer:
         self.log("stopped")
 
 
-def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None) -> RefServer:
-    """Load the reference model (and ``reward``'s model: {model, label, dtype, batch_tokens}) and bind
-    ``ref.host:ref.port`` (refusing an open address without a token)."""
+def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None,
+                 teacher: Optional[str] = None) -> RefServer:
+    """Load the reference model (and ``reward``'s model: {model, label, dtype, batch_tokens}; and ``teacher``, a
+    distillation teacher beside it) and bind ``ref.host:ref.port`` (refusing an open address without a token)."""
     log = log or AccessLog()
     r = cfg.ref
     token = resolve_token(r.token)
@@ -701,7 +704,7 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, rewa
     t0 = time.perf_counter()
     reload_root = os.environ.get(RELOAD_ROOT_ENV) or None
     worker = DeviceWorker(cfg.model, source, device, r.max_batch_tokens, r.max_queue, cfg.train.logprob_chunk_size,
-                          reload_root, reward)
+                          reload_root, reward, teacher)
     limits = ServerLimits(max_request_bytes=int(r.max_request_mb * 2**20), max_batch_tokens=r.max_batch_tokens,
                           parse_slots=PARSE_SLOTS, parse_wait_s=PARSE_WAIT_S)
     draining = threading.Event()
@@ -715,9 +718,10 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, rewa
     return server
 
 
-def serve(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None) -> int:
+def serve(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None,
+          teacher: Optional[str] = None) -> int:
     """Serve until SIGTERM/SIGINT (a second signal exits at once); returns the exit code."""
-    server = build_server(cfg, device, log, reward)
+    server = build_server(cfg, device, log, reward, teacher)
 
     def on_signal(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name

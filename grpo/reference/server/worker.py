@@ -192,7 +192,7 @@ class DeviceWorker:
 
     def __init__(self, model_cfg: ModelConfig, source: str, device: str | torch.device,
                  max_batch_tokens: int, max_queue: int, chunk_size: int, reload_root: Optional[str] = None,
-                 reward: Optional[dict] = None):
+                 reward: Optional[dict] = None, teacher: Optional[str] = None):
         self.model_cfg = model_cfg
         self.reload_root = Path(reload_root).resolve() if reload_root else None
         if self.reload_root is not None and not self.reload_root.is_dir():
@@ -204,6 +204,15 @@ class DeviceWorker:
         self.current = load_reference(model_cfg, source)
         self.current.model.to(self.device)
         self.version = 0
+        # on-policy distillation's teacher beside the reference (--teacher-model): same device and queue, asked for
+        # with the request's "model": "teacher"; the same tokenizer as the reference's
+        self.teacher = None if not teacher else load_reference(model_cfg, teacher)
+        if self.teacher is not None:
+            if self.teacher.tokenizer_fingerprint != self.current.tokenizer_fingerprint:
+                raise ConfigError(f"--teacher-model {teacher!r}: its tokenizer ({self.teacher.tokenizer_size} tokens) is "
+                                  f"not the reference {source!r}'s ({self.current.tokenizer_size} tokens); a server "
+                                  f"holds a teacher of the reference's family, or run it on a server of its own")
+            self.teacher.model.to(self.device)
         # a reward model beside the reference (rewards/models.py): same device, same queue, own version
         self.reward_args = dict(reward or {})
         self.reward = self._load_reward(self.reward_args["model"]) if reward else None
@@ -339,6 +348,8 @@ class DeviceWorker:
 
         def run(job: Job):
             current, version = self.current, self.version  # as of the job's turn: a reload may precede it
+            if req.model == "teacher":
+                current, version = self.teacher, 0
             t0 = time.perf_counter()
             scores = self._logprobs(current.model, req, job)
             with self._lock:
@@ -464,6 +475,10 @@ class DeviceWorker:
             "limits": {"max_batch_tokens": self.max_batch_tokens, "max_queue": self.max_queue},
             "queue": {"queued": queued, "running": running},
             "jobs": dict(self.stats),
+            "teacher": None if self.teacher is None else {
+                "model": self.teacher.source, "version": 0, "weights_hash": self.teacher.weights_hash,
+                "vocab_size": self.teacher.vocab_size, "tokenizer_size": self.teacher.tokenizer_size,
+                "tokenizer_fingerprint": self.teacher.tokenizer_fingerprint},
             "reward": None if self.reward is None else {
                 "model": self.reward.source, "version": self.reward_version, "label": self.reward_args.get("label"),
                 "dtype": str(next(self.reward.model.parameters()).dtype).replace("torch.", ""),
