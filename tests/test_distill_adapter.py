@@ -121,3 +121,9 @@ def test_opd_with_lora_distils_from_an_adapter_on_its_own_base(single_rank_env, 
 
     for f in saved:
         assert not [k for k in load_file(str(f)) if "teacher" in k]
+    # --resume: the teacher is loaded again beside the restored policy adapter, and the run goes on
+    cfg.train.max_steps = 3
+    resumed = Trainer(cfg, resume=True)
+    assert resumed.step == 2 and resumed.teacher.kind == "adapter"
+    more = resumed.train()
+    assert len(more) == 1 and math.isfinite(more[0]["loss"]) and more[0]["distill/teacher_prob"] > 0

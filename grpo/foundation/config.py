@@ -457,7 +457,7 @@ class TeacherConfig:
     model: Optional[str] = None  # the teacher in the trainer's process (an HF folder or name; small setups)
     url: Optional[str] = None  # a ref_client.py server holding the teacher (ref.token and ref.*_timeout apply)
     # what the server at url speaks: grpo (a ref_client.py server) or openai (vLLM's /v1/completions with
-    # prompt_logprobs; SGLang's too: log-probs at temperature 1, so rollout.temperature must be 1)
+    # prompt_logprobs: log-probs at temperature 1, so rollout.temperature must be 1)
     api: Literal["grpo", "openai"] = "grpo"
     served_model: Optional[str] = None  # api openai: the model name in requests (default: the one /v1/models lists)
     # with model.lora: a LoRA adapter folder trained on the policy's base; the teacher is that base with this adapter,

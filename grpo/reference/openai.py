@@ -1,5 +1,6 @@
 """A teacher behind an OpenAI-compatible server (``teacher.api: openai``): vLLM's ``/v1/completions`` with
-``prompt_logprobs`` (SGLang's server speaks the same), the protocol TRL's server mode and prime-rl use.
+``prompt_logprobs`` (tested against ``vllm serve``; another server that answers ``prompt_logprobs`` the same way works
+too).
 
 Each row (prompt + completion, as token ids) is sent as a prompt with ``max_tokens: 1`` and ``prompt_logprobs: k``;
 the answer holds, at every prompt position, the log-prob of the token there and the k most likely tokens (rank 1..k).
@@ -51,7 +52,8 @@ class OpenAITeacher(HTTPReference):
         mine = list(tokenizer(PROBE)["input_ids"])
         theirs = list(self._request("POST", "/tokenize", json={"model": self.model, "prompt": PROBE}).json()["tokens"])
         if mine != theirs:
-            raise ConfigError(f"teacher.url={self.url!r} serves {self.model!r}, whose tokenizer is not the policy's: "
+            raise ConfigError(f"teacher.url={self.url!r} serves {self.model!r}, whose tokenizer is not the policy's "
+                              f"({tokenizer.name_or_path!r}): "
                               f"{PROBE!r} is {theirs[:12]} there and {mine[:12]} here. On-policy distillation compares "
                               f"log-probs token by token: serve a teacher of the policy's family (the same tokenizer)")
 
