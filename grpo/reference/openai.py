@@ -40,7 +40,7 @@ class OpenAITeacher(HTTPReference):
         self.model = cfg.teacher.served_model or self._only_model()
         self.server_info = {"model": self.model, "version": 0}
         if tokenizer is not None:
-            self._check_tokenizer(tokenizer)
+            self._check_tokenizer(tokenizer, cfg.data.chat_template)
 
     def _only_model(self) -> str:
         models = [m.get("id") for m in self._request("GET", "/v1/models").json().get("data", [])]
@@ -48,14 +48,25 @@ class OpenAITeacher(HTTPReference):
             raise ConfigError(f"teacher.url={self.url!r} serves {models}: name the teacher with teacher.served_model")
         return str(models[0])
 
-    def _check_tokenizer(self, tokenizer) -> None:
-        mine = list(tokenizer(PROBE)["input_ids"])
-        theirs = list(self._request("POST", "/tokenize", json={"model": self.model, "prompt": PROBE}).json()["tokens"])
-        if mine != theirs:
-            raise ConfigError(f"teacher.url={self.url!r} serves {self.model!r}, whose tokenizer is not the policy's "
-                              f"({tokenizer.name_or_path!r}): "
-                              f"{PROBE!r} is {theirs[:12]} there and {mine[:12]} here. On-policy distillation compares "
-                              f"log-probs token by token: serve a teacher of the policy's family (the same tokenizer)")
+    def _check_tokenizer(self, tokenizer, chat_template: bool) -> None:
+        """The server's tokenizer (``/tokenize``) gives the policy's ids for a probe text led by every special token,
+        and, where prompts use the chat template, for the probe as a templated user turn."""
+        probe = "".join(tokenizer.all_special_tokens) + PROBE
+        checks = [("the text " + repr(probe), list(tokenizer(probe)["input_ids"]), {"prompt": probe})]
+        if chat_template:
+            turn = [{"role": "user", "content": PROBE}]
+            ids = tokenizer.apply_chat_template(turn, tokenize=True, add_generation_prompt=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            checks.append(("the chat-templated turn " + repr(PROBE), list(ids),
+                           {"messages": turn, "add_generation_prompt": True}))
+        for what, mine, body in checks:
+            theirs = list(self._request("POST", "/tokenize", json={"model": self.model, **body}).json()["tokens"])
+            if mine != theirs:
+                raise ConfigError(
+                    f"teacher.url={self.url!r} serves {self.model!r}, whose tokenizer is not the policy's "
+                    f"({tokenizer.name_or_path!r}): {what} is {theirs[:12]} there and {mine[:12]} here. On-policy "
+                    f"distillation compares log-probs token by token: serve a teacher of the policy's family (the "
+                    f"same tokenizer, special tokens and chat template)")
 
     def info(self) -> dict:
         return dict(self.server_info)
