@@ -17,3 +17,11 @@ class StaleEngine(HFEngine):
         frozen.requires_grad_(False)
         super().__init__(dataclasses.replace(setup, model=frozen))
         self.logprobs = True
+
+
+class SkewedEngine(HFEngine):
+    """The policy's own weights, always in sync, sampled at 1.5x the temperature: a sampler that computes differently
+    from the trainer from the first step on (a stand-in for another dtype or other kernels)."""
+
+    def generate(self, prompts, params, n):
+        return super().generate(prompts, dataclasses.replace(params, temperature=params.temperature * 1.5), n)

@@ -67,7 +67,8 @@ def test_a_fresh_sampler_is_not_flagged_and_the_reference_moves_away(single_rank
 
 def test_a_stale_sampler_is_flagged_naming_the_causes(single_rank_env, tmp_path):
     with pytest.warns(RuntimeWarning, match=r"audit/sampler_kl=\S+ nats > logging.audit_warn_kl=0.01: the generation "
-                                            r"engine's next-token distributions are not the trainer's\. Likely causes: "
+                                            r"engine's next-token distributions are not the trainer's\. Likely cause: "
+                                            r"it grew since this run's first audit \(\S+ nats, before any update\), so "
                                             r"stale weights"):
         tr, history = run(tmp_path, "train.max_steps=5", "algo.beta=0", "logging.audit_warn_kl=0.01",
                           "rollout.engine=tests.stale_engine:StaleEngine", "algo.rollout_correction={mode: mask}")
@@ -86,3 +87,15 @@ def test_a_reference_of_other_weights_is_flagged_at_step_0(single_rank_env, tmp_
                          "logging.audit_top_k=64", "logging.audit_warn_kl=0.02")
     # the top-k KL is a lower bound of the whole KL (the rest lumped in one bucket): a large k for these flat models
     assert 0.02 < history[0]["audit/reference_kl"] < 1.0
+
+
+def test_a_sampler_that_computes_differently_is_named_so(single_rank_env, tmp_path):
+    """A sampler off from the first step (tests/stale_engine.py:SkewedEngine: in sync, another temperature, like
+    another dtype or other kernels): the warning says the gap was there before any update, not a missed sync."""
+    with pytest.warns(RuntimeWarning, match=r"step 0: audit/sampler_kl=\S+ nats > logging.audit_warn_kl=0.0005: .* Likely "
+                                            r"cause: it was there at this run's first audit, before any update, so the "
+                                            r"engine computes differently from the trainer: its dtype") as caught:
+        _, history = run(tmp_path, "train.max_steps=1", "algo.beta=0", "logging.audit_warn_kl=0.0005",
+                         "rollout.engine=tests.stale_engine:SkewedEngine")
+    assert history[0]["audit/sampler_kl"] > 0.0005  # (the tiny model's flat distributions: a small KL, measured 1e-3)
+    assert not [w for w in caught if "stale weights" in str(w.message)]

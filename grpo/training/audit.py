@@ -14,8 +14,9 @@ with their maxima over positions (``.../max``) and the audit's seconds (``time/a
 forward pass of the policy without gradient over the audited rows, which scores it on both supports (the
 reference's top-k comes from the reference's own pass, in-process or from its server). The policy audited is the
 one that sampled the step (before its update). A KL past ``audit_warn_kl`` prints a warning naming the likely
-causes: for the sampler its dtype, its kernels, or weights the engine did not get (a missed sync); for the
-reference at step 0, a reference that is not the policy's starting weights.
+cause: for the sampler, its dtype or kernels when the gap was there at the run's first audit (before any update),
+weights the engine did not get (a missed sync) when it grew since; for the reference at step 0, a reference that is
+not the policy's starting weights.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Audit:
     def __init__(self, cfg: Config):
         self.cfg, self.every, self.k = cfg, cfg.logging.audit_every, cfg.logging.audit_top_k
         self._said_no_sampler = False
+        self._first: float | None = None  # audit/sampler_kl at this run's first audit (before any of its updates)
 
     def top_k(self, step: int) -> int:
         """The engine's top-k to ask for in this step's rollout (0: no audit this step)."""
@@ -87,14 +89,22 @@ class Audit:
         limit, cfg = self.cfg.logging.audit_warn_kl, self.cfg
         if not dist.is_main():
             return
-        if m.get("audit/sampler_kl", 0.0) > limit:
+        kl, first = m.get("audit/sampler_kl"), self._first
+        if kl is not None and first is None:
+            self._first = first = kl  # the first audit of this run: before any of its updates, fresh weights
+        if kl is not None and kl > limit:
+            computes = (f"the engine computes differently from the trainer: its dtype (bf16 / fp16 sampling against "
+                        f"model.dtype={cfg.model.dtype!r}) or its kernels (CUDA graphs, vLLM)")
+            stale = f"stale weights: the engine missed a weight sync (rollout.engine={cfg.rollout.engine!r})"
+            if first > limit:  # there before any update
+                cause = f"it was there at this run's first audit, before any update, so {computes}, or it never got " \
+                        f"the trainer's weights"
+            else:  # it grew since
+                cause = f"it grew since this run's first audit ({first:.3g} nats, before any update), so {stale}"
             warnings.warn(
-                f"step {step}: audit/sampler_kl={m['audit/sampler_kl']:.4g} nats > logging.audit_warn_kl={limit:g}: "
-                f"the generation engine's next-token distributions are not the trainer's. Likely causes: stale "
-                f"weights (the engine missed a weight sync: rollout.engine={cfg.rollout.engine!r}), its dtype "
-                f"(bf16 / fp16 sampling against the trainer's model.dtype={cfg.model.dtype!r}), its kernels (CUDA "
-                f"graphs, vLLM). algo.rollout_correction corrects or masks the affected tokens.",
-                RuntimeWarning, stacklevel=2)
+                f"step {step}: audit/sampler_kl={kl:.4g} nats > logging.audit_warn_kl={limit:g}: the generation "
+                f"engine's next-token distributions are not the trainer's. Likely cause: {cause}. "
+                f"algo.rollout_correction corrects or masks the affected tokens.", RuntimeWarning, stacklevel=2)
         if step == 0 and m.get("audit/reference_kl", 0.0) > limit:
             warnings.warn(
                 f"step 0: audit/reference_kl={m['audit/reference_kl']:.4g} nats > logging.audit_warn_kl={limit:g} "
