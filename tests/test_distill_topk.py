@@ -161,6 +161,8 @@ def test_a_run_distils_over_the_teachers_top_k(single_rank_env, tmp_path, served
     for h in history:
         assert h["distill/divergence"] > 0 and h["distill/share"] == pytest.approx(1.0)
         assert h["loss"] == pytest.approx(cfg.teacher.coef * h["distill/divergence"], rel=1e-4)
+        if served:  # the teacher server's client metrics, apart from a reference server's ref/*
+            assert h["teacher/requests"] == 1 and h["teacher/latency"] > 0 and "ref/requests" not in h
     batch = tr._last_batch
     ids = batch.extra["teacher_topk_ids"]
     assert ids.shape == (*batch.mask.shape, 4) and not ids[~batch.mask.bool()].any()

@@ -38,6 +38,10 @@ class TeacherHandle(ReferenceHandle):
     def submit_topk(self, packed: Packed, temperature: float, top_k: int) -> "Future[Scores]":
         return self._relabelled(super().submit_topk(packed, temperature, top_k))
 
+    def pop_metrics(self) -> dict[str, float]:
+        """A teacher server's client metrics (``ref/latency`` and the rest) as ``teacher/...``."""
+        return {"teacher/" + k.split("/", 1)[1]: v for k, v in super().pop_metrics().items()}
+
     def _relabelled(self, inner: Future) -> Future:
         if not self.remote:
             return inner

@@ -284,7 +284,7 @@ class Trainer:
                     [self.rewards.model_seconds()], dtype=torch.float64))[0]) / max(m["time/step"], 1e-9)
             m.update(self.rewards.pop_metrics())
             self.reward_guard.check(self.step + 1, m, self.rewards)  # may stop the run
-        for source in (self.multiturn, self.reference):
+        for source in (self.multiturn, self.reference, self.teacher):
             if source is not None:
                 m.update(source.pop_metrics())
         m.update(step.gap.metrics() if step.gap is not None else {})
@@ -309,9 +309,10 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the reward and evaluation worker pools and the generation engine's resources (idempotent)."""
+        """Stop the reward and evaluation worker pools, the generation engine's resources and a teacher server's
+        client (idempotent)."""
         self.gc_timer.close()
-        for part in (self.rollout, self.rewards, self.env, self.evaluator):
+        for part in (self.rollout, self.rewards, self.env, self.evaluator, self.teacher):
             if part is not None:
                 part.close()
 
