@@ -441,7 +441,7 @@ def test_env_config_is_validated():
         load_config(overrides=["rollout.max_turns=0"])
     with pytest.raises(ConfigError, match="unknown config key 'env.nam'"):
         load_config(overrides=["env.nam=maze"])
-    from grpo.training.trainer import make_env_setup
+    from grpo.training.build import make_env_setup
 
     with pytest.raises(ConfigError, match=r"env.name='labyrinth' is unknown: choose from \['calculator', 'code', 'maze'\]"):
         make_env_setup(load_config(overrides=["env.name=labyrinth"]))

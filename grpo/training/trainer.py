@@ -3,9 +3,8 @@
 One step, on every rank (``train_step``: one call per phase, in this order):
   rollout     data -> generate -> score (the rollout service), then the algorithm's ``process_batch``
               (shaping / filtering / refill / correction / pruning)
-  logprobs    the reference request (a server's sent right after generation) -> the teacher's request
-              (distillation) -> old log-probs / entropy (only if needed) -> reference and teacher log-probs
-              -> the audit (every logging.audit_every steps; grpo/training/audit.py)
+  logprobs    the reference's request (a server's sent right after generation) and the teacher's -> old
+              log-probs / entropy (if needed) -> reference and teacher log-probs -> the audit (grpo/training/audit.py)
   advantages  the algorithm's advantages and its whole-batch options -> the step's norms
   update      mu optimizer passes over micro-batches (grpo/training/passes.py) -> weight sync to the engine
   metrics     reduced over ranks; the watchdogs
@@ -30,10 +29,10 @@ from grpo.foundation.config import Config, ConfigError, dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
 from grpo.foundation.plugins import AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
+from grpo.reference.protocol import ReferenceServerError
 from grpo.reference.teacher import ask_teacher, make_teacher, take_answer
 from grpo.rollout.service import RolloutService
 from grpo.training import build, deepspeed_engine as ds
-from grpo.training.build import make_env_setup  # noqa: F401 - its home before build.py
 from grpo.training.compose import Parts, compose
 from grpo.training.configure import check_ranks
 from grpo.training import resume as checkpoints
@@ -46,7 +45,6 @@ from grpo.training.partitioned import frozen_partitioned
 from grpo.training.passes import PolicyPasses, Step, total_lengths
 from grpo.training.reference_sync import sync_reference
 from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_what_came_before
-from grpo.reference.protocol import ReferenceServerError
 
 
 class Trainer:
@@ -88,9 +86,8 @@ class Trainer:
                        model.config.get_text_config().vocab_size)
         self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer, vocab_size=vocab,
                                         policy=self.model, synced=zero3 is not None, load=load)
-        # on-policy distillation: the teacher, a second reference (grpo/reference/teacher.py); None without one
         self.teacher = make_teacher(cfg, self.device, self.tokenizer, vocab, load=load, synced=zero3 is not None,
-                                    policy=self.model)
+                                    policy=self.model)  # on-policy distillation's (grpo/reference/teacher.py); or None
         self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
             self.rollout.on_generated = self._early_reference
@@ -127,8 +124,7 @@ class Trainer:
         return self.sync_reference(1.0)
 
     def sync_reference(self, alpha: float = 1.0) -> tuple[str, int]:
-        """pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, whatever the reference's kind (collective): returns
-        (OUT/reference/step-N, the reference's new version). grpo/training/reference_sync.py."""
+        """pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, any kind (collective): (OUT/reference/step-N, version)."""
         return sync_reference(self.reference, alpha, self.out, self.step, self.cfg, self.engine, self.tokenizer,
                               self.rollout)
 
@@ -309,8 +305,7 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the reward and evaluation worker pools, the generation engine's resources and a teacher server's
-        client (idempotent)."""
+        """Stop the worker pools, the engine's resources and a teacher server's client (idempotent)."""
         self.gc_timer.close()
         for part in (self.rollout, self.rewards, self.env, self.evaluator, self.teacher):
             if part is not None:
