@@ -489,7 +489,7 @@ class LoggingConfig:
     # sampler against the trainer and of the reference against the policy, on a few rows (0 = off)
     audit_every: int = at_least_zero(0)
     audit_top_k: int = ranged(8, "in [1, 64]")  # the support of each audited position: the k most likely tokens
-    audit_rows: int = positive(8)  # rows of each rank's batch audited (what bounds the audit's cost)
+    audit_rows: int = positive(8)  # rows of each rank's batch audited, drawn at random (what bounds its cost)
     audit_warn_kl: float = positive(0.05)  # nats: an audited KL above it prints a warning naming the likely causes
 
 

@@ -1,7 +1,8 @@
 """The audit of whole next-token distributions (``logging.audit_every``; docs/metrics.md#audit).
 
 The rollout-correction metrics compare the sampler and the trainer on the sampled token alone. Every
-``audit_every`` steps (step 0 included), on the first ``audit_rows`` rows of each rank's batch, this compares
+``audit_every`` steps (step 0 included), on ``audit_rows`` rows of each rank's batch drawn at random (seeded by
+``train.seed``, the step and the rank), this compares
 whole next-token distributions at every completion position, over the k most likely tokens (``audit_top_k``) plus
 one bucket for the rest (rl_math.topk_divergence, beta 0):
 
@@ -47,7 +48,8 @@ class Audit:
         if not self.top_k(step):
             return
         t0 = time.perf_counter()
-        rows = list(range(min(self.cfg.logging.audit_rows, len(batch))))
+        g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + step * 131 + dist.rank())
+        rows = sorted(torch.randperm(len(batch), generator=g)[: self.cfg.logging.audit_rows].tolist())
         sub = batch.select(rows or [0])
         mask = sub.mask.double() * (1.0 if rows else 0.0)  # a rank without rows joins the collectives with none
         packed, temperature = sub.packed(None, pad_id), self.cfg.rollout.temperature
