@@ -1,7 +1,8 @@
 """A LoRA teacher (issue 44, ``teacher.adapter``): the policy's frozen base with another adapter, loaded beside the
 policy's own in the same model. Its log-probs equal those of the base merged with that adapter (PEFT's own
 loading); the policy's log-probs, its trainable parameters and their flags are untouched by the teacher's calls; the
-config's errors; two opd steps with LoRA whose saved adapters hold only the policy's own."""
+config's errors; two opd steps with LoRA (the reference its base with the adapters off, both audited) whose saved
+adapters hold only the policy's own, and a resume."""
 
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ def test_opd_with_lora_distils_from_an_adapter_on_its_own_base(single_rank_env, 
     folder = teacher_adapter(tmp_path / "teacher")
     cfg = load_config("configs/opd.yaml", None, [
         LORA, f"teacher.adapter={folder}", "teacher.model=null", f"train.output_dir={tmp_path / 'run'}",
+        "algo.beta=0.04", "logging.audit_every=1",  # the reference: the same base, adapters off; audited each step
         "train.max_steps=2", "train.save_every=1", "rollout.prompts_per_step=4", "rollout.num_generations=2",
         "reward_pool.num_workers=0", "logging.progress_bar=false", "logging.plot=false"])
     tr = Trainer(cfg)
@@ -115,6 +117,8 @@ def test_opd_with_lora_distils_from_an_adapter_on_its_own_base(single_rank_env, 
     assert len(history) == 2
     for h in history:
         assert h["distill/reverse_kl"] != 0 and 0 < h["distill/teacher_prob"] < 1 and math.isfinite(h["loss"])
+        assert h["audit/sampler_kl"] < 1e-5 and h["audit/reference_kl"] >= 0 and "kl" in h
+    assert history[0]["audit/reference_kl"] < 1e-6  # the adapters start at B = 0: the policy is its base
     saved = list((tmp_path / "run").rglob("adapter_model.safetensors"))
     assert saved
     from safetensors.torch import load_file
