@@ -37,3 +37,17 @@ def test_trl_side_forces_eos_at_the_recorded_lengths():
         n = lengths[i % len(lengths)]
         assert row[n - 1] == eos and eos not in row[: n - 1], (i, row)
         assert row[: n - 1] == plain.tolist()[i // 2][: n - 1]  # greedy until then: the same tokens
+
+
+def test_the_matmul_floor_is_measured_on_the_models_own_shapes(tmp_path):
+    """Issue 41, item 6: the floor's GEMM rate comes from the model's own shapes (its config.json: hidden, MLP and
+    vocabulary sizes; the step's decode rows), not SmolLM2-135M's whatever the model."""
+    from grpo.foundation.tiny import write_tiny
+    from scripts.benchmarks.bench import matmul_rate, model_shape
+
+    shape = model_shape(write_tiny(tmp_path / "m"))
+    rate = matmul_rate(1, shape=shape, decode_rows=8, repeat=1)
+    d, ff, V = shape["d"], shape["ff"], shape["vocab"]
+    assert set(rate["shapes"]) == {f"qkvo/mlp [2048x{d}]x[{d}x{ff}]", f"mlp down [2048x{ff}]x[{ff}x{d}]",
+                                   f"lm head [2048x{d}]x[{d}x{V}]", f"decode [8x{d}]x[{d}x{ff}]"}
+    assert rate["peak"] == max(v for k, v in rate["shapes"].items() if not k.startswith("decode")) > 0

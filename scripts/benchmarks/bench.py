@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
@@ -162,8 +163,11 @@ def step_flops(s: dict, prompt_lens: list[int], G: int, T: int, reference: bool)
     return out
 
 
-def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5, device: str = "cpu") -> dict:
-    """Best measured GEMM rate (FLOP/s) on the shapes a training step is made of."""
+def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5, device: str = "cpu",
+                shape: Optional[dict] = None, decode_rows: int = 16) -> dict:
+    """Best measured GEMM rate (FLOP/s) on the shapes a training step of the model ``shape`` (model_shape; default
+    SmolLM2-135M's) is made of: 2048 tokens through its projections, MLP and LM head, and ``decode_rows`` rows
+    through a decode step's MLP."""
     import torch
 
     def sync():
@@ -172,10 +176,11 @@ def matmul_rate(threads: int, dtype: str = "fp32", repeat: int = 5, device: str 
 
     torch.set_num_threads(threads)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    shapes = {"qkvo/mlp [2048x576]x[576x1536]": (2048, 576, 1536),
-              "mlp down [2048x1536]x[1536x576]": (2048, 1536, 576),
-              "lm head [2048x576]x[576x49152]": (2048, 576, 49152),
-              "decode [16x576]x[576x1536]": (16, 576, 1536)}
+    d, ff, V = (shape["d"], shape["ff"], shape["vocab"]) if shape else (576, 1536, 49152)
+    shapes = {f"qkvo/mlp [2048x{d}]x[{d}x{ff}]": (2048, d, ff),
+              f"mlp down [2048x{ff}]x[{ff}x{d}]": (2048, ff, d),
+              f"lm head [2048x{d}]x[{d}x{V}]": (2048, d, V),
+              f"decode [{decode_rows}x{d}]x[{d}x{ff}]": (decode_rows, d, ff)}
     rates = {}
     for name, (m, k, n) in shapes.items():
         a, b = torch.randn(m, k, dtype=dt, device=device), torch.randn(k, n, dtype=dt, device=device)
@@ -476,7 +481,8 @@ def fmt_ratio(a: float, b: float) -> str:
 def compare(args, workdir: Path) -> dict:
     spec = base_spec(args, workdir)
     write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup))
-    rate = matmul_rate(args.threads, args.dtype, device=args.device)
+    rate = matmul_rate(args.threads, args.dtype, device=args.device, shape=model_shape(Path(args.model)),
+                       decode_rows=args.prompts * args.group)
     load_before = load_avg()
     results = {"ours": run_child("ours", spec, sys.executable, workdir)}
     if args.vs == "trl":
@@ -562,7 +568,7 @@ def sweep(args, workdir: Path) -> dict:
     points = [(L, args.group) for L in args.lengths] + [(args.max_new, g) for g in args.groups if g != args.group]
     rows = []
     shape = model_shape(Path(args.model))
-    rate = matmul_rate(args.threads, args.dtype, device=args.device)
+    rate = matmul_rate(args.threads, args.dtype, device=args.device, shape=shape, decode_rows=args.prompts * args.group)
     for L, G in points:
         sub = workdir / f"sweep-L{L}-G{G}"
         sub.mkdir(parents=True, exist_ok=True)
