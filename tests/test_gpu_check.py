@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
 from tests.patience import LAUNCH_S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,3 +95,22 @@ def test_gpu_check_real_model_stage_on_cpu(tmp_path):
     assert real["step_median_s"] > 0 and 0 < real["reference_share"] < 1  # the server answered every step
     assert "reference server stopped (exit 0)" in proc.stdout
     assert "held-out accuracy" in (out / "gpu_table.md").read_text()
+
+
+def test_the_bandwidth_floor_beside_each_decode_figure():
+    """Issue 41, item 6: tokens/s at the decode's bandwidth floor = rows x peak bandwidth / (the weights' bytes + each
+    row's KV cache at its mean length over the decode, prompt + new / 2), for a known GPU; none for the CPU. With
+    SmolLM2-1.7B's numbers (3.42 GB of bf16 weights, 24 layers x 32 KV heads x 64, 64 rows x (40 + 256)) the
+    formula gives the 55.7k tokens/s on an H200 that issue 41 states."""
+    from grpo.foundation.tiny import build_tiny
+    from scripts.benchmarks.gpu_check import bandwidth_floor
+
+    model, _ = build_tiny()
+    c = model.config
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    got = bandwidth_floor(model, 64, 40, 256, "NVIDIA H200")
+    assert got["floor_tokens_per_s"] == pytest.approx(64 * 4.8e12 / (weights + kv_token * 64 * (40 + 128)))
+    assert bandwidth_floor(model, 64, 40, 256, "cpu") == {}
+    smollm2 = 64 * 4.8e12 / (3.42e9 + 2 * 24 * 32 * 64 * 2 * 64 * (40 + 128))
+    assert 55_000 < smollm2 < 56_000

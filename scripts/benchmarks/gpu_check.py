@@ -174,12 +174,36 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
                            for i, lp in enumerate(out.logprobs)])
             gap = {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max())}
         gap.update(audit_kl(engine, model, prompts, params, n))
+        floor = bandwidth_floor(model, len(out.tokens), PROMPT_WORDS, spec["gen_tokens"],
+                                torch.cuda.get_device_name() if device.startswith("cuda") else "cpu")
+        if floor:
+            gap.update(floor, share_of_floor=tokens / secs / floor["floor_tokens_per_s"])
         if hasattr(engine, "offload"):
             engine.offload()
         del engine
         yield {"engine": name, "mode": mode, "rows": len(out.tokens),
                "new_tokens": spec["gen_tokens"], "seconds": secs, "tokens_per_s": tokens / secs,
                "warmup_seconds": warm, "greedy_same_tokens": same, "greedy_tokens": greedy.max_tokens, **gap}
+
+
+# Peak memory bandwidth (bytes/s) of the GPUs these sessions are lent, from their data sheets (docs/gpu.md)
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
+
+
+def bandwidth_floor(model, rows: int, prompt_tokens: int, new_tokens: int, device_name: str) -> dict:
+    """The decode's bandwidth floor (docs/gpu.md): every decode step reads the weights once and each row's KV cache,
+    whose mean length over the decode is prompt + new / 2; tokens/s at the floor = rows x peak bandwidth / those
+    bytes. {} where the device's peak bandwidth is not known (the CPU)."""
+    peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in device_name), None)
+    if peak is None:
+        return {}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    kv = per_token * rows * (prompt_tokens + new_tokens / 2)
+    floor = rows * peak / (weights + kv)
+    return {"floor_tokens_per_s": floor, "peak_bandwidth": peak, "bytes_per_decode_step": weights + kv}
 
 
 def audit_kl(engine, model, prompts: list[list[int]], params, n: int, k: int = 8) -> dict:
@@ -472,6 +496,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if r["stage"] == "generation":
             res = f"{r['tokens_per_s']:.0f} tokens/s ({r['engine']}, {r['rows']} rows x {r['new_tokens']})"
+            if "floor_tokens_per_s" in r:
+                res += f", {r['share_of_floor']:.0%} of the bandwidth floor {r['floor_tokens_per_s']:.0f} tokens/s"
             if r["engine"] != "hf":
                 res += f"; warm-up {r['warmup_seconds']:.1f} s, mode {r['mode']}"
                 if r["greedy_same_tokens"] is not None:
