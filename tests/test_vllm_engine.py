@@ -203,17 +203,27 @@ def test_sync_every_n_steps_runs_the_probe(tiny):
         tiny.vcfg.check_every = 0
 
 
-def test_a_run_on_the_vllm_engine_audits_its_sampler(tmp_path, single_rank_env):
-    """Two steps with rollout.engine=vllm and the audit every step: vLLM's top-8 at each drawn token against the
-    training forward, before and after a weight sync, ~0 in fp32 (the sampled-token gap here: 5e-7 nats)."""
-    from grpo.training.trainer import Trainer
+def test_a_run_on_the_vllm_engine_audits_its_sampler(tmp_path):
+    """Two steps of train.py with rollout.engine=vllm and the audit every step (its own process, as a run is: a vLLM
+    engine and DeepSpeed's process groups are not made twice in one process): vLLM's top-8 at each drawn token against
+    the training forward, before and after a weight sync, ~0 in fp32 (the sampled-token gap here: 5e-7 nats)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    cfg = load_config("configs/demo.yaml", "grpo", [
-        f"model.name_or_path={TINY}", "rollout.engine=vllm", "rollout.vllm.cpu_kv_cache_gb=0.25",
-        "rollout.vllm.check_every=0", f"train.output_dir={tmp_path}", "train.max_steps=2", "algo.beta=0",
-        "rollout.prompts_per_step=4", "rollout.num_generations=2", "reward_pool.num_workers=0",
-        "logging.progress_bar=false", "logging.plot=false", "logging.audit_every=1", "train.lr=1e-2"])
-    history = Trainer(cfg).train()
+    from grpo.training.metrics import read_metrics
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/demo.yaml", f"model.name_or_path={TINY}",
+                           "rollout.engine=vllm", "rollout.vllm.cpu_kv_cache_gb=0.25", "rollout.vllm.check_every=0",
+                           f"train.output_dir={tmp_path}", "train.max_steps=2", "algo.beta=0", "train.lr=1e-2",
+                           "rollout.prompts_per_step=4", "rollout.num_generations=2", "reward_pool.num_workers=0",
+                           "logging.progress_bar=false", "logging.plot=false", "logging.audit_every=1",
+                           "train.save_every=0"], cwd=root, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    history = read_metrics(tmp_path / "metrics.jsonl")
     assert len(history) == 2
     for h in history:
         assert 0 <= h["audit/sampler_kl"] <= h["audit/sampler_kl_max"] < FP32_TOL
