@@ -293,18 +293,23 @@ def test_opd_needs_no_reward_function(single_rank_env, tmp_path):
         config("opd", **{"teacher.model": str(teacher), "rewards": "[]", "eval.every": 5, "data.eval_holdout": 10})
 
 
-def test_opd_gradient_equals_trls_iw_opd_with_gamma_0():
-    """TRL 1.16's IW-OPD trainer (trl/experimental/iw_opd, ``_compute_iw_opd_loss``) with iw_opd_gamma = 0: advantage
-    l_teacher - l_rollout per token (detached), loss sum(-l * A) over the valid tokens / their number. Written out here
-    from that definition: on the sampling policy (mu = 1, l = l_old) its gradient with respect to the policy's
-    log-probs is opd's (coef 1; the values differ, -mean(l A) against -mean(rho A), the gradients do not)."""
+def opd_batch():
+    """opd (coef 1) and a batch with the teacher's log-probs, its advantages and prepare_loss done."""
     cfg = config("opd", **{"teacher.model": "builtin:tiny-char"})
     algo = ALGORITHMS.get("opd")(cfg)
     batch = make_batch(LENGTHS, REWARDS, G, W)
     batch.teacher_logp = teacher_logp(batch)
     ctx = StepContext(cfg, 0)
     batch.advantages = algo.advantages(batch, ctx)
-    batch = algo.prepare_loss(batch, ctx)
+    return algo, algo.prepare_loss(batch, ctx)
+
+
+def test_opd_gradient_equals_trls_iw_opd_with_gamma_0():
+    """TRL 1.16's IW-OPD trainer (trl/experimental/iw_opd, ``_compute_iw_opd_loss``) with iw_opd_gamma = 0: advantage
+    l_teacher - l_rollout per token (detached), loss sum(-l * A) over the valid tokens / their number. Written out here
+    from that definition: on the sampling policy (mu = 1, l = l_old) its gradient with respect to the policy's
+    log-probs is opd's (coef 1; the values differ, -mean(l A) against -mean(rho A), the gradients do not)."""
+    algo, batch = opd_batch()
     ours = batch.old_logp.clone().requires_grad_(True)  # on-policy: the current log-probs are the old ones
     algo.loss(ours, batch, rl_math.StepNorms(len(batch), float(batch.mask.sum()), W)).loss.backward()
     theirs = batch.old_logp.clone().requires_grad_(True)
@@ -319,13 +324,7 @@ def test_opd_advantages_equal_verl_opds_estimator():
     ``algorithm.adv_estimator=opd``, core_algos.compute_opd_advantage, token level, norm_adv_by_std_in_grpo False):
     advantages = -(l_student - l_teacher) * response_mask, the student's being the rollout's. Written out here; opd's
     (coef 1, the student's log-probs l_old: with mu = 1 and the hf engine the rollout's numbers) are the same."""
-    cfg = config("opd", **{"teacher.model": "builtin:tiny-char"})
-    algo = ALGORITHMS.get("opd")(cfg)
-    batch = make_batch(LENGTHS, REWARDS, G, W)
-    batch.teacher_logp = teacher_logp(batch)
-    ctx = StepContext(cfg, 0)
-    batch.advantages = algo.advantages(batch, ctx)
-    batch = algo.prepare_loss(batch, ctx)
+    algo, batch = opd_batch()
     verl = -(batch.old_logp - batch.teacher_logp) * batch.mask
     torch.testing.assert_close(batch.advantages, verl, rtol=0, atol=1e-15)
 
