@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -29,7 +30,11 @@ BUILTIN_MODELS = {
     "builtin:tiny-arith": (ARITH_CHARSET, {}),
 }
 # make_tiny_model's ``arch``: the architectures of the recipes' models (SmolLM2 is a Llama, Qwen2.5 a Qwen2).
-ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# gemma3: Gemma 3's text model (its sandwich norms, q/k norms, a RoPE per layer type; layer 1 of 2 slides).
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+ARCH_KWARGS = {"gemma3": lambda hidden, heads: {"head_dim": hidden // heads, "query_pre_attn_scalar": hidden // heads,
+                                                "sliding_window": 16, "sliding_window_pattern": 2}}
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
@@ -66,7 +71,7 @@ def make_tiny_model(
     eos_token_id: int = 2,
     arch: str = "llama",
     num_kv_heads: int | None = None,
-) -> LlamaForCausalLM | Qwen2ForCausalLM:
+) -> LlamaForCausalLM | Qwen2ForCausalLM | Gemma3ForCausalLM:
     """A randomly initialised causal LM of ``arch`` (a key of ARCHS) with these sizes (``num_kv_heads`` <
     ``num_heads``: grouped-query attention; default: as many as ``num_heads``)."""
     config_cls, model_cls = ARCHS[arch]
@@ -82,6 +87,7 @@ def make_tiny_model(
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
+        **ARCH_KWARGS.get(arch, lambda hidden, heads: {})(hidden_size, num_heads),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -3,9 +3,11 @@
 Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model families below; see docs/gpu.md) and
 exact on a CPU too, where it runs eager. Read top to bottom:
 
-* ``ModelSpec`` / ``unsupported_reason``: which models it runs (Llama, Qwen2, Qwen3, Mistral shapes: grouped-query
-  attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling, SiLU MLP, tied or
-  untied head, sliding windows); anything else gets a reason and the ``hf`` engine.
+* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral, Qwen2, Qwen3 and Gemma 1-3
+  lines: grouped-query attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling
+  (one per layer type for Gemma 3), SiLU or GELU-tanh gated MLP, tied or untied head, sliding windows; Gemma's
+  (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and final-logit soft-capping);
+  anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -47,7 +49,13 @@ from grpo.foundation.logprobs import partitioned
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
+SANDWICH = ("gemma2", "gemma3_text")  # norms after attention and around the MLP; attention scale query_pre_attn_scalar
+QK_NORM = ("qwen3", "gemma3_text")
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
+    "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+}
 # RoPE types whose frequencies do not depend on the sequence length: inv_freq and the cos/sin scale are read
 # from the model's rotary module once. ("dynamic" and "longrope" change with the length: not supported.)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -66,6 +74,13 @@ class ModelSpec:
     eps: float
     windows: tuple[Optional[int], ...]  # per layer: sliding window (keys with q_pos - k_pos < window), None: full
     qk_norm: bool
+    act: str = "silu"  # the MLP's gate activation (a key of ACTIVATIONS)
+    scale: Optional[float] = None  # attention scale (None: head_dim ** -0.5)
+    gemma_norm: bool = False  # RMSNorm as Gemma's: (x_hat * (1 + w)) in float32, then cast
+    sandwich: bool = False  # Gemma 2/3: post_attention_layernorm on the attention's output, pre/post norms on the MLP
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    rope_of_layer: Optional[tuple[int, ...]] = None  # per layer: which of Weights.ropes (None: the one)
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -76,33 +91,51 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     kind = getattr(cfg, "model_type", None)
     if kind not in MODEL_TYPES:
         return f"model_type {kind!r} is not one of the static engine's families {list(MODEL_TYPES)}"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r}: the static engine's MLP is SiLU-gated"
+    if activation(cfg) not in ACTIVATIONS:
+        return f"hidden activation {activation(cfg)!r}: the static engine's gated MLP has {list(ACTIVATIONS)}"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in ROPE_TYPES:
-        return f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports {list(ROPE_TYPES)}"
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(cfg, key, None):
-            return f"{key}={getattr(cfg, key)}: not implemented in the static engine"
+    # Gemma 3: one set of RoPE parameters per layer type
+    for params in (rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+        if rope_type not in ROPE_TYPES:
+            return (f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports "
+                    f"{list(ROPE_TYPES)}")
+    if kind not in SANDWICH and getattr(cfg, "attn_logit_softcapping", None):
+        return f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps Gemma 2/3's"
+    if getattr(cfg, "use_bidirectional_attention", None):
+        return "use_bidirectional_attention: the static engine decodes causally"
     if getattr(cfg, "quantization_config", None):
         return "quantized weights: the static engine multiplies by the weights as they are stored"
     return None
 
 
+def activation(cfg) -> str:
+    """The MLP's activation name (Gemma 2/3 call it ``hidden_activation``)."""
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+
+
+def _rotary(model: torch.nn.Module) -> torch.nn.Module:
+    return model.model.rotary_emb if hasattr(model, "model") else model.get_base_model().model.rotary_emb
+
+
 def model_spec(model: torch.nn.Module) -> ModelSpec:
     cfg = model.config
-    heads = cfg.num_attention_heads
+    heads, kind = cfg.num_attention_heads, cfg.model_type
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layer_types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
     windows = tuple(
         (window if (layer_types is None or layer_types[i] == "sliding_attention") else None)
         for i in range(cfg.num_hidden_layers)
     )
+    rope_types = getattr(_rotary(model), "layer_types", None)  # Gemma 3: a RoPE per layer type
     return ModelSpec(
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, eps=cfg.rms_norm_eps,
-        windows=windows, qk_norm=cfg.model_type == "qwen3",
+        head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=kind in QK_NORM, act=activation(cfg),
+        scale=(cfg.query_pre_attn_scalar if kind in SANDWICH else head_dim) ** -0.5, gemma_norm=kind in GEMMA,
+        sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+        final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
+        rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
     )
 
 
@@ -115,19 +148,22 @@ class Weights:
     layers: list[dict[str, Optional[torch.Tensor]]]
     norm: torch.Tensor
     head: torch.Tensor
-    inv_freq: torch.Tensor
-    rope_scale: float
+    ropes: list[torch.Tensor]  # inv_freq of each RoPE (one; Gemma 3: one per layer type)
+    rope_scale: tuple[float, ...]  # the cos/sin scale of each
+    embed_scale: Optional[torch.Tensor] = None  # Gemma: the embedding's multiplier, in the embedding's dtype
 
     def flat(self) -> list[Optional[torch.Tensor]]:
         """Every tensor in a fixed order (a compiled step takes them as a list: its guards then check tensors,
         never the identity of this object)."""
-        return [self.embed, self.norm, self.head, self.inv_freq] + [t for layer in self.layers for t in layer.values()]
+        return ([self.embed, self.norm, self.head, self.embed_scale, *self.ropes]
+                + [t for layer in self.layers for t in layer.values()])
 
     @classmethod
-    def unflat(cls, flat: list[Optional[torch.Tensor]], rope_scale: float) -> "Weights":
-        n = len(LAYER_KEYS)
-        layers = [dict(zip(LAYER_KEYS, flat[i: i + n])) for i in range(4, len(flat), n)]
-        return cls(embed=flat[0], layers=layers, norm=flat[1], head=flat[2], inv_freq=flat[3], rope_scale=rope_scale)
+    def unflat(cls, flat: list[Optional[torch.Tensor]], rope_scale: tuple[float, ...]) -> "Weights":
+        n, first = len(LAYER_KEYS), 4 + len(rope_scale)
+        layers = [dict(zip(LAYER_KEYS, flat[i: i + n])) for i in range(first, len(flat), n)]
+        return cls(embed=flat[0], layers=layers, norm=flat[1], head=flat[2], embed_scale=flat[3],
+                   ropes=list(flat[4:first]), rope_scale=rope_scale)
 
     def pointers(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.flat() if t is not None)
@@ -140,6 +176,7 @@ LAYER_KEYS = {
     "o": "self_attn.o_proj.weight", "o_bias": "self_attn.o_proj.bias",
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
     "in_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "pre_ff_norm": "pre_feedforward_layernorm.weight", "post_ff_norm": "post_feedforward_layernorm.weight",
     "gate": "mlp.gate_proj.weight", "gate_bias": "mlp.gate_proj.bias",
     "up": "mlp.up_proj.weight", "up_bias": "mlp.up_proj.bias",
     "down": "mlp.down_proj.weight", "down_bias": "mlp.down_proj.bias",
@@ -152,16 +189,35 @@ def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch
     embed = named["model.embed_tokens.weight"]
     layers = [{key: named.get(f"model.layers.{i}.{name}") for key, name in LAYER_KEYS.items()}
               for i in range(spec.layers)]
-    rotary = model.model.rotary_emb if hasattr(model, "model") else model.get_base_model().model.rotary_emb
+    rotary = _rotary(model)
+    types = getattr(rotary, "layer_types", None) or [None]
+    prefix = [f"{t}_" if t else "" for t in types]
+    scale = getattr(model.model if hasattr(model, "model") else model.get_base_model().model, "embed_tokens")
+    scale = getattr(scale, "embed_scale", None)
     return Weights(embed=embed, layers=layers, norm=named["model.norm.weight"],
-                   head=named.get("lm_head.weight", embed), inv_freq=rotary.inv_freq,
-                   rope_scale=float(getattr(rotary, "attention_scaling", 1.0)))
+                   head=named.get("lm_head.weight", embed), ropes=[getattr(rotary, f"{p}inv_freq") for p in prefix],
+                   rope_scale=tuple(float(getattr(rotary, f"{p}attention_scaling", 1.0)) for p in prefix),
+                   embed_scale=None if scale is None else scale.to(embed.device, embed.dtype))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:  # Gemma: the weight is an offset from 1 and multiplies in float32
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     cap: float) -> torch.Tensor:
+    """Gemma 2's attention (transformers' eager path): scores scaled, soft-capped (cap * tanh(s / cap)), masked,
+    softmax in float32. q [R, H, S, D]; k, v [R, KV, L, D] (each kv head serves H / KV query heads, no copy)."""
+    R, H, S, D = q.shape
+    KV = k.shape[1]
+    s = torch.matmul(q.view(R, KV, H // KV, S, D), k[:, :, None].transpose(-1, -2)).view(R, H, S, -1) * scale
+    s = (torch.tanh(s / cap) * cap).masked_fill(~mask, torch.finfo(s.dtype).min)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p.view(R, KV, H // KV, S, -1), v[:, :, None]).view(R, H, S, D)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -185,33 +241,54 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     qpos = pos.clamp(min=0)  # padding queries read whatever their row holds; their outputs are never used
     keys_pos = kpos[:, None, None, :length]  # [R, 1, 1, length]
     attend = (keys_pos >= 0) & (keys_pos <= qpos[:, None, :, None])  # [R, 1, S, length]
-    freqs = qpos[..., None].float() * w.inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
     x = F.embedding(ids, w.embed)
-    cos = (emb.cos() * w.rope_scale).to(x.dtype)[:, None]  # [R, 1, S, D]
-    sin = (emb.sin() * w.rope_scale).to(x.dtype)[:, None]
+    if w.embed_scale is not None:
+        x = x * w.embed_scale
+    ropes = []  # (cos, sin) [R, 1, S, D] of each RoPE
+    for inv_freq, scale in zip(w.ropes, w.rope_scale):
+        freqs = qpos[..., None].float() * inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        ropes.append(((emb.cos() * scale).to(x.dtype)[:, None], (emb.sin() * scale).to(x.dtype)[:, None]))
+
+    def norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, weight, spec.eps, spec.gemma_norm)
+
+    act, scale = ACTIVATIONS[spec.act], spec.scale or D ** -0.5
     for i, lw in enumerate(w.layers):
-        h = rms_norm(x, lw["in_norm"], spec.eps)
+        cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
+        h = norm(x, lw["in_norm"])
         q = F.linear(h, lw["q"], lw["q_bias"]).view(R, S, H, D)
         k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
         v = F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
         if spec.qk_norm:
-            q, k = rms_norm(q, lw["q_norm"], spec.eps), rms_norm(k, lw["k_norm"], spec.eps)
+            q, k = norm(q, lw["q_norm"]), norm(k, lw["k_norm"])
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         k_buf[i].index_copy_(2, cols, k)
         v_buf[i].index_copy_(2, cols, v.transpose(1, 2))
         mask = attend
         if spec.windows[i] is not None:
             mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
-        a = F.scaled_dot_product_attention(q, k_buf[i][:, :, :length], v_buf[i][:, :, :length], attn_mask=mask,
-                                           scale=D ** -0.5, enable_gqa=H != KV)
-        x = x + F.linear(a.transpose(1, 2).reshape(R, S, H * D), lw["o"], lw["o_bias"])
-        h = rms_norm(x, lw["post_norm"], spec.eps)
-        mlp = F.silu(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"])
-        x = x + F.linear(mlp, lw["down"], lw["down_bias"])
+        keys, values = k_buf[i][:, :, :length], v_buf[i][:, :, :length]
+        if spec.attn_softcap:
+            a = capped_attention(q, keys, values, mask, scale, spec.attn_softcap)
+        else:
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=H != KV)
+        o = F.linear(a.transpose(1, 2).reshape(R, S, H * D), lw["o"], lw["o_bias"])
+        if spec.sandwich:  # Gemma 2/3: norm the attention's output, then norm the MLP's input and output
+            x = x + norm(o, lw["post_norm"])
+            h = norm(x, lw["pre_ff_norm"])
+        else:
+            x = x + o
+            h = norm(x, lw["post_norm"])
+        mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
+                       lw["down"], lw["down_bias"])
+        x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
     if last_only:
         x = x[:, -1]
-    return F.linear(rms_norm(x, w.norm, spec.eps), w.head).float()
+    logits = F.linear(norm(x, w.norm), w.head).float()
+    if spec.final_softcap:  # in float32, as the trainer's log-probs (grpo/foundation/logprobs.py) cap them
+        logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
+    return logits
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -380,11 +457,11 @@ class StaticEngine:
 
     # -- one decode step (compiled and / or captured)
     def _logits(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: float) -> torch.Tensor:
+                v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: tuple[float, ...]) -> torch.Tensor:
         return forward(self.spec, Weights.unflat(flat, rope_scale), tok[:, None], pos[:, None], col, k, v, kpos, length)
 
     def _step(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, u: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: float,
+              k: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: tuple[float, ...],
               sampling: tuple[float, float, int, int]) -> tuple[torch.Tensor, ...]:
         return sample(self.logits(flat, tok, pos, col, k, v, kpos, length, rope_scale), u, *sampling)
 
