@@ -35,12 +35,14 @@ TINY_RUN = ["--config", "configs/demo.yaml", "logging.progress_bar=false", "roll
 
 
 @pytest.mark.parametrize("other", ["w2-mb3-z0", "w2-mb5-z2", "w2-mb5-z3", "w2-tok12-z3", "w2-mb5-z3-built-partitioned",
-                                   "w2-mb3-z2+lora"])
+                                   "w2-mb3-z2+lora", "w2-mb5-z3-moe"])
 def test_step_gradient_independent_of_ranks_and_micro_batches(grads, other):
     """With ``+lora`` the policy has LoRA adapters (B made non-zero) and the gradient is the adapters' (small) one:
-    2 ranks x micro-batches of 3 under ZeRO-2 against 1 rank x 1 micro-batch."""
+    2 ranks x micro-batches of 3 under ZeRO-2 against 1 rank x 1 micro-batch. ``-moe``: a tiny Qwen3-MoE (top-2
+    of 4 experts) saved per expert as transformers saves it, built partitioned (each fused expert weight filled from
+    its experts' tensors), its MoE blocks ZeRO-3 leaves, against the same model on one rank."""
     lora = other.endswith("+lora")
-    ref = grads["w1-mb16-z0+lora" if lora else "w1-mb16-z0"]
+    ref = grads["w1-mb16-z0+lora" if lora else "w1-mb16-z0-moe" if other.endswith("-moe") else "w1-mb16-z0"]
     if other == "w2-tok12-z3":  # a 12-token budget: 6 micro-batches on rank 0, 7 on rank 1; both run 7 passes
         assert grads[other]["micro_batches_per_rank"] == [6, 7]
         assert grads[other]["passes_per_rank"] == [7, 7]
@@ -101,7 +103,7 @@ def write_plan(path: Path, runs: dict[str, tuple[list[str], Path, Optional[dict]
 
 
 GRAD_CASES = ["w2-mb3-z0:3:0", "w2-mb5-z2:5:2", "w2-mb5-z3:5:3", "w2-tok12-z3:16/12:3", "w2-mb5-z3-built-partitioned:5:3",
-              "w2-mb3-z2+lora:3:2"]
+              "w2-mb3-z2+lora:3:2", "w2-mb5-z3-moe:5:3"]
 
 
 @pytest.fixture(scope="module")
@@ -114,19 +116,24 @@ def launch(tmp_path_factory, tiny_dir, single_rank_env) -> dict:
       ``full`` and ``lora`` as if each had crashed right after its step-2 checkpoint (``full`` with the text-file
       ``latest`` runs wrote before the symlink), resumed with --resume (``resumed-full``, ``resumed-lora``);
     - the step-gradient cases (GRAD_CASES; built-partitioned: the same weights from an HF folder, built
-      partitioned from the start with zero.Init; NAME+lora: the LoRA adapters' gradient);
+      partitioned from the start with zero.Init; NAME+lora: the LoRA adapters' gradient; NAME-moe: a tiny
+      Qwen3-MoE from its folder);
     - tests/zero3_generate_worker.py's checks (test_zero3_generation_...).
 
     The one-rank reference gradients are computed in this process (a world of one: no launch)."""
+    from grpo.foundation.tiny import write_tiny
+
     out = tmp_path_factory.mktemp("dist")
     builtin = "builtin:tiny-char"
-    w1 = run_cases([f"w1-mb16-z0:16:0:{builtin}", "w1-mb16-z0+lora:16:0"], builtin, out)
+    moe = write_tiny(out / "moe", arch="qwen3_moe")
+    w1 = run_cases([f"w1-mb16-z0:16:0:{builtin}", "w1-mb16-z0+lora:16:0", f"w1-mb16-z0-moe:16:0:{moe}"], builtin, out)
     runs = {"one-node": (MULTINODE_RUN, out / "one-node", None), "full": (FULL_RUN, out / "run", None),
             "lora": (LORA_RUN, out / "lora", None), "static": (STATIC_RUN, out / "static", None)}
     for k in ("full", "lora"):
         runs[f"resumed-{k}"] = (runs[k][0], out / "resumed" / k,
                                 {"run": str(runs[k][1]), "step": 2, "text_latest": k == "full"})
-    cases = [c if "built-partitioned" not in c else f"{c}:{tiny_dir}" for c in GRAD_CASES]
+    cases = [f"{c}:{tiny_dir}" if "built-partitioned" in c else f"{c}:{moe}" if c.endswith("-moe:5:3") else c
+             for c in GRAD_CASES]
     run_deepspeed(["--plan", str(write_plan(out / "plan.json", runs)), str(out / "status"), "--out", str(out / "w2.pt"),
                    *[a for c in cases for a in ("--case", c)], "--zero3-checks", str(tiny_dir), str(out / "zero3_checks.json")],
                   2, "tests/dist_grad_worker.py", launcher="torchrun")

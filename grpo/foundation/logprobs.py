@@ -335,11 +335,16 @@ def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
 def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     """A cache-capable decoder run without activation checkpointing (which turns the cache off), and no sliding
     window shorter than ``length`` tokens: transformers applies the window to cache columns, and the shared path
-    leaves padding columns between a prompt and its completion (the window would then cover the wrong keys)."""
+    leaves padding columns between a prompt and its completion (the window would then cover the wrong keys). Not
+    with gradients through ZeRO-3 leaf modules (mixture-of-experts blocks, ``mark_moe_leaves``): DeepSpeed reduces a
+    leaf's gradients in its backward hook, which fires once per call, so a block called for the prompt and again
+    for the completions would have its gradients reduced twice."""
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
     window = getattr(model.config, "sliding_window", None)
+    if torch.is_grad_enabled() and any(getattr(m, "_z3_leaf", False) for m in model.modules()):
+        return False
     return bool(getattr(model.config, "use_cache", True)) and not ckpt and (not window or window >= length)
 
 
@@ -369,7 +374,7 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
     h_last = out.last_hidden_state[torch.arange(U, device=device), p_len - 1]  # predicts completion token 0
     idx = torch.tensor(which, dtype=torch.long, device=device)
     cache.batch_select_indices(idx)  # differentiable: the rows' gradients add up in the shared prompt
-    B, width = packed.input_ids.shape[0], packed.width
+    width = packed.width
     if width > 1:  # the completions run padded to the longest one here, not to the batch's width (kept > 1:
         width = max(2, min(width, max(packed.length.tolist())))  # ZeRO-3 ranks agree on running this pass)
     start, length = packed.start.to(device), packed.length.to(device)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -30,11 +30,16 @@ BUILTIN_MODELS = {
     "builtin:tiny-arith": (ARITH_CHARSET, {}),
 }
 # make_tiny_model's ``arch``: the architectures of the recipes' models (SmolLM2 is a Llama, Qwen2.5 a Qwen2).
-# gemma3: Gemma 3's text model (its sandwich norms, q/k norms, a RoPE per layer type; layer 1 of 2 slides).
+# gemma3: Gemma 3's text model (its sandwich norms, q/k norms, a RoPE per layer type; layer 1 of 2 slides);
+# qwen3_moe: Qwen3's mixture of experts (top-2 of 4 experts a quarter of the dense MLP's width).
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
-ARCH_KWARGS = {"gemma3": lambda hidden, heads: {"head_dim": hidden // heads, "query_pre_attn_scalar": hidden // heads,
-                                                "sliding_window": 16, "sliding_window_pattern": 2}}
+         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+ARCH_KWARGS = {
+    "gemma3": lambda hidden, heads: {"head_dim": hidden // heads, "query_pre_attn_scalar": hidden // heads,
+                                     "sliding_window": 16, "sliding_window_pattern": 2},
+    "qwen3_moe": lambda hidden, heads: {"head_dim": hidden // heads, "num_experts": 4, "num_experts_per_tok": 2,
+                                        "moe_intermediate_size": hidden, "norm_topk_prob": True},
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
@@ -71,7 +76,7 @@ def make_tiny_model(
     eos_token_id: int = 2,
     arch: str = "llama",
     num_kv_heads: int | None = None,
-) -> LlamaForCausalLM | Qwen2ForCausalLM | Gemma3ForCausalLM:
+) -> torch.nn.Module:
     """A randomly initialised causal LM of ``arch`` (a key of ARCHS) with these sizes (``num_kv_heads`` <
     ``num_heads``: grouped-query attention; default: as many as ``num_heads``)."""
     config_cls, model_cls = ARCHS[arch]

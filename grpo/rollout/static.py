@@ -3,10 +3,12 @@
 Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model families below; see docs/gpu.md) and
 exact on a CPU too, where it runs eager. Read top to bottom:
 
-* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral, Qwen2, Qwen3 and Gemma 1-3
-  lines: grouped-query attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling
+* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral, Mixtral), Qwen2,
+  Qwen3 (their MoE models too) and Gemma 1-3 lines: grouped-query attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling
   (one per layer type for Gemma 3), SiLU or GELU-tanh gated MLP, tied or untied head, sliding windows; Gemma's
-  (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and final-logit soft-capping);
+  (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and final-logit soft-capping;
+  mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared expert, every expert applied to
+  every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once);
   anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
@@ -49,10 +51,12 @@ from grpo.foundation.logprobs import partitioned
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+               "gemma3_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text")  # norms after attention and around the MLP; attention scale query_pre_attn_scalar
-QK_NORM = ("qwen3", "gemma3_text")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
 }
@@ -81,6 +85,9 @@ class ModelSpec:
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
     final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     rope_of_layer: Optional[tuple[int, ...]] = None  # per layer: which of Weights.ropes (None: the one)
+    experts_per_token: int = 0  # MoE: the router's top-k (0: dense MLPs; a layer with a router is a MoE layer)
+    renorm_topk: bool = False  # MoE: the top-k routing weights renormalised to sum to 1
+    fp32_routing: bool = False  # MoE: routing weights kept in float32 (Mixtral), else cast to the model's dtype
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -136,6 +143,8 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
         rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
+        experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or 0,
+        renorm_topk=kind == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False)), fp32_routing=kind == "mixtral",
     )
 
 
@@ -180,6 +189,11 @@ LAYER_KEYS = {
     "gate": "mlp.gate_proj.weight", "gate_bias": "mlp.gate_proj.bias",
     "up": "mlp.up_proj.weight", "up_bias": "mlp.up_proj.bias",
     "down": "mlp.down_proj.weight", "down_bias": "mlp.down_proj.bias",
+    # mixture of experts: the router, the experts' [E, 2 I, H] gate-and-up and [E, H, I] down weights, Qwen2-MoE's
+    # shared expert and its gate
+    "router": "mlp.gate.weight", "experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj",
+    "shared_gate": "mlp.shared_expert.gate_proj.weight", "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight", "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
 
 
@@ -206,6 +220,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = Fa
     if gemma:  # Gemma: the weight is an offset from 1 and multiplies in float32
         return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def moe_mlp(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor,
+            act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A mixture-of-experts MLP as transformers' (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax over the router's logits
+    in float32, the top-k experts (renormalised or not), each expert's gated MLP scaled by its weight, summed in the
+    model's dtype in increasing expert order (transformers' ``index_add_`` order), plus Qwen2-MoE's shared expert
+    under a sigmoid gate. Every expert runs on every token in one batched GEMM ([E, tokens, 2 I]): static shapes, no
+    host sync, each expert's weights read once per step; only the chosen experts' outputs are kept."""
+    x = h.reshape(-1, h.shape[-1])
+    logits = F.linear(x, lw["router"])
+    top, idx = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(spec.experts_per_token, dim=-1)
+    if spec.renorm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if not spec.fp32_routing:
+        top = top.to(logits.dtype)
+    idx, order = idx.sort(dim=-1)  # increasing expert ids, as transformers adds the experts' outputs
+    top = top.gather(-1, order)
+    parts = []
+    for s in range(0, x.shape[0], MOE_CHUNK):
+        xs = x[s: s + MOE_CHUNK]
+        gate, up = torch.matmul(xs, lw["experts_gate_up"].transpose(1, 2)).chunk(2, dim=-1)  # [E, n, I] each
+        y = torch.matmul(act(gate) * up, lw["experts_down"].transpose(1, 2))  # [E, n, H]
+        chosen = y.transpose(0, 1).gather(1, idx[s: s + MOE_CHUNK, :, None].expand(-1, -1, y.shape[-1]))  # [n, k, H]
+        scaled = (chosen * top[s: s + MOE_CHUNK, :, None]).to(x.dtype)
+        out = scaled[:, 0]
+        for j in range(1, scaled.shape[1]):
+            out = out + scaled[:, j]
+        parts.append(out)
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if lw["shared_gate"] is not None:
+        shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
+        out = out + torch.sigmoid(F.linear(x, lw["shared_expert_gate"])) * shared
+    return out.view(h.shape)
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -280,8 +328,11 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         else:
             x = x + o
             h = norm(x, lw["post_norm"])
-        mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
-                       lw["down"], lw["down_bias"])
+        if lw["router"] is not None:
+            mlp = moe_mlp(spec, lw, h, act)
+        else:
+            mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
+                           lw["down"], lw["down_bias"])
         x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
     if last_only:
         x = x[:, -1]

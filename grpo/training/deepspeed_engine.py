@@ -140,6 +140,8 @@ def build_engine(cfg: Config, model: torch.nn.Module):
                            weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ds_config = deepspeed_config(cfg)
+    if t.zero_stage == 3:
+        mark_moe_leaves(model)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=ds_config)
     if len(trainable) < sum(1 for _ in model.parameters()):
@@ -149,6 +151,20 @@ def build_engine(cfg: Config, model: torch.nn.Module):
         # flat bucket and back at each step (one more model-sized buffer at the memory peak).
         engine.enable_backward_allreduce = False
     return engine, scheduler
+
+
+def mark_moe_leaves(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3: a mixture-of-experts block (transformers' ``*SparseMoeBlock``: Mixtral, Qwen2-MoE, Qwen3-MoE, ...)
+    becomes a leaf of DeepSpeed's parameter hooks, gathered whole on entry. Its experts run in an order that
+    changes with the routing, and transformers' experts index one 3-D weight per expert, so the per-module hooks
+    reduced that weight's gradient more than once (DeepSpeed's ``params_in_bucket`` assertion). The classes marked."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")},
+                     key=lambda c: c.__name__)
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]
 
 
 def _exclude_tied_frozen_weights(engine) -> None:

@@ -9,6 +9,7 @@ reference, whose forwards are then collective like the policy's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -52,25 +53,63 @@ def fill_partition(param: torch.nn.Parameter, f, data_start: int, entry: dict, r
 
     ``f``: the .safetensors file, open; ``entry``: the tensor's header entry. Only this rank's bytes are read
     (plain reads, no memory map), so a rank holds neither a whole weight nor mapped pages of the file."""
-    numel = math.prod(entry["shape"])
+    fill_pieces(param, [(f, data_start, entry)], rank)
+
+
+def fill_pieces(param: torch.nn.Parameter, pieces: list[tuple], rank: int) -> None:
+    """``fill_partition`` for a parameter stored as several checkpoint tensors whose flattened concatenation, in
+    order, is the parameter flattened (``pieces``: (file, data start, header entry) each; ``expert_pieces``)."""
+    numel = sum(math.prod(entry["shape"]) for _, _, entry in pieces)
     if numel != param.ds_numel:
         raise ConfigError(f"checkpoint tensor of {numel} elements for a parameter of {param.ds_numel}")
-    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
     size = param.ds_tensor.numel()
     lo, hi = min(rank * size, numel), min((rank + 1) * size, numel)
     with torch.no_grad():
         param.ds_tensor.zero_()  # the padding of the last rank's partition
-        if lo == hi:
-            return
-        dest = param.ds_tensor[: hi - lo]
-        # read straight into the partition when it is a CPU tensor of the file's dtype, else through a host buffer
-        buf = dest if dest.dtype == dtype and dest.device.type == "cpu" else torch.empty(hi - lo, dtype=dtype)
-        esize = buf.element_size()
-        f.seek(data_start + entry["data_offsets"][0] + lo * esize)
-        if f.readinto(buf.view(torch.uint8).numpy()) != (hi - lo) * esize:
-            raise ConfigError(f"{f.name}: truncated tensor data")
-        if buf is not dest:
-            dest.copy_(buf)
+        offset = 0
+        for f, data_start, entry in pieces:
+            n = math.prod(entry["shape"])
+            a, b = max(lo, offset), min(hi, offset + n)  # this rank's elements of this piece
+            if a < b:
+                _read_into(param.ds_tensor[a - lo: b - lo], f, data_start, entry, a - offset)
+            offset += n
+
+
+def _read_into(dest: torch.Tensor, f, data_start: int, entry: dict, first: int) -> None:
+    """Elements ``first .. first + len(dest)`` of a checkpoint tensor into ``dest`` (flat)."""
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+    # read straight into the partition when it is a CPU tensor of the file's dtype, else through a host buffer
+    buf = dest if dest.dtype == dtype and dest.device.type == "cpu" else torch.empty(dest.numel(), dtype=dtype)
+    esize = buf.element_size()
+    f.seek(data_start + entry["data_offsets"][0] + first * esize)
+    if f.readinto(buf.view(torch.uint8).numpy()) != dest.numel() * esize:
+        raise ConfigError(f"{f.name}: truncated tensor data")
+    if buf is not dest:
+        dest.copy_(buf)
+
+
+# transformers (>= 5) fuses a mixture of experts' per-expert MLPs into [E, 2 I, H] gate-and-up and [E, H, I] down
+# weights at load, from checkpoints that store them per expert: the per-expert names of each fused weight, for the
+# layouts of its conversion mapping (Qwen2/3-MoE and the models mapped like them; Mixtral's w1/w3/w2)
+EXPERT_LAYOUTS = {
+    "gate_up_proj": [("{p}.experts.{e}.gate_proj.weight", "{p}.experts.{e}.up_proj.weight"),
+                     ("{b}.experts.{e}.w1.weight", "{b}.experts.{e}.w3.weight")],
+    "down_proj": [("{p}.experts.{e}.down_proj.weight",), ("{b}.experts.{e}.w2.weight",)],
+}
+
+
+def expert_pieces(name: str, shape: tuple[int, ...], stored: dict) -> list[str] | None:
+    """The checkpoint names whose concatenation is the fused expert weight ``name`` (None: not one, or not stored
+    per expert). Gate and up are concatenated along each expert's rows, so expert e's gate then up, e = 0, 1, ..."""
+    prefix, sep, kind = name.rpartition(".experts.")
+    if not sep or kind not in EXPERT_LAYOUTS:
+        return None
+    block = prefix.removesuffix(".mlp") + ".block_sparse_moe"  # Mixtral's name for the MLP block
+    for layout in EXPERT_LAYOUTS[kind]:
+        names = [t.format(p=prefix, b=block, e=e) for e in range(shape[0]) for t in layout]
+        if all(n in stored for n in names):
+            return names
+    return None
 
 
 def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Module:
@@ -106,13 +145,17 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
             deepspeed.zero.Init(module=head, config_dict_or_path=ds_config)
     params = dict(model.named_parameters())
     filled, rank = set(), dist.rank()
-    for path in weight_files(Path(source)):
-        data_start, header = safetensors_index(path)
-        with open(path, "rb", buffering=0) as f:
-            for key, entry in header.items():
-                if key in params:
-                    fill_partition(params[key], f, data_start, entry, rank)
-                    filled.add(key)
+    stored = {}  # checkpoint name -> (file, data start, header entry)
+    with contextlib.ExitStack() as files:
+        for path in weight_files(Path(source)):
+            data_start, header = safetensors_index(path)
+            f = files.enter_context(open(path, "rb", buffering=0))
+            stored.update({key: (f, data_start, entry) for key, entry in header.items()})
+        for key, param in params.items():
+            names = [key] if key in stored else expert_pieces(key, tuple(param.ds_shape), stored)
+            if names:
+                fill_pieces(param, [stored[n] for n in names], rank)
+                filled.add(key)
     missing = sorted(set(params) - filled)
     if missing:
         raise ConfigError(f"{source}: the checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
