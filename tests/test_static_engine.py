@@ -8,10 +8,11 @@ from typing import Optional
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MinistralConfig, MinistralForCausalLM,
-                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM,
+                          MinistralConfig, MinistralForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 from grpo.rollout import static
 from grpo.rollout.engine import SamplingParams
@@ -36,6 +37,16 @@ MODELS = {
     "ministral": lambda: MinistralForCausalLM(MinistralConfig(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
         layer_types=["sliding_attention", "full_attention"])),
+    # Ministral 3: YaRN, queries scaled by 1 + beta log(1 + floor(pos / 4)) (4: a short original context, so that
+    # the scale changes within these sequences)
+    "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0, "original_max_position_embeddings": 4,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "llama_4_scaling_beta": 0.5})),
+    # SmolLM3: layer 1 of 2 without RoPE (NoPE)
+    "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                        no_rope_layer_interval=2)),
     # mixtures of experts: Mixtral (top-2 of 4, renormalised, float32 routing weights, a sliding window)
     "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=6)),
@@ -73,9 +84,11 @@ def build(kind: str, dtype=torch.float64, seed: Optional[int] = None):
     model = MODELS[kind]().to(dtype).eval()
     if getattr(model.config, "num_experts_per_tok", None):  # transformers' grouped_mm experts refuse float64
         model.set_experts_implementation("eager")
-    for p in model.parameters():  # random biases and norms too, so that they matter
+    for name, p in model.named_parameters():  # random biases and norms too, so that they matter
         if p.dim() == 1:
             p.data.add_(0.3 * torch.randn_like(p))
+        if kind == "gemma2" and ("q_proj" in name or "k_proj" in name):  # attention scores large enough to be capped
+            p.data.mul_(30)
     return model
 
 
@@ -140,6 +153,30 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
             nxt = nxt + 1
 
 
+@pytest.mark.parametrize("kind, field, off", [
+    ("gemma", "gemma_norm", False), ("gemma", "act", "silu"), ("gemma2", "attn_softcap", None),
+    ("gemma2", "final_softcap", None), ("gemma2", "sandwich", False), ("gemma3", "rope_of_layer", None),
+    ("gemma3", "scale", None), ("ministral3", "q_scale", None), ("smollm3", "rope_layers", None),
+    ("qwen2_moe", "renorm_topk", True), ("mixtral", "renorm_topk", False), ("ministral", "windows", (None, None)),
+])
+def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
+    """The tiny models exercise what their family changes: the step without it misses transformers' logits by far
+    more than the forward test's tolerance."""
+    model = build(kind)
+    spec = static.model_spec(model)
+    w = static.read_weights(model, spec, dict(model.named_parameters()))
+    ids, pos = left_padded(PROMPTS)
+    real, S = pos >= 0, ids.shape[1]
+    want = hf_logits(model, PROMPTS).float()[real]
+    for sp, lo, hi in ((spec, 0, TOL.get(kind, 1e-9)), (dataclasses.replace(spec, **{field: off}), 1e-4, None)):
+        k = torch.zeros(sp.layers, len(PROMPTS), sp.kv_heads, S, sp.head_dim, dtype=torch.float64)
+        kpos = torch.full((len(PROMPTS), S), -1, dtype=torch.long)
+        with torch.no_grad():
+            got = static.forward(sp, w, ids, pos, torch.tensor([0]), k, torch.zeros_like(k), kpos, S, last_only=False)
+        gap = float((got[real] - want).abs().max())
+        assert gap >= lo and (hi is None or gap <= hi), (field, gap)
+
+
 def test_unsupported_models_get_a_reason():
     model = build("llama")
     model.config.hidden_act = "relu2"
@@ -174,6 +211,12 @@ def test_gemma_specs_read_their_configs():
     torch.testing.assert_close(w.ropes[0], 0.25 / 1e4 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16),
                                check_dtype=False)
     assert float(w.embed_scale) == pytest.approx(32 ** 0.5, rel=1e-6)
+
+
+def test_nope_layers_and_the_query_scale_are_read():
+    assert static.model_spec(build("smollm3")).rope_layers == (True, False)
+    assert static.model_spec(build("ministral3")).q_scale == (0.5, 4)
+    assert static.model_spec(build("llama")).rope_layers is None and static.model_spec(build("llama")).q_scale is None
 
 
 def test_moe_specs_read_their_routers():

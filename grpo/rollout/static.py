@@ -3,9 +3,10 @@
 Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model families below; see docs/gpu.md) and
 exact on a CPU too, where it runs eager. Read top to bottom:
 
-* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral, Mixtral), Qwen2,
-  Qwen3 (their MoE models too) and Gemma 1-3 lines: grouped-query attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling
-  (one per layer type for Gemma 3), SiLU or GELU-tanh gated MLP, tied or untied head, sliding windows; Gemma's
+* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral),
+  Qwen2, Qwen3 (their MoE models too), Gemma 1-3 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling
+  (one per layer type for Gemma 3; none on SmolLM3's NoPE layers; Ministral 3's position-dependent query scale),
+  SiLU or GELU-tanh gated MLP, tied or untied head, sliding windows; Gemma's
   (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and final-logit soft-capping;
   mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared expert, every expert applied to
   every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once);
@@ -51,8 +52,8 @@ from grpo.foundation.logprobs import partitioned
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
-MODEL_TYPES = ("llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-               "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+               "gemma", "gemma2", "gemma3_text", "smollm3")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text")  # norms after attention and around the MLP; attention scale query_pre_attn_scalar
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -88,6 +89,8 @@ class ModelSpec:
     experts_per_token: int = 0  # MoE: the router's top-k (0: dense MLPs; a layer with a router is a MoE layer)
     renorm_topk: bool = False  # MoE: the top-k routing weights renormalised to sum to 1
     fp32_routing: bool = False  # MoE: routing weights kept in float32 (Mixtral), else cast to the model's dtype
+    rope_layers: Optional[tuple[bool, ...]] = None  # per layer: RoPE applied (SmolLM3's NoPE layers: False; None: all)
+    q_scale: Optional[tuple[float, int]] = None  # Ministral 3: queries x (1 + beta log(1 + floor(pos / n))), (beta, n)
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -145,6 +148,9 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
         experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or 0,
         renorm_topk=kind == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False)), fp32_routing=kind == "mixtral",
+        rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind == "smollm3" else None,
+        q_scale=((cfg.rope_parameters["llama_4_scaling_beta"], cfg.rope_parameters["original_max_position_embeddings"])
+                 if kind == "ministral3" else None),
     )
 
 
@@ -302,6 +308,9 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         return rms_norm(h, weight, spec.eps, spec.gemma_norm)
 
     act, scale = ACTIVATIONS[spec.act], spec.scale or D ** -0.5
+    if spec.q_scale is not None:  # Ministral 3 (transformers' get_llama_4_attn_scale), [R, 1, S, 1]
+        beta, n = spec.q_scale
+        q_scale = (1 + beta * torch.log(1 + torch.floor(qpos / n)))[:, None, :, None]
     for i, lw in enumerate(w.layers):
         cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
         h = norm(x, lw["in_norm"])
@@ -310,7 +319,11 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         v = F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
         if spec.qk_norm:
             q, k = norm(q, lw["q_norm"]), norm(k, lw["k_norm"])
-        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if spec.rope_layers is None or spec.rope_layers[i]:
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if spec.q_scale is not None:
+            q = q * q_scale.to(q.dtype)
         k_buf[i].index_copy_(2, cols, k)
         v_buf[i].index_copy_(2, cols, v.transpose(1, 2))
         mask = attend
