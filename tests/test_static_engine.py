@@ -452,8 +452,9 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_host_sync_inside_a_decode_step():
-    model = build("qwen2", dtype=torch.float32)
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2"])  # MoE routing and capped attention: no sync
+def test_no_host_sync_inside_a_decode_step(kind):
+    model = build(kind, dtype=torch.float32)
     engine = static.StaticEngine(setup_for(model))
     calls = []
     inner = engine.step
@@ -630,7 +631,7 @@ def test_graphs_are_captured_once_across_in_place_weight_updates(monkeypatch):
 
 
 @pytest.mark.gpu  # runs on the CPU, but its ~50 s first compile does not fit CI's 20 minutes; the GPU suite runs it
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2"])  # gemma2: the capped attention, compiled too
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe"])  # the capped attention and MoE, compiled too
 def test_compiled_step_on_cpu_gives_the_eager_tokens_and_logprobs(kind):
     model = build(kind, dtype=torch.float32)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))
