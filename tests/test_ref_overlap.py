@@ -26,7 +26,7 @@ def test_reference_request_overlaps_the_rewards(single_rank_env, tmp_path):
                 return score(batch)
 
             tr.rollout.score = score_and_look
-            history = tr.train()
+            history = tr._train()  # (train() would close the client the rest of this test still uses)
             assert seen == [True, True]
             assert all(h["ref/early_request"] == 1.0 and h["ref/requests"] == 1 for h in history)
 
@@ -41,3 +41,5 @@ def test_reference_request_overlaps_the_rewards(single_rank_env, tmp_path):
             assert fresh.result().shape == (len(batch), batch.width)
         finally:
             tr.close()
+        client = tr.reference.impl  # closed with the trainer: its request pool and its connections
+        assert client._pool._shutdown and client.connections._all == []

@@ -305,9 +305,10 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the worker pools, the engine's resources and a teacher server's client (idempotent)."""
+        """Stop the worker pools, the engine's resources and the reference's and teacher's server clients
+        (idempotent)."""
         self.gc_timer.close()
-        for part in (self.rollout, self.rewards, self.env, self.evaluator, self.teacher):
+        for part in (self.rollout, self.rewards, self.env, self.evaluator, self.reference, self.teacher):
             if part is not None:
                 part.close()
 
