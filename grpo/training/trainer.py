@@ -305,8 +305,7 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the worker pools, the engine's resources and the reference's and teacher's server clients
-        (idempotent)."""
+        """Stop the worker pools, the engine's resources, the reference's and teacher's clients (idempotent)."""
         self.gc_timer.close()
         for part in (self.rollout, self.rewards, self.env, self.evaluator, self.reference, self.teacher):
             if part is not None:
