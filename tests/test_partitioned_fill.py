@@ -69,8 +69,9 @@ def test_fused_expert_weights_are_filled_from_their_per_expert_tensors(tmp_path,
         folder = write_tiny(tmp_path / "moe", arch="qwen3_moe")
     else:
         torch.manual_seed(0)
-        model = MixtralForCausalLM(MixtralConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                                 num_attention_heads=2, num_key_value_heads=1, num_local_experts=3))
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=37, hidden_size=16, intermediate_size=24,
+                                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                 num_local_experts=3))
         folder = tmp_path / "mixtral"
         model.save_pretrained(folder)
         names = sorted(safetensors_index(folder / "model.safetensors")[1])

@@ -41,8 +41,8 @@ MODELS = {
     # the scale changes within these sequences)
     "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0, "original_max_position_embeddings": 4,
-                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0,
+                         "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "llama_4_scaling_beta": 0.5})),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
@@ -337,7 +337,8 @@ def test_the_audits_top_k_is_the_full_softmax_before_filtering(params):
 def test_bf16_logprob_gap_against_the_trainer(device, kind):
     """bf16 weights: the sampler's log-probs against the trainer's (``completion_logprobs``) on the same weights.
     Measured on CPU (eager): mean <= 2.5e-4, max <= 3e-3 nats over the tiny families (Gemma 3 the largest); on
-    CUDA the step runs compiled and captured (not bitwise equal to eager): stated tolerance mean < 0.02, max < 0.5 nats (vLLM's bf16 gap here: 0.04)."""
+    CUDA the step runs compiled and captured (not bitwise equal to eager): stated tolerance mean < 0.02, max < 0.5
+    nats (vLLM's bf16 gap here: 0.04)."""
     from grpo.foundation.logprobs import completion_logprobs, pack
 
     model = build(kind, dtype=torch.bfloat16).to(device)

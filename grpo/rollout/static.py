@@ -111,7 +111,8 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
             return (f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports "
                     f"{list(ROPE_TYPES)}")
     if kind not in SANDWICH and getattr(cfg, "attn_logit_softcapping", None):
-        return f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps Gemma 2/3's"
+        return (f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps "
+                f"Gemma 2/3's attention only")
     if getattr(cfg, "use_bidirectional_attention", None):
         return "use_bidirectional_attention: the static engine decodes causally"
     if getattr(cfg, "quantization_config", None):
