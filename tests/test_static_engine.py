@@ -42,8 +42,8 @@ MODELS = {
     "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0,
-                         "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                         "llama_4_scaling_beta": 0.5})),
+                         "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         no_rope_layer_interval=2)),
