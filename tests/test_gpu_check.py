@@ -76,6 +76,35 @@ def test_gpu_check_real_length_stages_on_cpu(tmp_path):
     assert "EOS at recorded lengths" in (out / "gpu_table.md").read_text()
 
 
+def test_transformers_generate_beside_the_hf_engine_and_their_decode_profiles(tmp_path):
+    """Issue 41, item 3's baseline: ``--engines generate`` is transformers' ``model.generate`` on the same batch (TRL's
+    path without vLLM), in the generation, eos_generation and decode_profile stages; its greedy tokens are the hf
+    engine's (fp32), forced EOS lengths end its rows, and each engine's profile counts kernels, host syncs and the
+    costliest host ops."""
+    out = tmp_path / "gc"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "gpu_check.py"), "--out", str(out),
+                           "--device", "cpu", "--tiny", "--stages", "generation,eos_generation,decode_profile",
+                           "--engines", "hf,generate"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r.get("engine")) for r in rows[1:]] == [
+        ("generation", "hf"), ("generation", "generate"), ("eos_generation", "hf"), ("eos_generation", "generate"),
+        ("decode_profile", None)]
+    gen = rows[2]
+    assert gen["tokens_per_s"] > 0 and gen["rows"] == 4 and gen["mode"] is None
+    assert gen["greedy_same_tokens"] == gen["greedy_tokens"] == 8 and "audit_kl_mean" not in gen
+    eos = rows[4]
+    assert eos["ignored"]["tokens"] == 4 * eos["new_tokens"] and eos["forced"]["tokens"] <= sum(
+        eos["eos_distribution"]["lengths"])
+    profile = rows[5]
+    assert list(profile["engines"]) == ["hf", "generate"]
+    for e in profile["engines"].values():
+        assert e["wall_ms_per_token"] > 0 and e["kernels_per_token"] > 0 and e["sync_ops_per_token"] >= 0
+        assert e["top"] and e["host_top"] and all(t["calls_per_token"] > 0 for t in e["host_top"])
+    assert "generate" in (out / "gpu_table.md").read_text()
+
+
 def test_gpu_check_real_model_stage_on_cpu(tmp_path):
     """Issue 41, item 5 on CPU: a real model folder trained on the arithmetic preset with the reference server as its
     own process, EOS active; accuracy before and after, the curve and the step times recorded."""

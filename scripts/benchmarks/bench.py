@@ -395,28 +395,34 @@ def child_trl(spec: dict) -> dict:
             **gpu.result()}
 
 
-def force_eos_lengths(model, lengths: list[int], eos: int) -> None:
-    """TRL's side of ``rollout.forced_eos_lengths``: every ``model.generate`` call ends row i with EOS after
-    ``lengths[i % len]`` new tokens (a logits processor that leaves only EOS at that step)."""
+def forced_eos_processor(start: int, lengths: list[int], eos: int):
+    """A transformers logits processor for a ``generate`` call whose prompts are ``start`` columns wide: row i gets
+    only EOS at its ``lengths[i % len]``-th new token."""
     import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor
 
     class ForcedEos(LogitsProcessor):
-        def __init__(self, start: int):
-            self.start = start
-
         def __call__(self, input_ids, scores):
-            made = input_ids.shape[1] - self.start  # new tokens so far
+            made = input_ids.shape[1] - start  # new tokens so far
             at = torch.tensor([lengths[i % len(lengths)] for i in range(scores.shape[0])], device=scores.device)
             only_eos = torch.full_like(scores, float("-inf"))
             only_eos[:, eos] = 0.0
             return torch.where((at == made + 1)[:, None], only_eos, scores)
 
+    return ForcedEos()
+
+
+def force_eos_lengths(model, lengths: list[int], eos: int) -> None:
+    """TRL's side of ``rollout.forced_eos_lengths``: every ``model.generate`` call ends row i with EOS after
+    ``lengths[i % len]`` new tokens (a logits processor that leaves only EOS at that step)."""
+    from transformers import LogitsProcessorList
+
     plain = model.generate
 
     def generate(*args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        return plain(*args, logits_processor=LogitsProcessorList([ForcedEos(ids.shape[1])]), **kwargs)
+        return plain(*args, logits_processor=LogitsProcessorList([forced_eos_processor(ids.shape[1], lengths, eos)]),
+                     **kwargs)
 
     model.generate = generate
 

@@ -11,7 +11,8 @@ per shape:
 
     generation   each engine's completion tokens/s at 64 rows x 256 new tokens (EOS ignored); ``--engines``
                  (default hf,static): hf, static (its mode from rollout.static.mode auto: graphs on
-                 CUDA), static:MODE or static:MODE:LENGTH_BUCKET; the static rows add the warm-up seconds
+                 CUDA), static:MODE or static:MODE:LENGTH_BUCKET, generate (transformers' ``model.generate`` on the
+                 same left-padded batch: TRL's generation without vLLM, the hf engine's target in issue 41); the static rows add the warm-up seconds
                  (compiles and graph captures at these shapes), their log-prob gap to the trainer, and
                  (eager engines) how many leading greedy tokens of each row equal the first engine's
     eos_generation  real lengths (issue 41): each engine (``--engines``) at the generation stage's shape, EOS
@@ -26,8 +27,9 @@ per shape:
     ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/benchmarks/bench_ref_http.py)
     compile_probe  which part of the static decode step torch.compile fails on (sampler, forward, whole step),
                  two layers of the shape (not in the default stages)
-    decode_profile the static engine's decode step under torch.profiler: kernels and device ms per token, the
-                 costliest kernels; on CUDA the graphs engine's ms per token beside it (not in the default stages)
+    decode_profile each of ``--engines`` (static as eager) under torch.profiler: wall, device and host-sync
+                 counts per token, kernels per token, the costliest kernels and host ops; on CUDA the graphs
+                 engine's ms per token beside them (not in the default stages)
     real_model   a real model learns (``--real-model``: an HF folder or SmolLM2's .gguf; ``--real-steps``):
                  configs/smollm2_arith.yaml with the reference server as its own process on the same device, EOS
                  active; held-out accuracy before / after, the reward curve, step times (not in the default stages)
@@ -57,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from scripts.benchmarks.bench import reasoning_lengths  # noqa: E402
+from scripts.benchmarks.bench import forced_eos_processor, reasoning_lengths  # noqa: E402
 from scripts.benchmarks.bench_ref import SMOLLM_SHAPE, random_smollm2  # noqa: E402
 
 SHAPES = {
@@ -134,9 +136,7 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
     from grpo.foundation.config import ModelConfig
     from grpo.foundation.logprobs import completion_logprobs, pack
     from grpo.foundation.modeling import load_model
-    from grpo.rollout.engine import EngineSetup, SamplingParams
-    from grpo.rollout.service import engine_class
-    from grpo.training.configure import load_config
+    from grpo.rollout.engine import SamplingParams
 
     model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
     vocab = model.config.vocab_size
@@ -148,8 +148,7 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
     reference = None
     for name in engines:
         kind = name.split(":")[0]
-        cfg = load_config(None, "grpo", engine_overrides(name))
-        engine = engine_class(kind)(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+        engine = make_engine(name, model)
         _sync(device)
         t0 = time.perf_counter()  # the warm-up: the measured call's shapes (static: compiles, graph captures)
         engine.generate(prompts, params if kind == "static" else SamplingParams(max_tokens=4, ignore_eos=True), n)
@@ -206,6 +205,54 @@ def bandwidth_floor(model, rows: int, prompt_tokens: int, new_tokens: int, devic
     return {"floor_tokens_per_s": floor, "peak_bandwidth": peak, "bytes_per_decode_step": weights + kv}
 
 
+class TransformersGenerate:
+    """``--engines generate``: transformers' ``model.generate`` on the rows left-padded into one batch, sampling as
+    TRL's GRPO does without vLLM (do_sample, top-k off unless set; EOS ignored through ``min_new_tokens``, forced
+    lengths through a logits processor, as bench.py's TRL side). The baseline of the hf engine's target."""
+
+    mode = None
+
+    def __init__(self, model, pad_id: int = 0, eos_id: int = 2):
+        self.model, self.pad_id, self.eos_id = model, pad_id, eos_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params, n: int):
+        from types import SimpleNamespace
+
+        from transformers import LogitsProcessorList
+
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        kw = {"max_new_tokens": params.max_tokens, "pad_token_id": self.pad_id, "eos_token_id": self.eos_id}
+        if params.top_k == 1:
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        if params.ignore_eos:
+            kw["min_new_tokens"] = params.max_tokens
+        if params.forced_eos_lengths:
+            kw["logits_processor"] = LogitsProcessorList([forced_eos_processor(width, list(params.forced_eos_lengths),
+                                                                               self.eos_id)])
+        rows = self.model.generate(input_ids=ids.repeat_interleave(n, 0), attention_mask=att.repeat_interleave(n, 0),
+                                   **kw)[:, width:].tolist()
+        tokens = [r if params.ignore_eos or self.eos_id not in r else r[: r.index(self.eos_id) + 1] for r in rows]
+        return SimpleNamespace(tokens=tokens, logprobs=None, topk_logprobs=None)
+
+
+def make_engine(name: str, model):
+    """An engine of ``--engines`` over ``model`` (``generate``: transformers' own, ``TransformersGenerate``)."""
+    from grpo.rollout.engine import EngineSetup
+    from grpo.rollout.service import engine_class
+    from grpo.training.configure import load_config
+
+    if name == "generate":
+        return TransformersGenerate(model)
+    cfg = load_config(None, "grpo", engine_overrides(name))
+    return engine_class(name.split(":")[0])(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+
+
 def audit_kl(engine, model, prompts: list[list[int]], params, n: int, k: int = 8) -> dict:
     """The audit's figure for this engine (issue 45): KL(pi_sampler || pi_trainer) over the engine's top-k of each
     drawn token's distribution plus the rest (rl_math.topk_divergence), against the training forward on the same
@@ -236,9 +283,7 @@ def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engin
     1.2x): what finished rows cost, compaction included."""
     from grpo.foundation.config import ModelConfig
     from grpo.foundation.modeling import load_model
-    from grpo.rollout.engine import EngineSetup, SamplingParams
-    from grpo.rollout.service import engine_class
-    from grpo.training.configure import load_config
+    from grpo.rollout.engine import SamplingParams
 
     model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
     g = torch.Generator().manual_seed(1)
@@ -249,9 +294,7 @@ def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engin
     free = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
     forced = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, forced_eos_lengths=tuple(drawn["lengths"]))
     for name in engines:
-        kind = name.split(":")[0]
-        cfg = load_config(None, "grpo", engine_overrides(name))
-        engine = engine_class(kind)(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+        engine = make_engine(name, model)
         res = {"engine": name, "mode": getattr(engine, "mode", None), "rows": len(prompts) * n,
                "new_tokens": spec["gen_tokens"], "eos_distribution": drawn}
         for label, params in (("ignored", free), ("forced", forced)):
@@ -445,13 +488,21 @@ def stage_compile_probe(folder: str, device: str, dtype: str, spec: dict) -> dic
     return out
 
 
-def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict) -> dict:
-    """Where a decode step's time goes: the static engine (eager) under torch.profiler for ``gen_tokens`` tokens
-    at ``gen_rows`` rows, the 12 costliest kernels (device time; CPU ops on CPU), kernels and device ms per token;
-    on CUDA also the graphs engine's wall ms per token at the same shape (what the GPU takes when launches cost
-    nothing)."""
+# host waits: CUDA runtime calls that block the host, and the aten ops that make one (on any device: counted on CPU too)
+CUDA_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")
+
+
+def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> dict:
+    """Where a decode step's time goes, per engine of ``engines`` (a static one runs eager; hf and generate as they
+    are), ``gen_tokens`` tokens at ``gen_rows`` rows under torch.profiler: wall, kernels and device ms per token, ops
+    that make the host wait per token (and, on CUDA, the runtime's synchronize calls), the 12 costliest kernels
+    (device time; CPU ops on CPU) and the 8 costliest host ops (self CPU time: where a launch-bound engine's time
+    goes). On CUDA with a static engine also the graphs engine's wall ms per token (launches cost nothing there)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from grpo.foundation.config import ModelConfig
+    from grpo.foundation.modeling import load_model
     from grpo.rollout.engine import SamplingParams
 
     cuda = device.startswith("cuda")
@@ -459,32 +510,44 @@ def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict) -> di
     n = 8 if spec["gen_rows"] >= 8 else 2
     prompts = [torch.randint(4, 512, (PROMPT_WORDS,), generator=g).tolist() for _ in range(spec["gen_rows"] // n)]
     params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
-    out = {"rows": len(prompts) * n, "new_tokens": params.max_tokens}
-    for mode in (["eager", "graphs"] if cuda else ["eager"]):
-        model, engine = _engine(folder, device, dtype, mode)
+    T = params.max_tokens
+    out = {"rows": len(prompts) * n, "new_tokens": T, "engines": {}}
+    names = ["static:eager" if e.split(":")[0] == "static" else e for e in engines]
+    if cuda and "static:eager" in names:
+        names.append("static:graphs")
+    for name in dict.fromkeys(names):
+        model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
+        engine = make_engine(name, model)
         engine.generate(prompts, params, n)  # warm-up (graph captures)
         _sync(device)
-        if mode == "graphs":
+        if name == "static:graphs":
             t0 = time.perf_counter()
             engine.generate(prompts, params, n)
             _sync(device)
-            out["graphs_ms_per_token"] = 1000 * (time.perf_counter() - t0) / params.max_tokens
+            out["graphs_ms_per_token"] = 1000 * (time.perf_counter() - t0) / T
         else:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             t0 = time.perf_counter()
             with profile(activities=acts) as prof:
                 engine.generate(prompts, params, n)
                 _sync(device)
-            out["eager_ms_per_token"] = 1000 * (time.perf_counter() - t0) / params.max_tokens
+            res = {"wall_ms_per_token": 1000 * (time.perf_counter() - t0) / T}
             events = prof.key_averages()
             attr = "self_device_time_total" if cuda else "self_cpu_time_total"
             kernels = [e for e in events if getattr(e, attr, 0) > 0 and (not cuda or e.device_type.name == "CUDA")]
-            total = sum(getattr(e, attr) for e in kernels)
-            out["device_ms_per_token"] = total / 1000 / params.max_tokens
-            out["kernels_per_token"] = sum(e.count for e in kernels) / params.max_tokens
-            out["top"] = [{"name": e.key[:90], "ms_per_token": getattr(e, attr) / 1000 / params.max_tokens,
-                           "calls_per_token": e.count / params.max_tokens}
+            host = [e for e in events if e.self_cpu_time_total > 0 and e.device_type.name == "CPU"]
+            res["device_ms_per_token"] = sum(getattr(e, attr) for e in kernels) / 1000 / T
+            res["kernels_per_token"] = sum(e.count for e in kernels) / T
+            res["sync_ops_per_token"] = sum(e.count for e in events if e.key in SYNC_OPS) / T
+            if cuda:
+                res["cuda_waits_per_token"] = sum(e.count for e in events if e.key in CUDA_WAITS) / T
+            res["top"] = [{"name": e.key[:90], "ms_per_token": getattr(e, attr) / 1000 / T,
+                           "calls_per_token": e.count / T}
                           for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:12]]
+            res["host_top"] = [{"name": e.key[:90], "ms_per_token": e.self_cpu_time_total / 1000 / T,
+                                "calls_per_token": e.count / T}
+                               for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:8]]
+            out["engines"][name] = res
         del engine, model
         if cuda:
             torch.cuda.empty_cache()
@@ -498,11 +561,11 @@ def table(rows: list[dict]) -> str:
             res = f"{r['tokens_per_s']:.0f} tokens/s ({r['engine']}, {r['rows']} rows x {r['new_tokens']})"
             if "floor_tokens_per_s" in r:
                 res += f", {r['share_of_floor']:.0%} of the bandwidth floor {r['floor_tokens_per_s']:.0f} tokens/s"
-            if r["engine"] != "hf":
+            if r["mode"] is not None:
                 res += f"; warm-up {r['warmup_seconds']:.1f} s, mode {r['mode']}"
-                if r["greedy_same_tokens"] is not None:
-                    res += (f", {r['greedy_same_tokens']:.1f} of {r['greedy_tokens']} greedy tokens equal the first "
-                            f"engine's")
+            if r["greedy_same_tokens"] is not None:
+                res += (f", {r['greedy_same_tokens']:.1f} of {r['greedy_tokens']} greedy tokens equal the first "
+                        f"engine's")
             if "logprob_gap_mean" in r:
                 res += f", log-prob gap to the trainer {r['logprob_gap_mean']:.2g} mean, {r['logprob_gap_max']:.2g} max"
         elif r["stage"] == "eos_generation":
@@ -543,11 +606,15 @@ def table(rows: list[dict]) -> str:
                    f"rest {r['rest_ms']:.1f}) against a {r['server_forward_ms']:.1f} ms forward, {r['rows']} x "
                    f"({r['prompt']} + {r['completion']})")
         elif r["stage"] == "decode_profile":
-            res = (f"eager {r['eager_ms_per_token']:.2f} ms a token: {r['kernels_per_token']:.0f} kernels, "
-                   f"{r['device_ms_per_token']:.2f} ms of device time"
-                   + (f"; graphs {r['graphs_ms_per_token']:.2f} ms a token" if "graphs_ms_per_token" in r else "")
-                   + f" ({r['rows']} rows); costliest: "
-                   + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}" for t in r["top"][:5]))
+            res = f"{r['rows']} rows: " + "; ".join(
+                f"{name} {e['wall_ms_per_token']:.2f} ms a token ({e['kernels_per_token']:.0f} kernels, "
+                f"{e['device_ms_per_token']:.2f} ms of device time, {e['sync_ops_per_token']:.2f} host syncs; "
+                f"costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}" for t in e["top"][:3])
+                + "; costliest host ops " + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}"
+                                                      for t in e["host_top"][:3]) + ")"
+                for name, e in r["engines"].items())
+            if "graphs_ms_per_token" in r:
+                res += f"; static:graphs {r['graphs_ms_per_token']:.2f} ms a token"
         else:
             res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
         lines.append(f"| {r['shape']} | {r['stage']} | {res} |")
@@ -625,7 +692,7 @@ def main(argv=None) -> int:
             elif stage == "compile_probe":
                 res = stage_compile_probe(folder, args.device, dtype, spec)
             elif stage == "decode_profile":
-                res = stage_decode_profile(folder, args.device, dtype, spec)
+                res = stage_decode_profile(folder, args.device, dtype, spec, args.engines.split(","))
             elif stage == "step_rm":
                 rm = out / f"random-{name}-rm"
                 if not (rm / "config.json").exists():

@@ -18,7 +18,7 @@ COPIER=$!
 stage() { local l; l=$(left); echo "=== [$(( $(date +%s) - T0 ))s, ${l}s left] $*"; [ "$l" -gt 20 ] || { echo "skipped: no time"; return; }
   timeout -k 5 "$l" "$@"; echo "=== rc $? after $(( $(date +%s) - T0 ))s"; }
 G="$PY scripts/benchmarks/gpu_check.py --out $GC --device $DEV --shapes $SHAPE ${TINY:+--tiny}"
-stage $G --stages generation --engines hf,static:eager,static:${SM:-graphs}
+stage $G --stages generation --engines hf,generate,static:eager,static:${SM:-graphs}  # generate: TRL's path (issue 41, item 3)
 grep -q '"mode": "graphs"' $GC/gpu_check.jsonl 2>/dev/null || { [ "$DEV" = cuda ] && SM=eager && echo "=== graphs failed: eager from here"; }
 stage $PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --vs trl --device $DEV --dtype ${DTYPE:-bf16} --algo grpo \
   --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1 \
@@ -36,4 +36,5 @@ stage $B --vs trl --max-new $(( ${NEW:-256} * 4 )) --steps 2 --warmup 1 --out $B
 stage $B --vs trl --max-new ${NEW:-256} --steps 3 --warmup 1 --set train.optimizer_states=bf16 --out $BE/bf16  # memory at equal precision
 stage $G --stages step_256 --step-engine static:${SM:-graphs} --set logging.audit_every=1 --set 'algo.rollout_correction={mode: mask}'  # issue 45: the audit and the correction in the step
 stage $PY scripts/benchmarks/gpu_check.py --out $GC --device $DEV --shapes 135m ${TINY:+--tiny} --stages generation,step_256 --engines hf,static:${SM:-graphs} --step-engine static:${SM:-graphs}
+stage $G --stages decode_profile --engines hf,generate  # where the hf engine's decode step goes against generate's
 kill $COPIER; copy; ls -la $OUT
