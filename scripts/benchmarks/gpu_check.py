@@ -484,7 +484,7 @@ def stage_compile_probe(folder: str, device: str, dtype: str, spec: dict) -> dic
             out[name] = f"ok in {time.perf_counter() - t0:.1f} s"
         except Exception as e:  # the point of the stage: which part fails, and how
             out[name] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
-    del engine, model
+    engine = model = None  # (not del: the parts' lambdas name the engine)
     return out
 
 
