@@ -646,6 +646,35 @@ def test_compiled_step_on_cpu_gives_the_eager_tokens_and_logprobs(kind):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
 
 
+def test_compile_dynamic_compiles_fewer_graphs_than_buckets_and_gives_the_eager_tokens():
+    """rollout.static.compile_dynamic: the sizes that change (length bucket here) become symbolic after their first
+    change, so a call over several length buckets compiles fewer graphs than it has buckets (one per bucket
+    without it: 5 graphs, 39 s on the 2-core CPU, against 2 graphs, 12 s, measured with 30 tokens), with the eager
+    engine's tokens and log-probs."""
+    model = build("qwen2", dtype=torch.float32)
+    over = ["rollout.static.length_bucket=8"]
+    compiled = static.StaticEngine(setup_for(model, [*over, "rollout.static.mode=compile",
+                                                     "rollout.static.compile_dynamic=true"]))
+    lengths = []
+    inner = compiled._run_step
+
+    def seen(w, tok, pos, col, u, k, v, kpos, length, sampling):
+        lengths.append(length)
+        return inner(w, tok, pos, col, u, k, v, kpos, length, sampling)
+
+    compiled._run_step = seen
+    params = SamplingParams(max_tokens=20, ignore_eos=True).greedy()
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = compiled.generate(PROMPTS, params, n=1)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert len(set(lengths)) >= 3 and 1 <= graphs < len(set(lengths)), (sorted(set(lengths)), graphs)
+    want = static.StaticEngine(setup_for(model, [*over, "rollout.static.mode=eager"])).generate(PROMPTS, params, n=1)
+    assert got.tokens == want.tokens
+    for x, y in zip(got.logprobs, want.logprobs):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-5)
+
+
 def cuda_model(kind: str = "qwen2"):
     return build(kind, dtype=torch.float32).cuda()
 

@@ -219,6 +219,9 @@ class StaticConfig:
     # decode steps read the keys up to the next multiple of this many columns (one compile and one graph per
     # length bucket); 0: always the whole buffer (fewer compiles, more memory read per step)
     length_bucket: int = at_least_zero(64)
+    # compile modes: shapes (rows and length buckets) made symbolic once they change (torch.compile's automatic
+    # dynamic shapes): 2-3 compiles a run instead of one per (rows, length) bucket; false: one per bucket
+    compile_dynamic: bool = False
     # before the training passes: free the KV buffers and the CUDA graphs (their memory goes to training; the
     # graphs are captured again at the next generation), or keep them (no recapture, the memory stays held)
     offload: bool = True

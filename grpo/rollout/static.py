@@ -456,7 +456,8 @@ class StaticEngine:
         if "compile" in self.mode:  # the forward only: Inductor's Triton backend failed on the sampler's 49k-wide
             # cumsum (a split scan, torch 2.11, H200: docs/results.md); the sampler runs eager (captured by graphs)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per bucket
-            self.logits = torch.compile(self._logits, dynamic=False)
+            # compile_dynamic: sizes that change become symbolic (dynamic=None), else one compile per bucket
+            self.logits = torch.compile(self._logits, dynamic=None if cfg.compile_dynamic else False)
 
     # -- weights
     def weights(self) -> Weights:

@@ -11,7 +11,8 @@ per shape:
 
     generation   each engine's completion tokens/s at 64 rows x 256 new tokens (EOS ignored); ``--engines``
                  (default hf,static): hf, static (its mode from rollout.static.mode auto: graphs on
-                 CUDA), static:MODE or static:MODE:LENGTH_BUCKET, generate (transformers' ``model.generate`` on the
+                 CUDA), static:MODE, static:MODE:LENGTH_BUCKET or static:MODE:LENGTH_BUCKET:dynamic
+                 (rollout.static.compile_dynamic), generate (transformers' ``model.generate`` on the
                  same left-padded batch: TRL's generation without vLLM, the hf engine's target in issue 41); the static rows add the warm-up seconds
                  (compiles and graph captures at these shapes), their log-prob gap to the trainer, and
                  (eager engines) how many leading greedy tokens of each row equal the first engine's
@@ -121,11 +122,14 @@ def greedy_prefix(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def engine_overrides(name: str) -> list[str]:
-    """``rollout.*`` overrides of an engine name: ``hf``, ``static``, ``static:MODE`` or ``static:MODE:LENGTH_BUCKET``
-    (``auto`` for the trainer's own choice)."""
-    kind, mode, bucket = (name.split(":") + ["", ""])[:3]
+    """``rollout.*`` overrides of an engine name: ``hf``, ``static``, ``static:MODE``, ``static:MODE:LENGTH_BUCKET`` or
+    ``static:MODE:LENGTH_BUCKET:dynamic`` (rollout.static.compile_dynamic) (``auto`` for the trainer's own choice)."""
+    kind, mode, bucket, dynamic = (name.split(":") + ["", "", ""])[:4]
+    if dynamic not in ("", "dynamic"):
+        raise SystemExit(f"engine {name!r}: its fourth field is 'dynamic' or nothing")
     return [f"rollout.engine={kind}", f"rollout.static.mode={mode or 'auto'}",
-            f"rollout.static.length_bucket={bucket or 64}"]
+            f"rollout.static.length_bucket={bucket or 64}",
+            f"rollout.static.compile_dynamic={'true' if dynamic else 'false'}"]
 
 
 def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
@@ -631,10 +635,11 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-states", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--stages", default="generation,step_256,step_1024,ref_http,step_rm")
     p.add_argument("--engines", default="hf,static",
-                   help="the generation stage's engines, comma-separated: hf, static, static:MODE or "
-                        "static:MODE:LENGTH_BUCKET (MODE: auto, eager, compile, graphs, compile+graphs; "
-                        "LENGTH_BUCKET: rollout.static.length_bucket, 0 = whole buffer); greedy tokens compare "
-                        "with the first")
+                   help="the generation stage's engines, comma-separated: hf, generate (transformers' own), "
+                        "static, static:MODE, static:MODE:LENGTH_BUCKET or static:MODE:LENGTH_BUCKET:dynamic "
+                        "(MODE: auto, eager, compile, graphs, compile+graphs; LENGTH_BUCKET: "
+                        "rollout.static.length_bucket, 0 = whole buffer; dynamic: rollout.static.compile_dynamic); "
+                        "greedy tokens compare with the first")
     p.add_argument("--step-engine", default="auto",
                    help="the step stages' engine, named as in --engines (default auto: the trainer's own choice)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -30,6 +30,7 @@ stage $PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --vs trl --devic
 stage $G --stages ref_http
 stage $G --stages step_256,step_rm --step-engine static:${SM:-graphs}
 stage $G --stages generation --engines static:${CM:-compile+graphs}:0
+stage $G --stages generation --engines static:${CM:-compile+graphs}:64:dynamic  # one compile for every bucket (issue 41, item 1)
 stage $G --stages step_1024 --step-engine static:${SM:-graphs}
 B="$PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --device $DEV --dtype ${DTYPE:-bf16} --algo grpo --prompts ${P:-8} --group ${GRP:-8} --micro-batch ${MB:-16} --set rollout.engine=static --set rollout.static.mode=${SM:-graphs}"
 stage $B --vs trl --max-new $(( ${NEW:-256} * 4 )) --steps 2 --warmup 1 --out $BE/1024
