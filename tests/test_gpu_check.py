@@ -143,3 +143,15 @@ def test_the_bandwidth_floor_beside_each_decode_figure():
     assert bandwidth_floor(model, 64, 40, 256, "cpu") == {}
     smollm2 = 64 * 4.8e12 / (3.42e9 + 2 * 24 * 32 * 64 * 2 * 64 * (40 + 128))
     assert 55_000 < smollm2 < 56_000
+
+
+def test_engine_names_map_to_rollout_overrides():
+    from scripts.benchmarks.gpu_check import engine_overrides
+
+    assert engine_overrides("static:compile+graphs:64:dynamic") == [
+        "rollout.engine=static", "rollout.static.mode=compile+graphs", "rollout.static.length_bucket=64",
+        "rollout.static.compile_dynamic=true"]
+    assert engine_overrides("hf")[1:] == ["rollout.static.mode=auto", "rollout.static.length_bucket=64",
+                                          "rollout.static.compile_dynamic=false"]
+    with pytest.raises(SystemExit, match="'dynamic' or nothing"):
+        engine_overrides("static:compile:64:fast")
