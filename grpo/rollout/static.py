@@ -4,12 +4,13 @@ Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model familie
 exact on a CPU too, where it runs eager. Read top to bottom:
 
 * ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral),
-  Qwen2, Qwen3 (their MoE models too), Gemma 1-3 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP biases, q/k RMSNorms, RoPE with a position-independent scaling
-  (one per layer type for Gemma 3; none on SmolLM3's NoPE layers; Ministral 3's position-dependent query scale),
-  SiLU or GELU-tanh gated MLP, tied or untied head, sliding windows; Gemma's
-  (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and final-logit soft-capping;
-  mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared expert, every expert applied to
-  every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once);
+  Qwen2, Qwen3 (their MoE models too), Gemma 1-3 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
+  biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
+  NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
+  sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
+  final-logit soft-capping; mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared
+  expert, every expert applied to every token in one batched GEMM, so a decode step keeps static shapes and reads
+  each expert's weights once);
   anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
@@ -125,8 +126,13 @@ def activation(cfg) -> str:
     return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
 
 
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers decoder stack (``model.model``; under a PeftModel wrapper, its base's)."""
+    return model.model if hasattr(model, "model") else model.get_base_model().model
+
+
 def _rotary(model: torch.nn.Module) -> torch.nn.Module:
-    return model.model.rotary_emb if hasattr(model, "model") else model.get_base_model().model.rotary_emb
+    return _decoder(model).rotary_emb
 
 
 def model_spec(model: torch.nn.Module) -> ModelSpec:
@@ -213,8 +219,7 @@ def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch
     rotary = _rotary(model)
     types = getattr(rotary, "layer_types", None) or [None]
     prefix = [f"{t}_" if t else "" for t in types]
-    scale = getattr(model.model if hasattr(model, "model") else model.get_base_model().model, "embed_tokens")
-    scale = getattr(scale, "embed_scale", None)
+    scale = getattr(_decoder(model).embed_tokens, "embed_scale", None)  # Gemma's (a buffer: ZeRO-3 leaves it whole)
     return Weights(embed=embed, layers=layers, norm=named["model.norm.weight"],
                    head=named.get("lm_head.weight", embed), ropes=[getattr(rotary, f"{p}inv_freq") for p in prefix],
                    rope_scale=tuple(float(getattr(rotary, f"{p}attention_scaling", 1.0)) for p in prefix),
