@@ -7,7 +7,8 @@ from typing import Optional
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
                           GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM,
                           MinistralConfig, MinistralForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -37,6 +38,13 @@ MODELS = {
     "ministral": lambda: MinistralForCausalLM(MinistralConfig(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
         layer_types=["sliding_attention", "full_attention"])),
+    # Gemma 3's multimodal checkpoint (4B-27B), text-only prompts: its text model under a vision tower
+    "gemma3_mm": lambda: Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(**COMMON, model_type="gemma3_text", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         query_pre_attn_scalar=12, sliding_window=5, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=33, boi_token_index=34, eoi_token_index=35)),
     # Ministral 3: YaRN, queries scaled by 1 + beta log(1 + floor(pos / 4)) (4: a short original context, so that
     # the scale changes within these sequences)
     "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(
@@ -111,7 +119,7 @@ def hf_logits(model, rows: list[list[int]]) -> torch.Tensor:
     """transformers' logits of each row run alone (no padding: a float64 Gemma 2's eager attention turns fully
     masked padding queries into NaN, its mask's float64 minimum being -inf in its float32 softmax), left-padded."""
     width = max(len(r) for r in rows)
-    out = torch.zeros(len(rows), width, model.config.vocab_size, dtype=torch.float64)
+    out = torch.zeros(len(rows), width, model.config.get_text_config().vocab_size, dtype=torch.float64)
     for i, r in enumerate(rows):
         out[i, width - len(r):] = model(input_ids=torch.tensor([r])).logits[0].double()
     return out

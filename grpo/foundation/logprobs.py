@@ -342,10 +342,11 @@ def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
-    window = getattr(model.config, "sliding_window", None)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(text, "sliding_window", None)  # a multimodal checkpoint's (Gemma 3 4B-27B) is its text model's
     if torch.is_grad_enabled() and any(getattr(m, "_z3_leaf", False) for m in model.modules()):
         return False
-    return bool(getattr(model.config, "use_cache", True)) and not ckpt and (not window or window >= length)
+    return bool(getattr(text, "use_cache", True)) and not ckpt and (not window or window >= length)
 
 
 def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[list[int]], which: list[int],

@@ -8,7 +8,7 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
   sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
-  final-logit soft-capping; mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared
+  final-logit soft-capping; Gemma 3's multimodal checkpoints through their text model; mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared
   expert, every expert applied to every token in one batched GEMM, so a decode step keeps static shapes and reads
   each expert's weights once);
   anything else gets a reason and the ``hf`` engine.
@@ -98,7 +98,8 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     """Why the static engine cannot run ``model`` (None: it can)."""
     if lora.has_lora(model):
         model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cfg = getattr(model, "config", None)
+    outer = getattr(model, "config", None)
+    cfg = text_config(model)
     kind = getattr(cfg, "model_type", None)
     if kind not in MODEL_TYPES:
         return f"model_type {kind!r} is not one of the static engine's families {list(MODEL_TYPES)}"
@@ -116,9 +117,20 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
                 f"Gemma 2/3's attention only")
     if getattr(cfg, "use_bidirectional_attention", None):
         return "use_bidirectional_attention: the static engine decodes causally"
-    if getattr(cfg, "quantization_config", None):
+    if getattr(outer, "quantization_config", None) or getattr(cfg, "quantization_config", None):
         return "quantized weights: the static engine multiplies by the weights as they are stored"
     return None
+
+
+def text_config(model: torch.nn.Module):
+    """The decoder's config: the model's own, or its text model's in a checkpoint that wraps one with a vision
+    tower (Gemma 3 4B-27B: ``Gemma3ForConditionalGeneration``, whose text-only forward is its text model's)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "model_type", None) not in MODEL_TYPES and hasattr(cfg, "get_text_config"):
+        text = cfg.get_text_config()
+        if text is not cfg and hasattr(getattr(model, "model", None), "language_model"):
+            return text
+    return cfg
 
 
 def activation(cfg) -> str:
@@ -127,8 +139,10 @@ def activation(cfg) -> str:
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers decoder stack (``model.model``; under a PeftModel wrapper, its base's)."""
-    return model.model if hasattr(model, "model") else model.get_base_model().model
+    """The transformers decoder stack (``model.model``, or its ``language_model`` in a multimodal checkpoint; under
+    a PeftModel wrapper, its base's)."""
+    inner = model.model if hasattr(model, "model") else model.get_base_model().model
+    return getattr(inner, "language_model", inner)
 
 
 def _rotary(model: torch.nn.Module) -> torch.nn.Module:
@@ -136,7 +150,7 @@ def _rotary(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def model_spec(model: torch.nn.Module) -> ModelSpec:
-    cfg = model.config
+    cfg = text_config(model)
     heads, kind = cfg.num_attention_heads, cfg.model_type
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layer_types = getattr(cfg, "layer_types", None)
@@ -213,14 +227,15 @@ LAYER_KEYS = {
 def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch.Tensor]) -> Weights:
     """``named``: transformers' names -> tensors (``named_parameters`` or a LoRA-merged state dict)."""
     named = {k.removeprefix("base_model.model."): v for k, v in named.items()}
-    embed = named["model.embed_tokens.weight"]
-    layers = [{key: named.get(f"model.layers.{i}.{name}") for key, name in LAYER_KEYS.items()}
+    top = "model.language_model." if "model.language_model.embed_tokens.weight" in named else "model."
+    embed = named[f"{top}embed_tokens.weight"]
+    layers = [{key: named.get(f"{top}layers.{i}.{name}") for key, name in LAYER_KEYS.items()}
               for i in range(spec.layers)]
     rotary = _rotary(model)
     types = getattr(rotary, "layer_types", None) or [None]
     prefix = [f"{t}_" if t else "" for t in types]
     scale = getattr(_decoder(model).embed_tokens, "embed_scale", None)  # Gemma's (a buffer: ZeRO-3 leaves it whole)
-    return Weights(embed=embed, layers=layers, norm=named["model.norm.weight"],
+    return Weights(embed=embed, layers=layers, norm=named[f"{top}norm.weight"],
                    head=named.get("lm_head.weight", embed), ropes=[getattr(rotary, f"{p}inv_freq") for p in prefix],
                    rope_scale=tuple(float(getattr(rotary, f"{p}attention_scaling", 1.0)) for p in prefix),
                    embed_scale=None if scale is None else scale.to(embed.device, embed.dtype))
