@@ -332,6 +332,11 @@ def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
     return [list(p) for p in seen], which
 
 
+def _text_config(model: torch.nn.Module):
+    """The decoder's config (a multimodal checkpoint's text config, e.g. Gemma 3 4B-27B's)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     """A cache-capable decoder run without activation checkpointing (which turns the cache off), and no sliding
     window shorter than ``length`` tokens: transformers applies the window to cache columns, and the shared path
@@ -342,7 +347,7 @@ def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model)
     window = getattr(text, "sliding_window", None)  # a multimodal checkpoint's (Gemma 3 4B-27B) is its text model's
     if torch.is_grad_enabled() and any(getattr(m, "_z3_leaf", False) for m in model.modules()):
         return False
@@ -445,7 +450,7 @@ def completion_scores(
     else:
         hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
         h = hidden[rows, pos - 1]
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = getattr(_text_config(model), "final_logit_softcapping", None)
     head = model.get_output_embeddings()
     lp, ent, *sq = head_logprobs(head, h, targets, temperature, chunk_size, with_entropy,
                                  softcap, entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
