@@ -689,8 +689,9 @@ def cuda_model(kind: str = "qwen2"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["compile", "graphs", "compile+graphs"])
-def test_compiled_and_graphed_steps_give_the_eager_tokens(mode):
-    model = cuda_model()
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe"])  # plus the capped attention and the MoE MLP
+def test_compiled_and_graphed_steps_give_the_eager_tokens(mode, kind):
+    model = cuda_model(kind)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))
     fast = static.StaticEngine(setup_for(model, [f"rollout.static.mode={mode}"]))
     params = SamplingParams(max_tokens=80, temperature=0.8, top_k=8)  # two length buckets
@@ -708,12 +709,13 @@ def test_compiled_and_graphed_steps_give_the_eager_tokens(mode):
 
 
 @pytest.mark.gpu
-def test_host_syncs_on_cuda_are_per_check_not_per_token():
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_host_syncs_on_cuda_are_per_check_not_per_token(kind):
     """torch's sync debug mode counts what makes the host wait (reads of device values, copies to pageable
     memory): a constant per call plus the checks of finished rows, never one per token."""
     import warnings
 
-    model = cuda_model()
+    model = cuda_model(kind)
     engine = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager", "rollout.static.check_every=8"]))
     engine.generate(PROMPTS, SamplingParams(max_tokens=8), n=2)  # warm-up
     torch.cuda.set_sync_debug_mode("warn")
