@@ -816,14 +816,15 @@ def test_auto_picks_hf_off_cuda_and_says_why(capsys):
 
 @pytest.mark.parametrize("engine, zero_stage, arch", [("static", 0, "llama"), ("static", 3, "llama"),
                                                       ("hf", 0, "llama"), ("static", 3, "gemma3"),
-                                                      ("static", 3, "qwen3_moe")])
+                                                      ("static", 3, "qwen3_moe"), ("static", 3, "gemma3_mm")])
 def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, engine, zero_stage,
                                                                         arch):
     """The demo config through the Trainer with rollout.engine=static, TIS on: the sampler's log-probs are the
     trainer's (same fp32 weights), so the logged gap is rounding only. ZeRO-3: the engine gathers the partitioned
     weights once per call (a wrong or stale gather would show as a gap). The hf engine reports them too (issue 45,
     item 1): TIS runs with every engine. A Gemma 3 model (its embedding scale a buffer, not a parameter that ZeRO-3
-    gathers) and a Qwen3-MoE model (its experts' 3-D weights) go through the same path."""
+    gathers), a Qwen3-MoE model (its experts' 3-D weights) and Gemma 3's multimodal checkpoint (its text model
+    under a vision tower) go through the same path."""
     from pathlib import Path
 
     from grpo.foundation.tiny import write_tiny
@@ -839,7 +840,8 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
         f"rollout.engine={engine}", "algo.tis_cap=2.0", "model.dtype=fp32", f"train.zero_stage={zero_stage}", *model])
     tr = Trainer(cfg)
     assert type(tr.rollout.engine) is {"static": static.StaticEngine, "hf": HFEngine}[engine]
-    assert tr.model.config.model_type == {"llama": "llama", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe"}[arch]
+    assert tr.model.config.model_type == {"llama": "llama", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe",
+                                          "gemma3_mm": "gemma3"}[arch]
     assert static.partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2

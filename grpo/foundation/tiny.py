@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -31,12 +32,21 @@ BUILTIN_MODELS = {
 }
 # make_tiny_model's ``arch``: the architectures of the recipes' models (SmolLM2 is a Llama, Qwen2.5 a Qwen2).
 # gemma3: Gemma 3's text model (its sandwich norms, q/k norms, a RoPE per layer type; layer 1 of 2 slides);
-# qwen3_moe: Qwen3's mixture of experts (top-2 of 4 experts a quarter of the dense MLP's width).
+# qwen3_moe: Qwen3's mixture of experts (top-2 of 4 experts a quarter of the dense MLP's width);
+# gemma3_mm: that Gemma 3 text model inside Gemma 3's multimodal checkpoint (the 4B-27B models load as
+# Gemma3ForConditionalGeneration), with a one-layer vision tower that text prompts never reach.
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+         "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration)}
+
+
+def _gemma3_text(hidden: int, heads: int) -> dict:
+    return {"head_dim": hidden // heads, "query_pre_attn_scalar": hidden // heads, "sliding_window": 16,
+            "sliding_window_pattern": 2}
+
+
 ARCH_KWARGS = {
-    "gemma3": lambda hidden, heads: {"head_dim": hidden // heads, "query_pre_attn_scalar": hidden // heads,
-                                     "sliding_window": 16, "sliding_window_pattern": 2},
+    "gemma3": _gemma3_text, "gemma3_mm": _gemma3_text,
     "qwen3_moe": lambda hidden, heads: {"head_dim": hidden // heads, "num_experts": 4, "num_experts_per_tok": 2,
                                         "moe_intermediate_size": hidden, "norm_topk_prob": True},
 }
@@ -94,6 +104,11 @@ def make_tiny_model(
         eos_token_id=eos_token_id,
         **ARCH_KWARGS.get(arch, lambda hidden, heads: {})(hidden_size, num_heads),
     )
+    if arch == "gemma3_mm":
+        config = Gemma3Config(text_config=config.to_dict(), mm_tokens_per_image=4, image_token_index=vocab_size - 1,
+                              boi_token_index=vocab_size - 2, eoi_token_index=vocab_size - 3,
+                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
