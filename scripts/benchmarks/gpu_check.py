@@ -445,13 +445,9 @@ def _engine(folder: str, device: str, dtype: str, mode: str):
     """(model, a static engine in ``mode``) over a fresh load of ``folder``."""
     from grpo.foundation.config import ModelConfig
     from grpo.foundation.modeling import load_model
-    from grpo.rollout.engine import EngineSetup
-    from grpo.rollout.service import engine_class
-    from grpo.training.configure import load_config
 
     model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
-    cfg = load_config(None, "grpo", engine_overrides(f"static:{mode}"))
-    return model, engine_class("static")(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+    return model, make_engine(f"static:{mode}", model)
 
 
 def stage_compile_probe(folder: str, device: str, dtype: str, spec: dict) -> dict:
