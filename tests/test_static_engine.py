@@ -15,6 +15,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
+from grpo.foundation.modeling import keep_attention_softcap
 from grpo.rollout import static
 from grpo.rollout.engine import SamplingParams
 
@@ -90,6 +91,7 @@ SEEDS = {"qwen2_moe": 2}
 def build(kind: str, dtype=torch.float64, seed: Optional[int] = None):
     torch.manual_seed(SEEDS.get(kind, 0) if seed is None else seed)
     model = MODELS[kind]().to(dtype).eval()
+    keep_attention_softcap(model, None)  # as the trainer loads it (transformers 5.17 gives Gemma 2 a cap-less SDPA)
     if getattr(model.config, "num_experts_per_tok", None):  # transformers' grouped_mm experts refuse float64
         model.set_experts_implementation("eager")
     for name, p in model.named_parameters():  # random biases and norms too, so that they matter

@@ -188,8 +188,9 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
 
 
 def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool = True) -> PreTrainedModel:
-    """What the config asks of a loaded model: frozen bottom layers (unless ``apply_freeze`` is off),
-    gradient checkpointing."""
+    """What the config asks of a loaded model: its attention soft-cap kept (keep_attention_softcap), frozen bottom
+    layers (unless ``apply_freeze`` is off), gradient checkpointing."""
+    keep_attention_softcap(model, cfg.attn_implementation)
     if cfg.freeze_bottom_layers and apply_freeze:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:
@@ -200,6 +201,23 @@ def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool =
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model
+
+
+def keep_attention_softcap(model: PreTrainedModel, requested: Optional[str]) -> None:
+    """Gemma 2 soft-caps its attention scores (``attn_logit_softcapping``), which SDPA cannot do. transformers 5.17
+    still makes SDPA Gemma 2's default and its SDPA path drops the cap without a word (later versions refuse SDPA for
+    it): the trainer's, the reference's and the hf engine's forward would then not be the model's, nor the static
+    engine's, which caps (0.06 nats mean between the two on an H100, docs/results.md). Such a model is switched to
+    eager attention; asking for ``model.attn_implementation=sdpa`` on it is an error."""
+    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    impl = str(getattr(model.config, "_attn_implementation", None) or "")
+    if not cap or "sdpa" not in impl:
+        return
+    if requested and "sdpa" in requested:
+        raise ConfigError(f"model.attn_implementation={requested!r}: SDPA cannot soft-cap attention scores and this "
+                          f"model caps them (attn_logit_softcapping={cap}); use eager, flex_attention or "
+                          "flash_attention_2, or leave it unset (eager)")
+    model.set_attn_implementation("eager")
 
 
 def freeze_bottom_layers(model: PreTrainedModel, n: int) -> None:
