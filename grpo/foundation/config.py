@@ -91,7 +91,7 @@ class ModelConfig:
     # recompute activations in the backward pass (HF's gradient_checkpointing_enable): less memory, ~30% more compute
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False  # let transformers run the model folder's own code
-    attn_implementation: Optional[str] = None  # transformers' attn_implementation (sdpa, eager, ...); null: its default
+    attn_implementation: Optional[str] = None  # transformers' attn_implementation (sdpa, eager, ...); null: its default (eager where attention is soft-capped: Gemma 2)
     freeze_bottom_layers: int = at_least_zero(0)  # freeze embeddings + the first N decoder layers (cheaper steps on a CPU)
     lora: Optional[LoraConfig] = None  # LoRA adapters (PEFT); null = full fine-tuning
 
