@@ -68,7 +68,7 @@ def test_gpu_check_real_length_stages_on_cpu(tmp_path):
         assert len(lengths) == gen["rows"] == 4 and all(1 <= n <= gen["new_tokens"] for n in lengths)
         assert gen["ignored"]["tokens"] == 4 * gen["new_tokens"]  # EOS ignored: every row to the cap
         assert gen["forced"]["tokens"] <= sum(lengths)  # EOS at the recorded lengths (or the model's own, earlier)
-        assert gen["per_token_forced_over_ignored"] > 0
+        assert gen["per_token_forced_over_ignored"] > 0 and gen["floor_per_token_forced_over_ignored"] > 0
     assert (rows[1]["engine"], rows[2]["engine"]) == ("hf", "static")
     step = rows[3]
     assert step["eos_distribution"]["cap"] == step["new_tokens"] and step["median"]["time/step"] > 0
@@ -80,17 +80,17 @@ def test_transformers_generate_beside_the_hf_engine_and_their_decode_profiles(tm
     """Issue 41, item 3's baseline: ``--engines generate`` is transformers' ``model.generate`` on the same batch (TRL's
     path without vLLM), in the generation, eos_generation and decode_profile stages; its greedy tokens are the hf
     engine's (fp32), forced EOS lengths end its rows, and each engine's profile counts kernels, host syncs and the
-    costliest host ops."""
+    costliest host ops. Item 2's train_profile: the step's log-prob and update phases profiled one by one."""
     out = tmp_path / "gc"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "gpu_check.py"), "--out", str(out),
-                           "--device", "cpu", "--tiny", "--stages", "generation,eos_generation,decode_profile",
+                           "--device", "cpu", "--tiny", "--stages", "generation,eos_generation,decode_profile,train_profile",
                            "--engines", "hf,generate"], cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_S,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     assert [(r["stage"], r.get("engine")) for r in rows[1:]] == [
         ("generation", "hf"), ("generation", "generate"), ("eos_generation", "hf"), ("eos_generation", "generate"),
-        ("decode_profile", None)]
+        ("decode_profile", None), ("train_profile", None)]
     gen = rows[2]
     assert gen["tokens_per_s"] > 0 and gen["rows"] == 4 and gen["mode"] is None
     assert gen["greedy_same_tokens"] == gen["greedy_tokens"] == 8 and "audit_kl_mean" not in gen
@@ -102,7 +102,18 @@ def test_transformers_generate_beside_the_hf_engine_and_their_decode_profiles(tm
     for e in profile["engines"].values():
         assert e["wall_ms_per_token"] > 0 and e["kernels_per_token"] > 0 and e["sync_ops_per_token"] >= 0
         assert e["top"] and e["host_top"] and all(t["calls_per_token"] > 0 for t in e["host_top"])
-    assert "generate" in (out / "gpu_table.md").read_text()
+    assert profile["new_tokens"] == 8  # TINY's profile_tokens
+    train = rows[6]
+    assert list(train["phases"]) == ["logprobs", "advantages", "update"] and train["rows"] == 4
+    assert train["tokens"] > 4 * 1 and train["unprofiled"]["time/step"] > 0
+    for name, phase in train["phases"].items():
+        assert phase["wall_ms"] > 0 and phase["kernels"] > 0 and phase["top"] and phase["host_top"]
+    # GRPO at mu = 1: one forward (the reference's) in the log-prob phase, forward + backward in the update
+    assert train["phases"]["logprobs"]["model_tflop"] * 3 == pytest.approx(train["phases"]["update"]["model_tflop"])
+    assert train["phases"]["update"]["model_tflop"] == pytest.approx(6 * train["params"] * train["tokens"] / 1e12)
+    assert train["phases"]["update"]["mfu"] is None  # no dense-peak figure for a CPU
+    table = (out / "gpu_table.md").read_text()
+    assert "generate" in table and "update" in table and "costliest kernels" in table
 
 
 def test_gpu_check_real_model_stage_on_cpu(tmp_path):
@@ -155,3 +166,21 @@ def test_engine_names_map_to_rollout_overrides():
                                           "rollout.static.compile_dynamic=false"]
     with pytest.raises(SystemExit, match="'dynamic' or nothing"):
         engine_overrides("static:compile:64:fast")
+
+
+def test_the_eos_floor_against_its_sum_written_out():
+    """eos_floor: bytes a generated token at recorded lengths over bytes a token with every row run to the longest,
+    against the sum over decode steps written out for two rows of lengths 1 and 3 after a 2-token prompt."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scripts.benchmarks.gpu_check import decode_bytes, eos_floor
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    w, k = decode_bytes(model)
+    assert w == 4 * sum(p.numel() for p in model.parameters()) and k == 2 * 2 * 2 * 8 * 4  # K and V, layers, heads, dim
+    forced = (w + 2 * k * 2) + (w + k * 3) + (w + k * 4)  # steps 0, 1, 2: rows of lengths 1 and 3, then 3 alone
+    ignored = 3 * w + 2 * k * (2 + 3 + 4)  # both rows every step
+    assert eos_floor(model, [1, 3], 2)["floor_per_token_forced_over_ignored"] == pytest.approx((forced / 4) / (ignored / 6))

@@ -28,9 +28,12 @@ per shape:
     ref_http     the reference server's HTTP path at 64 x (40 + 256) (scripts/benchmarks/bench_ref_http.py)
     compile_probe  which part of the static decode step torch.compile fails on (sampler, forward, whole step),
                  two layers of the shape (not in the default stages)
-    decode_profile each of ``--engines`` (static as eager) under torch.profiler: wall, device and host-sync
-                 counts per token, kernels per token, the costliest kernels and host ops; on CUDA the graphs
-                 engine's ms per token beside them (not in the default stages)
+    decode_profile each of ``--engines`` (static as eager) under torch.profiler over ``profile_tokens`` new
+                 tokens: wall, device and host-sync counts per token, kernels per token, the costliest kernels and
+                 host ops; on CUDA the graphs engine's ms per token beside them (not in the default stages)
+    train_profile  step_256's log-prob and update phases under torch.profiler, one step after the warm-up: wall,
+                 device time, kernels, host syncs, costliest kernels and host ops, MFU per phase (issue 41, item
+                 2; not in the default stages)
     real_model   a real model learns (``--real-model``: an HF folder or SmolLM2's .gguf; ``--real-steps``):
                  configs/smollm2_arith.yaml with the reference server as its own process on the same device, EOS
                  active; held-out accuracy before / after, the reward curve, step times (not in the default stages)
@@ -72,9 +75,11 @@ SHAPES = {
 }
 # (prompts, G, new tokens at the short and the long step, generation rows and tokens, ref rows/prompt/completion)
 # micro: rows per forward/backward (64 rows x 1064 tokens at once ran out of an H200's 139 GiB at the 1.7B shape)
+# profile_tokens: decode_profile's new tokens (the hf engine at 256 under the profiler outran a 52 s budget on an H100)
 FULL = dict(prompts=8, G=8, short=256, long=1024, gen_rows=64, gen_tokens=256, ref=(64, 40, 256), steps=4, warmup=1,
-            micro=16)
-TINY = dict(prompts=2, G=2, short=8, long=16, gen_rows=4, gen_tokens=8, ref=(4, 6, 8), steps=2, warmup=1, micro=4)
+            micro=16, profile_tokens=64)
+TINY = dict(prompts=2, G=2, short=8, long=16, gen_rows=4, gen_tokens=8, ref=(4, 6, 8), steps=2, warmup=1, micro=4,
+            profile_tokens=8)
 PROMPT_WORDS = 40
 
 
@@ -193,6 +198,30 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 
 
+def decode_bytes(model) -> tuple[int, int]:
+    """(bytes of the weights, bytes of the KV cache a cached token): what a decode step reads (docs/gpu.md)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return weights, 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+
+
+def eos_floor(model, lengths: list[int], prompt_tokens: int) -> dict:
+    """The bandwidth floor's own cost of real lengths: decode step s reads the weights and the KV cache of the rows
+    still running (length > s), prompt + s tokens each, for as many steps as the longest row needs. Bytes a generated
+    token with EOS at ``lengths`` over bytes a token with every row run to the longest (EOS ignored): the best
+    ratio any engine that decodes the rows together can reach (peak bandwidth cancels)."""
+    weights, per_token = decode_bytes(model)
+    cap = max(lengths)
+
+    def step_bytes(running: list[int], s: int) -> int:
+        return weights + per_token * sum(prompt_tokens + s for length in running if length > s)
+
+    forced = sum(step_bytes(lengths, s) for s in range(cap)) / sum(lengths)
+    ignored = sum(step_bytes([cap] * len(lengths), s) for s in range(cap)) / (cap * len(lengths))
+    return {"floor_per_token_forced_over_ignored": forced / ignored}
+
+
 def bandwidth_floor(model, rows: int, prompt_tokens: int, new_tokens: int, device_name: str) -> dict:
     """The decode's bandwidth floor (docs/gpu.md): every decode step reads the weights once and each row's KV cache,
     whose mean length over the decode is prompt + new / 2; tokens/s at the floor = rows x peak bandwidth / those
@@ -200,10 +229,7 @@ def bandwidth_floor(model, rows: int, prompt_tokens: int, new_tokens: int, devic
     peak = next((bw for name, bw in PEAK_BANDWIDTH.items() if name in device_name), None)
     if peak is None:
         return {}
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    c = model.config.get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    weights, per_token = decode_bytes(model)
     kv = per_token * rows * (prompt_tokens + new_tokens / 2)
     floor = rows * peak / (weights + kv)
     return {"floor_tokens_per_s": floor, "peak_bandwidth": peak, "bytes_per_decode_step": weights + kv}
@@ -284,7 +310,8 @@ def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engin
     """Real lengths (issue 41, item 4): per engine, ``gen_rows`` rows of up to ``gen_tokens`` tokens, EOS ignored and
     then EOS forced at lengths drawn once from a reasoning-like distribution (scripts/benchmarks/bench.py:
     reasoning_lengths, recorded here). Decode time per generated token with EOS against without (the target: within
-    1.2x): what finished rows cost, compaction included."""
+    1.2x): what finished rows cost, compaction included; beside it the ratio the bandwidth floor itself allows
+    for these lengths (eos_floor)."""
     from grpo.foundation.config import ModelConfig
     from grpo.foundation.modeling import load_model
     from grpo.rollout.engine import SamplingParams
@@ -315,6 +342,7 @@ def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engin
                           "ms_per_token": 1000 * secs / tokens,
                           **(engine.pop_metrics() if hasattr(engine, "pop_metrics") else {})}
         res["per_token_forced_over_ignored"] = res["forced"]["ms_per_token"] / res["ignored"]["ms_per_token"]
+        res.update(eos_floor(model, drawn["lengths"], PROMPT_WORDS))
         if hasattr(engine, "offload"):
             engine.offload()
         del engine
@@ -374,17 +402,16 @@ def memory_parts(n_params: int, shape: dict, dtype: str, states: str, rows: int,
             "gradients": n_params * (4 if mixed else w), "kv_cache": kv}
 
 
-def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
-               engine: str = "auto", rewards: str = "[{fn: 'scripts.benchmarks.bench:bench_reward'}]",
-               overrides: tuple[str, ...] = (), eos_lengths: Optional[dict] = None) -> dict:
-    """Training steps; ``eos_lengths`` (reasoning_lengths' record): rows end at those lengths instead of running to
-    ``new_tokens`` with EOS ignored."""
+def step_config(folder: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str, engine: str = "auto",
+                rewards: str = "[{fn: 'scripts.benchmarks.bench:bench_reward'}]", overrides: tuple[str, ...] = (),
+                eos_lengths: Optional[dict] = None):
+    """The step stages' trainer config: GRPO (beta 0.04, an in-process reference) on ``spec``'s batch of 40-word
+    prompts, ``new_tokens`` new tokens (EOS ignored, or rows ending at ``eos_lengths``), a word-count reward."""
     from grpo.training.configure import load_config
-    from grpo.training.trainer import Trainer
 
     data = out / "prompts.jsonl"
     write_prompts(data, spec["prompts"] * (spec["steps"] + spec["warmup"] + 1), 64)
-    cfg = load_config(None, "grpo", [
+    return load_config(None, "grpo", [
         f"model.name_or_path={folder}", f"model.dtype={dtype}", "model.gradient_checkpointing=false",
         "data.source=jsonl", f"data.path={data}", "data.shuffle=false",
         f"rollout.num_generations={spec['G']}", f"rollout.prompts_per_step={spec['prompts']}",
@@ -396,6 +423,16 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
         "algo.beta=0.04", "reward_pool.num_workers=0",  # the reward is a word count: no worker processes
         *engine_overrides(engine), *overrides,
     ])
+
+
+def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int, out: Path, states: str,
+               engine: str = "auto", rewards: str = "[{fn: 'scripts.benchmarks.bench:bench_reward'}]",
+               overrides: tuple[str, ...] = (), eos_lengths: Optional[dict] = None) -> dict:
+    """Training steps; ``eos_lengths`` (reasoning_lengths' record): rows end at those lengths instead of running to
+    ``new_tokens`` with EOS ignored."""
+    from grpo.training.trainer import Trainer
+
+    cfg = step_config(folder, dtype, spec, new_tokens, out, states, engine, rewards, overrides, eos_lengths)
     _reset_peak(device)
     trainer = Trainer(cfg)
     steps = []
@@ -431,11 +468,65 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
             "max_over_median": max(s["time/step"] for s in kept) / max(med["time/step"], 1e-12)}
 
 
+# Dense bf16 tensor-core peak (FLOP/s) of the GPUs these sessions are lent, from their data sheets (for MFU)
+PEAK_BF16 = {"H200": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12}
+
+
+def stage_train_profile(folder: str, device: str, dtype: str, spec: dict, out: Path, states: str,
+                        engine: str = "auto", overrides: tuple[str, ...] = ()) -> dict:
+    """Where the training passes' time goes (issue 41, item 2): step_256's trainer runs ``warmup`` + 1 steps, then
+    one more whose phases run one by one as ``Trainer.train_step`` runs them, the log-prob phase (the reference's
+    log-probs and, where the algorithm needs them, the old policy's) and the update phase (forward and backward of
+    every micro-batch, the optimizer, the weight sync) each under torch.profiler: wall, device time, kernels, host
+    syncs, the costliest kernels and host ops (profile_summary), and the phase's MFU: model FLOPs (2 N a token a
+    forward, 6 N forward + backward, N the parameters; attention left out) over wall time x the GPU's dense bf16
+    peak (PEAK_BF16). ``unprofiled``: the last unprofiled step's phase times, to show the profiler's overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo.training.trainer import Trainer
+
+    cuda = device.startswith("cuda")
+    cfg = step_config(folder, dtype, spec, spec["short"], out, states, engine, overrides=overrides)
+    trainer = Trainer(cfg)
+    try:
+        for _ in range(spec["warmup"] + 1):
+            m = trainer.train_step()
+            trainer.step += 1
+        unprofiled = {k: v for k, v in m.items() if k.startswith("time/")}
+        step = trainer.rollout_phase()
+        rows = len(step.batch.prompt_ids)
+        tokens = sum(len(p) for p in step.batch.prompt_ids) + int(step.batch.mask.sum())
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        forwards = (trainer.algo.needs_reference + (trainer.algo.needs_old_logprobs or trainer.algo.needs_entropy))
+        flops = {"logprobs": 2 * n_params * tokens * forwards,
+                 "update": 6 * n_params * tokens * cfg.algo.num_iterations}
+        name = torch.cuda.get_device_name() if cuda else ""
+        peak = next((f for k, f in PEAK_BF16.items() if k in name), None)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        phases = {}
+        for label, run in (("logprobs", trainer.logprob_phase), ("advantages", trainer.advantage_phase),
+                           ("update", trainer.update_phase)):
+            _sync(device)
+            t0 = time.perf_counter()
+            with profile(activities=acts) as prof:
+                run(step)
+                _sync(device)
+            wall = time.perf_counter() - t0
+            phases[label] = {"wall_ms": 1000 * wall, **profile_summary(prof, cuda)}
+            if label in flops:
+                phases[label]["model_tflop"] = flops[label] / 1e12
+                phases[label]["mfu"] = flops[label] / wall / peak if peak else None
+        trainer.metrics_phase(step)
+    finally:
+        trainer.close()
+    return {"rows": rows, "tokens": tokens, "params": n_params, "micro_batch": spec["micro"],
+            "optimizer_states": states, "overrides": list(overrides), "peak_bf16_flops": peak,
+            "unprofiled": unprofiled, "phases": phases}
+
+
 def stage_ref_http(folder: str, device: str, dtype: str, spec: dict) -> dict:
-    from grpo.foundation import dist
     from scripts.benchmarks.bench_ref_http import run
 
-    dist.host_threads(device.startswith("cuda"))  # the client's threads as in the trainer (its server sets its own)
     rows, prompt, completion = spec["ref"]
     return run(folder, rows, prompt, completion, requests=10 if rows > 8 else 3,
                extra_server_args=("--device", device, "--dtype", dtype))
@@ -493,9 +584,31 @@ CUDA_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero")
 
 
+def profile_summary(prof, cuda: bool, per: float = 1.0, suffix: str = "") -> dict:
+    """A torch.profiler run's figures divided by ``per`` (tokens; 1: the whole run), keys ending in ``suffix``:
+    device ms and kernels (CPU ops on CPU), ops that make the host wait (and, on CUDA, the runtime's synchronize
+    calls), the 12 costliest kernels (device time) and the 8 costliest host ops (self CPU time: where a
+    launch-bound pass's time goes)."""
+    events = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = [e for e in events if getattr(e, attr, 0) > 0 and (not cuda or e.device_type.name == "CUDA")]
+    host = [e for e in events if e.self_cpu_time_total > 0 and e.device_type.name == "CPU"]
+    res = {f"device_ms{suffix}": sum(getattr(e, attr) for e in kernels) / 1000 / per,
+           f"kernels{suffix}": sum(e.count for e in kernels) / per,
+           f"sync_ops{suffix}": sum(e.count for e in events if e.key in SYNC_OPS) / per}
+    if cuda:
+        res[f"cuda_waits{suffix}"] = sum(e.count for e in events if e.key in CUDA_WAITS) / per
+    res["top"] = [{"name": e.key[:90], f"ms{suffix}": getattr(e, attr) / 1000 / per, f"calls{suffix}": e.count / per}
+                  for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:12]]
+    res["host_top"] = [{"name": e.key[:90], f"ms{suffix}": e.self_cpu_time_total / 1000 / per,
+                        f"calls{suffix}": e.count / per}
+                       for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:8]]
+    return res
+
+
 def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> dict:
     """Where a decode step's time goes, per engine of ``engines`` (a static one runs eager; hf and generate as they
-    are), ``gen_tokens`` tokens at ``gen_rows`` rows under torch.profiler: wall, kernels and device ms per token, ops
+    are), ``profile_tokens`` tokens at ``gen_rows`` rows under torch.profiler: wall, kernels and device ms per token, ops
     that make the host wait per token (and, on CUDA, the runtime's synchronize calls), the 12 costliest kernels
     (device time; CPU ops on CPU) and the 8 costliest host ops (self CPU time: where a launch-bound engine's time
     goes). On CUDA with a static engine also the graphs engine's wall ms per token (launches cost nothing there)."""
@@ -509,7 +622,7 @@ def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict, engin
     g = torch.Generator().manual_seed(1)
     n = 8 if spec["gen_rows"] >= 8 else 2
     prompts = [torch.randint(4, 512, (PROMPT_WORDS,), generator=g).tolist() for _ in range(spec["gen_rows"] // n)]
-    params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=spec["profile_tokens"], temperature=1.0, ignore_eos=True)
     T = params.max_tokens
     out = {"rows": len(prompts) * n, "new_tokens": T, "engines": {}}
     names = ["static:eager" if e.split(":")[0] == "static" else e for e in engines]
@@ -531,23 +644,8 @@ def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict, engin
             with profile(activities=acts) as prof:
                 engine.generate(prompts, params, n)
                 _sync(device)
-            res = {"wall_ms_per_token": 1000 * (time.perf_counter() - t0) / T}
-            events = prof.key_averages()
-            attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-            kernels = [e for e in events if getattr(e, attr, 0) > 0 and (not cuda or e.device_type.name == "CUDA")]
-            host = [e for e in events if e.self_cpu_time_total > 0 and e.device_type.name == "CPU"]
-            res["device_ms_per_token"] = sum(getattr(e, attr) for e in kernels) / 1000 / T
-            res["kernels_per_token"] = sum(e.count for e in kernels) / T
-            res["sync_ops_per_token"] = sum(e.count for e in events if e.key in SYNC_OPS) / T
-            if cuda:
-                res["cuda_waits_per_token"] = sum(e.count for e in events if e.key in CUDA_WAITS) / T
-            res["top"] = [{"name": e.key[:90], "ms_per_token": getattr(e, attr) / 1000 / T,
-                           "calls_per_token": e.count / T}
-                          for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:12]]
-            res["host_top"] = [{"name": e.key[:90], "ms_per_token": e.self_cpu_time_total / 1000 / T,
-                                "calls_per_token": e.count / T}
-                               for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:8]]
-            out["engines"][name] = res
+            out["engines"][name] = {"wall_ms_per_token": 1000 * (time.perf_counter() - t0) / T,
+                                    **profile_summary(prof, cuda, T, "_per_token")}
         del engine, model
         if cuda:
             torch.cuda.empty_cache()
@@ -574,7 +672,8 @@ def table(rows: list[dict]) -> str:
                    f"{a['ms_per_token']:.3f} ms a token ({a['tokens_per_s']:.0f} tokens/s), EOS at recorded lengths "
                    f"(mean {d['mean']:.0f}, median {d['p50']}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap) "
                    f"{b['ms_per_token']:.3f} ms a token ({b['tokens_per_s']:.0f} tokens/s, "
-                   f"{b.get('rollout/compactions', 0):.0f} compactions): {r['per_token_forced_over_ignored']:.2f}x")
+                   f"{b.get('rollout/compactions', 0):.0f} compactions): {r['per_token_forced_over_ignored']:.2f}x "
+                   f"(the bandwidth floor's own: {r['floor_per_token_forced_over_ignored']:.2f}x)")
         elif r["stage"].startswith("step"):
             md, parts = r["median"], r["memory_parts"]
             res = (f"{md['time/step']:.2f} s/step ({r['engine']}; generation {md.get('time/generation', 0):.2f}, "
@@ -615,6 +714,12 @@ def table(rows: list[dict]) -> str:
                 for name, e in r["engines"].items())
             if "graphs_ms_per_token" in r:
                 res += f"; static:graphs {r['graphs_ms_per_token']:.2f} ms a token"
+        elif r["stage"] == "train_profile":
+            res = f"{r['rows']} rows, {r['tokens']} tokens: " + "; ".join(
+                f"{name} {ph['wall_ms']:.0f} ms ({ph['device_ms']:.0f} ms of device time, {ph['kernels']:.0f} kernels, "
+                f"{ph['sync_ops']:.0f} host syncs" + (f", MFU {ph['mfu']:.0%}" if ph.get("mfu") is not None else "")
+                + "; costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms']:.1f}" for t in ph["top"][:3]) + ")"
+                for name, ph in r["phases"].items())
         else:
             res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
         lines.append(f"| {r['shape']} | {r['stage']} | {res} |")
@@ -657,8 +762,13 @@ def main(argv=None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the trainer and the server pick their device themselves
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    from grpo.foundation import dist
+
+    # the trainer's host threads (one on CUDA) for every stage, the engines' too: until 2026-11-27 the generation
+    # stages ran with torch's default (a thread a core) and the step stages with the trainer's
+    threads = dist.host_threads(args.device.startswith("cuda"))
     record(out, "machine", "-", {"device": args.device, "name": gpu, "commit": commit, "torch": torch.__version__,
-                                 "dtype": dtype, "optimizer_states": states, "tiny": args.tiny})
+                                 "dtype": dtype, "optimizer_states": states, "tiny": args.tiny, "host_threads": threads})
     rows = []
     shapes = [("model", args.model)] if args.model else [(s, None) for s in (["tiny"] if args.tiny else args.shapes.split(","))]
     for name, folder in shapes:
@@ -694,6 +804,9 @@ def main(argv=None) -> int:
                 res = stage_compile_probe(folder, args.device, dtype, spec)
             elif stage == "decode_profile":
                 res = stage_decode_profile(folder, args.device, dtype, spec, args.engines.split(","))
+            elif stage == "train_profile":
+                res = stage_train_profile(folder, args.device, dtype, spec, out, states, args.step_engine,
+                                          overrides=tuple(args.set))
             elif stage == "step_rm":
                 rm = out / f"random-{name}-rm"
                 if not (rm / "config.json").exists():
@@ -707,7 +820,7 @@ def main(argv=None) -> int:
             else:
                 raise SystemExit(f"unknown stage {stage!r}; valid: generation, eos_generation, step_256, step_1024, "
                                  f"step_256_eos, step_1024_eos, ref_http, step_rm, real_model, compile_probe, "
-                                 f"decode_profile")
+                                 f"decode_profile, train_profile")
             res["stage_seconds"] = time.perf_counter() - t0
             rows.append(record(out, stage, name, res))
             (out / "gpu_table.md").write_text(table(rows))
