@@ -272,6 +272,7 @@ def child_ours(spec: dict) -> dict:
     from algos import ALGORITHMS
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
+    from scripts.benchmarks import profiling
 
     t_setup = time.perf_counter()
     gpu = GpuSampler(spec.get("device", "cpu"))
@@ -304,10 +305,14 @@ def child_ours(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     setup_s = time.perf_counter() - t_setup
     rss_setup = _rss_mb()
-    steps = []
+    steps, profiled = [], {}
     for i in range(spec["steps"] + spec["warmup"]):
+        if spec.get("profile") and i == spec["steps"] + spec["warmup"] - 1:
+            profile_after(trainer, "rollout_phase", profiled, spec)  # the rest of the last step
         t0 = time.perf_counter()
         m = trainer.train_step()
+        if "prof" in profiled:
+            profiled["summary"] = profiling.finish(profiled.pop("prof"), spec.get("device") == "cuda")
         total = time.perf_counter() - t0
         trainer.step += 1
         b = trainer._last_batch
@@ -322,7 +327,24 @@ def child_ours(spec: dict) -> dict:
     prompt_lens = [len(trainer.dataset.ids[i]) for i in range(spec["prompts"])]
     return {"side": "ours", "algo": cfg.algo.name, "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
             "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(), "prompt_lens": prompt_lens,
-            "torch": torch.__version__, **gpu.result(trainer.memory.run_peak)}
+            "torch": torch.__version__, **gpu.result(trainer.memory.run_peak),
+            **({"profile": profiled["summary"]} if "summary" in profiled else {})}
+
+
+def profile_after(obj, method: str, profiled: dict, spec: dict) -> None:
+    """Start a torch.profiler run (into ``profiled["prof"]``) when ``obj.method`` next returns: ours after the
+    rollout phase, TRL's after its ``_generate``; the caller stops it when the step has ended."""
+    from scripts.benchmarks import profiling
+
+    plain = getattr(obj, method)
+
+    def then_profile(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        setattr(obj, method, plain)
+        profiled["prof"] = profiling.start(spec.get("device") == "cuda")
+        return out
+
+    setattr(obj, method, then_profile)
 
 
 def child_trl(spec: dict) -> dict:
@@ -332,6 +354,8 @@ def child_trl(spec: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from scripts.benchmarks import profiling
 
     torch.manual_seed(spec["seed"])
     t_setup = time.perf_counter()
@@ -360,6 +384,8 @@ def child_trl(spec: dict) -> dict:
     )
     times = {"gen": [], "ends": [], "comp": [], "prompt": []}
 
+    profiled = {}
+
     class Timed(GRPOTrainer):
         def _generate(self, prompts):
             t0 = time.perf_counter()
@@ -367,6 +393,8 @@ def child_trl(spec: dict) -> dict:
             times["gen"].append(time.perf_counter() - t0)
             times["prompt"].append([len(p) for p in out[0]])
             times["comp"].append(sum(len(c) for c in out[1]))
+            if spec.get("profile") and len(times["gen"]) == spec["steps"] + spec["warmup"]:
+                profiled["prof"] = profiling.start(spec.get("device") == "cuda")  # the rest of the last step
             return out
 
     class Clock(TrainerCallback):
@@ -374,6 +402,8 @@ def child_trl(spec: dict) -> dict:
             times["ends"].append(time.perf_counter())
 
         def on_step_end(self, *a, **k):
+            if "prof" in profiled:
+                profiled["summary"] = profiling.finish(profiled.pop("prof"), spec.get("device") == "cuda")
             times["ends"].append(time.perf_counter())
 
     trainer = Timed(model=spec["model"], reward_funcs=bench_reward, args=args, train_dataset=ds,
@@ -392,7 +422,7 @@ def child_trl(spec: dict) -> dict:
             "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(),
             "prompt_lens": times["prompt"][0][:: spec["group"]] if times["prompt"] else [],
             "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-            **gpu.result()}
+            **gpu.result(), **({"profile": profiled["summary"]} if "summary" in profiled else {})}
 
 
 def forced_eos_processor(start: int, lengths: list[int], eos: int):
@@ -564,6 +594,13 @@ def compare_markdown(r: dict, args) -> str:
         f"{f['reference_forward'] / 1e12:.3f}) / measured {args.dtype} matmul rate {r['matmul_rate']['peak'] / 1e9:.1f} "
         f"GFLOP/s = {r['floor_s']:.2f} s; ours = {r['ours_over_floor']:.2f} x the floor.",
     ]
+    profiles = {k: r["results"][k]["profile"] for k in sides if "profile" in r["results"][k]}
+    if profiles:
+        lines += ["", "The last step's rest (after generation) under torch.profiler (`--profile`):", ""]
+        for k, pr in profiles.items():
+            lines.append(f"- {k}: {pr['wall_ms']:.0f} ms wall, {pr['device_ms']:.0f} ms of device time, "
+                         f"{pr['kernels']:.0f} kernels, {pr['sync_ops']:.0f} host syncs; costliest kernels "
+                         + ", ".join(f"{t['name'][:50]} {t['ms']:.1f} ms ({t['calls']:.0f})" for t in pr["top"][:6]))
     if "warning" in r:
         lines += ["", f"Warning: {r['warning']}"]
     return "\n".join(lines) + "\n"
@@ -617,7 +654,8 @@ def base_spec(args, workdir: Path, max_new: int | None = None, group: int | None
             "seed": args.seed, "temperature": args.temperature,
             "ignore_eos": not args.keep_eos and args.eos_lengths == "none",
             "threads": args.threads, "workdir": str(workdir), "data": str(workdir / "prompts.jsonl"),
-            "device": args.device, "set": args.set, **eos_spec(args, max_new or args.max_new, group or args.group)}
+            "device": args.device, "set": args.set, "profile": args.profile,
+            **eos_spec(args, max_new or args.max_new, group or args.group)}
 
 
 def eos_spec(args, max_new: int, group: int) -> dict:
@@ -656,6 +694,10 @@ def parse_args(argv=None):
     p.add_argument("--eos-lengths", choices=["none", "reasoning"], default="none",
                    help="reasoning: rows end with EOS at lengths drawn once (seeded, recorded in the JSON) from a "
                         "reasoning-like distribution, the same on both sides (see reasoning_lengths)")
+    p.add_argument("--profile", action="store_true",
+                   help="the last step's rest (everything after generation) under torch.profiler, on both sides: "
+                        "device time, kernels, host syncs, the costliest kernels and host ops (scripts/benchmarks/"
+                        "profiling.py), in the JSON and the Markdown")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--trl-python", default=os.environ.get("BENCH_TRL_PYTHON", sys.executable),
                    help="interpreter with trl installed (default: this one, or env BENCH_TRL_PYTHON)")

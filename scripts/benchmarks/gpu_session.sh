@@ -23,7 +23,9 @@ B="$PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --device $DEV --dty
    --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1
    --set rollout.engine=static --set rollout.static.mode=$SM --set train.optimizer_states=${STATES:-bf16}"
 nvidia-smi > $OUT/nvidia-smi.txt 2>&1
-# item 2: where our training passes' 1.53 s goes (TRL's: 0.78 s on the H100), MFU per phase
+# item 2: where our training passes' 1.53 s goes against TRL's 0.78 s (H100), kernel by kernel on both sides, then
+# ours phase by phase with MFU
+stage $B --vs trl --profile --out $BE/prof
 stage $G --stages train_profile --step-engine static:$SM
 # item 3: the hf engine and transformers' generate, now with the trainer's one host thread (2026-11-27: 919 and 1,001
 # tokens/s with a thread a core, TRL's own generate 2,015 in its trainer), then where each decode step goes
