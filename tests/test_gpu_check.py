@@ -184,3 +184,20 @@ def test_the_eos_floor_against_its_sum_written_out():
     forced = (w + 2 * k * 2) + (w + k * 3) + (w + k * 4)  # steps 0, 1, 2: rows of lengths 1 and 3, then 3 alone
     ignored = 3 * w + 2 * k * (2 + 3 + 4)  # both rows every step
     assert eos_floor(model, [1, 3], 2)["floor_per_token_forced_over_ignored"] == pytest.approx((forced / 4) / (ignored / 6))
+
+
+def test_step_prompts_of_drawn_lengths(tmp_path):
+    """--prompt-words A-B: every prompt's length drawn in [A, B] words (one token each), seeded, so that the step
+    stages' batches bring new widths step after step; N: every prompt N words (the default 40)."""
+    import json as js
+
+    from scripts.benchmarks.gpu_check import write_prompts
+
+    def lengths(words):
+        path = tmp_path / "p.jsonl"
+        write_prompts(path, 40, 64, words)
+        return [len(js.loads(line)["prompt"].split()) for line in path.read_text().splitlines()]
+
+    drawn = lengths((20, 60))
+    assert all(20 <= n <= 60 for n in drawn) and len(set(drawn)) > 10 and drawn == lengths((20, 60))
+    assert set(lengths((40, 40))) == {40}

@@ -109,10 +109,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def write_prompts(path: Path, n: int, vocab: int) -> None:
+def write_prompts(path: Path, n: int, vocab: int, words: tuple[int, int] = (PROMPT_WORDS, PROMPT_WORDS)) -> None:
+    """``n`` prompts of ``words`` words each (a range: drawn per prompt, seeded; a word is one token)."""
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(4, vocab, (PROMPT_WORDS,), generator=g)),
-             "answer": "x"} for _ in range(n)]
+    sizes = torch.randint(words[0], words[1] + 1, (n,), generator=g).tolist() if words[1] > words[0] else [words[0]] * n
+    rows = [{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(4, vocab, (k,), generator=g)), "answer": "x"}
+            for k in sizes]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -411,7 +413,7 @@ def step_config(folder: str, dtype: str, spec: dict, new_tokens: int, out: Path,
     from grpo.training.configure import load_config
 
     data = out / "prompts.jsonl"
-    write_prompts(data, spec["prompts"] * (spec["steps"] + spec["warmup"] + 1), 64)
+    write_prompts(data, spec["prompts"] * (spec["steps"] + spec["warmup"] + 1), 64, spec["prompt_words"])
     return load_config(None, "grpo", [
         f"model.name_or_path={folder}", f"model.dtype={dtype}", "model.gradient_checkpointing=false",
         "data.source=jsonl", f"data.path={data}", "data.shuffle=false",
@@ -458,7 +460,8 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     kv_held = not phases or max(phases, key=phases.get) == "memory/generate_gib"
     kv = parts["kv_cache"] if kv_held else parts.pop("kv_cache")  # freed before the passes that set the peak
     parts["activations_and_rest"] = peak - sum(parts.values())
-    return {"new_tokens": new_tokens, "rows": rows, "micro_batch": spec["micro"], "engine": f"{type(trainer.rollout.engine).__name__} "
+    return {"new_tokens": new_tokens, "rows": rows, "prompt_words": list(spec["prompt_words"]),
+            "micro_batch": spec["micro"], "engine": f"{type(trainer.rollout.engine).__name__} "
             f"{getattr(trainer.rollout.engine, 'mode', '')}".strip(),
             "optimizer_states": states, "params": n_params, "overrides": list(overrides),
             **({"eos_distribution": eos_lengths} if eos_lengths else {}),
@@ -720,6 +723,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for the step stages (repeatable), e.g. train.logprob_chunk_size=512")
     p.add_argument("--steps", type=int, help="measured steps of the step stages (default 4; more to look for outliers)")
+    p.add_argument("--prompt-words", default=str(PROMPT_WORDS), metavar="N or A-B",
+                   help="the step stages' prompt lengths in words (one token each): N, or A-B drawn per prompt "
+                        "(seeded), so that every step's batch has new widths, as real data has")
     p.add_argument("--real-model", help="the real_model stage's model: an HF folder or a .gguf file (converted first)")
     p.add_argument("--real-steps", type=int, default=60, help="training steps of the real_model stage")
     args = p.parse_args(argv)
@@ -728,6 +734,13 @@ def main(argv=None) -> int:
     spec = dict(TINY if args.tiny else FULL)
     if args.steps:
         spec["steps"] = args.steps
+    lo, _, hi = args.prompt_words.partition("-")
+    try:
+        spec["prompt_words"] = (int(lo), int(hi or lo))
+    except ValueError:
+        raise SystemExit(f"--prompt-words {args.prompt_words!r}: give N or A-B (whole numbers of words)") from None
+    if not 1 <= spec["prompt_words"][0] <= spec["prompt_words"][1]:
+        raise SystemExit(f"--prompt-words {args.prompt_words!r}: need 1 <= A <= B")
     dtype = "bf16" if args.device.startswith("cuda") else "fp32"
     states = args.optimizer_states if dtype == "bf16" else "fp32"
     stages = args.stages.split(",")

@@ -27,6 +27,9 @@ nvidia-smi > $OUT/nvidia-smi.txt 2>&1
 # ours phase by phase with MFU
 stage $B --vs trl --profile --out $BE/prof
 stage $G --stages train_profile --step-engine static:$SM
+# the one step at a new batch width ran 0.8 s slower on the H100 (a per-shape set-up?); real data brings new
+# widths every step: 8 steps of prompts drawn at 20-60 words (the last stage's step_256: 40 words each)
+stage $G --stages step_256 --step-engine static:$SM --steps 8 --prompt-words 20-60
 # item 3: the hf engine and transformers' generate, now with the trainer's one host thread (2026-11-27: 919 and 1,001
 # tokens/s with a thread a core, TRL's own generate 2,015 in its trainer), then where each decode step goes
 stage $G --stages generation --engines hf,generate,static:$SM
