@@ -10,7 +10,8 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
                           GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM,
-                          MinistralConfig, MinistralForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
+                          MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
@@ -46,6 +47,14 @@ MODELS = {
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=33, boi_token_index=34, eoi_token_index=35)),
+    # Mistral Small 3.1 / 3.2 and Magistral's multimodal checkpoints (Mistral3ForConditionalGeneration), text-only
+    # prompts: a Mistral text model under a Pixtral vision tower
+    "mistral3_mm": lambda: Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(**COMMON, model_type="mistral", num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         rope_theta=1e6),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=32, patch_size=8),
+        image_token_index=33)),
     # Ministral 3: YaRN, queries scaled by 1 + beta log(1 + floor(pos / 4)) (4: a short original context, so that
     # the scale changes within these sequences)
     "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(

@@ -8,9 +8,9 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
   sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
-  final-logit soft-capping; Gemma 3's multimodal checkpoints through their text model; mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared
-  expert, every expert applied to every token in one batched GEMM, so a decode step keeps static shapes and reads
-  each expert's weights once);
+  final-logit soft-capping; Gemma 3's and Mistral 3's multimodal checkpoints through their text model;
+  mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared expert, every expert applied
+  to every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once);
   anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
@@ -124,7 +124,8 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
 
 def text_config(model: torch.nn.Module):
     """The decoder's config: the model's own, or its text model's in a checkpoint that wraps one with a vision
-    tower (Gemma 3 4B-27B: ``Gemma3ForConditionalGeneration``, whose text-only forward is its text model's)."""
+    tower (Gemma 3 4B-27B: ``Gemma3ForConditionalGeneration``; Mistral Small 3.1 / 3.2 and Magistral:
+    ``Mistral3ForConditionalGeneration``), whose text-only forward is its text model's."""
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "model_type", None) not in MODEL_TYPES and hasattr(cfg, "get_text_config"):
         text = cfg.get_text_config()
