@@ -5,7 +5,8 @@
 #   OUT=/tmp/o DEV=cpu SHAPE=tiny TINY=1 DTYPE=fp32 STATES=fp32 SM=eager CM=compile P=2 GRP=2 NEW=8 MB=4 bash scripts/benchmarks/gpu_session.sh
 # Env: SHAPE (1.7b), DEV (cuda), DTYPE (bf16), STATES (optimizer states of the benches: bf16, TRL's too), SM (static
 # mode of the steps: graphs), CM (compiled mode tried: compile+graphs), P / GRP / NEW / MB (bench: prompts, G, new
-# tokens, micro-batch), PY (python3).
+# tokens, micro-batch), PY (python3), SKIP (skip the first SKIP stages: a second call goes on where the log of the
+# first says it stopped; the stages take about 16 minutes on an H100, a call at most 10).
 SHAPE=${SHAPE:-1.7b}; BUDGET=${BUDGET:-560}; DEV=${DEV:-cuda}; PY=${PY:-python3}; SM=${SM:-graphs}
 T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 export PYTHONUNBUFFERED=1
@@ -16,13 +17,18 @@ copy() {
 }
 ( while sleep 3; do copy; done ) &
 COPIER=$!
-stage() { local l; l=$(left); echo "=== [$(( $(date +%s) - T0 ))s, ${l}s left] $*"; [ "$l" -gt 20 ] || { echo "skipped: no time"; return; }
+N=0
+stage() { local l; l=$(left); N=$((N + 1)); [ "$N" -gt "${SKIP:-0}" ] || { echo "=== stage $N skipped (SKIP)"; return; }
+  echo "=== stage $N [$(( $(date +%s) - T0 ))s, ${l}s left] $*"; [ "$l" -gt 20 ] || { echo "skipped: no time"; return; }
   timeout -k 5 "$l" "$@"; echo "=== rc $? after $(( $(date +%s) - T0 ))s"; }
 G="$PY scripts/benchmarks/gpu_check.py --out $GC --device $DEV --shapes $SHAPE ${TINY:+--tiny} --optimizer-states ${STATES:-bf16}"
 B="$PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --device $DEV --dtype ${DTYPE:-bf16} --algo grpo
    --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1
    --set rollout.engine=static --set rollout.static.mode=$SM --set train.optimizer_states=${STATES:-bf16}"
 nvidia-smi > $OUT/nvidia-smi.txt 2>&1
+[ -f $GC/random-$SHAPE/config.json ] || $PY -c "import sys, torch; from pathlib import Path; sys.path.insert(0, '.')
+from scripts.benchmarks.bench_ref import random_smollm2; from scripts.benchmarks.gpu_check import SHAPES
+random_smollm2(Path('$GC/random-$SHAPE'), SHAPES['$SHAPE'], '$DEV', torch.bfloat16 if '${DTYPE:-bf16}' == 'bf16' else torch.float32)"
 # item 2: where our training passes' 1.53 s goes against TRL's 0.78 s (H100), kernel by kernel on both sides, then
 # ours phase by phase with MFU
 stage $B --vs trl --profile --out $BE/prof
