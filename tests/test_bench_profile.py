@@ -1,6 +1,7 @@
-"""scripts/benchmarks/bench.py --profile (issue 41, item 2): the last step's rest, everything after generation, under
-torch.profiler, summarised in the JSON and the Markdown (TRL's side is profiled the same way, from its ``_generate``
-to the end of its step; TRL is not in the test environment)."""
+"""scripts/benchmarks/bench.py --profile (issue 41, item 2): one more step after the measured ones, its rest (everything
+after generation) under torch.profiler, summarised in the JSON and the Markdown, the measured steps left as they are
+(TRL's side is profiled the same way, from its ``_generate`` to the end of its step; TRL is not in the test
+environment)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,8 @@ def test_the_rest_of_the_last_step_is_profiled(tmp_path):
     report = json.loads((out / "bench-grpo-fp32.json").read_text())
     ours = report["results"]["ours"]
     prof = ours["profile"]
-    last = ours["steps"][-1]
-    # after generation only: the profiled wall is within the step and its kernels ran (on CPU: CPU ops)
-    assert 0 < prof["wall_ms"] / 1000 <= last["total"] - last["generation"]
-    assert prof["kernels"] > 0 and prof["sync_ops"] >= 0
+    assert len(ours["steps"]) == 2  # the warm-up and the measured step: the profiled one is not among them
+    assert prof["wall_ms"] > 0 and prof["kernels"] > 0 and prof["sync_ops"] >= 0  # (on CPU, kernels are CPU ops)
     assert prof["top"] and prof["host_top"] and all(t["calls"] > 0 for t in prof["top"])
     names = {t["name"] for t in prof["top"]} | {t["name"] for t in prof["host_top"]}
     assert any("mm" in n for n in names)  # the log-prob and training passes' matrix products are in it

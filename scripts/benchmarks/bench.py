@@ -284,7 +284,7 @@ def child_ours(spec: dict) -> dict:
         f"rollout.max_completion_length={spec['max_new']}", "rollout.max_prompt_length=1024",
         f"rollout.temperature={spec['temperature']}", "rollout.top_p=1.0", "rollout.top_k=0",
         f"rollout.ignore_eos={str(spec['ignore_eos']).lower()}",
-        f"train.max_steps={spec['steps'] + spec['warmup']}", f"train.lr={spec['lr']}",
+        f"train.max_steps={spec['steps'] + spec['warmup'] + bool(spec.get('profile'))}", f"train.lr={spec['lr']}",
         f"train.micro_batch_size={spec['micro_batch']}", f"train.seed={spec['seed']}", "train.grad_clip=1.0",
         f"train.output_dir={spec['workdir']}/ours", "logging.progress_bar=false", "logging.plot=false",
         "rewards=[{fn: 'scripts.benchmarks.bench:bench_reward'}]", "algo.num_iterations=1",
@@ -305,14 +305,10 @@ def child_ours(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     setup_s = time.perf_counter() - t_setup
     rss_setup = _rss_mb()
-    steps, profiled = [], {}
+    steps = []
     for i in range(spec["steps"] + spec["warmup"]):
-        if spec.get("profile") and i == spec["steps"] + spec["warmup"] - 1:
-            profile_after(trainer, "rollout_phase", profiled, spec)  # the rest of the last step
         t0 = time.perf_counter()
         m = trainer.train_step()
-        if "prof" in profiled:
-            profiled["summary"] = profiling.finish(profiled.pop("prof"), spec.get("device") == "cuda")
         total = time.perf_counter() - t0
         trainer.step += 1
         b = trainer._last_batch
@@ -325,9 +321,14 @@ def child_ours(spec: dict) -> dict:
         })
         print(f"[ours] step {i}: {total:.2f}s (generation {m['time/generation']:.2f}s)", flush=True)
     prompt_lens = [len(trainer.dataset.ids[i]) for i in range(spec["prompts"])]
+    peaks = {"peak_rss_mb": _peak_rss_mb(), **gpu.result(trainer.memory.run_peak)}  # before a profiled step
+    profiled = {}
+    if spec.get("profile"):  # one more step, outside the measured ones: its rest under the profiler
+        profile_after(trainer, "rollout_phase", profiled, spec)
+        trainer.train_step()
+        profiled["summary"] = profiling.finish(profiled.pop("prof"), spec.get("device") == "cuda")
     return {"side": "ours", "algo": cfg.algo.name, "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
-            "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(), "prompt_lens": prompt_lens,
-            "torch": torch.__version__, **gpu.result(trainer.memory.run_peak),
+            "threads": torch.get_num_threads(), "prompt_lens": prompt_lens, "torch": torch.__version__, **peaks,
             **({"profile": profiled["summary"]} if "summary" in profiled else {})}
 
 
@@ -378,7 +379,7 @@ def child_trl(spec: dict) -> dict:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         beta=0.0 if dapo else spec["beta"], loss_type="dapo" if dapo else "grpo",
         epsilon=0.2, epsilon_high=0.28 if dapo else 0.2, scale_rewards="group", num_iterations=1,
-        max_steps=spec["steps"] + spec["warmup"], seed=spec["seed"], gradient_checkpointing=False,
+        max_steps=spec["steps"] + spec["warmup"] + bool(spec.get("profile")), seed=spec["seed"], gradient_checkpointing=False,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, shuffle_dataset=False,
         dataloader_num_workers=0,
     )
@@ -393,8 +394,8 @@ def child_trl(spec: dict) -> dict:
             times["gen"].append(time.perf_counter() - t0)
             times["prompt"].append([len(p) for p in out[0]])
             times["comp"].append(sum(len(c) for c in out[1]))
-            if spec.get("profile") and len(times["gen"]) == spec["steps"] + spec["warmup"]:
-                profiled["prof"] = profiling.start(spec.get("device") == "cuda")  # the rest of the last step
+            if spec.get("profile") and len(times["gen"]) == spec["steps"] + spec["warmup"] + 1:
+                profiled["prof"] = profiling.start(spec.get("device") == "cuda")  # the extra step's rest
             return out
 
     class Clock(TrainerCallback):
@@ -404,7 +405,10 @@ def child_trl(spec: dict) -> dict:
         def on_step_end(self, *a, **k):
             if "prof" in profiled:
                 profiled["summary"] = profiling.finish(profiled.pop("prof"), spec.get("device") == "cuda")
+                return
             times["ends"].append(time.perf_counter())
+            if len(times["ends"]) == spec["steps"] + spec["warmup"] + 1:  # the measured steps' end, before a profile
+                profiled["peaks"] = {"peak_rss_mb": _peak_rss_mb(), **gpu.result()}
 
     trainer = Timed(model=spec["model"], reward_funcs=bench_reward, args=args, train_dataset=ds,
                     processing_class=tok, callbacks=[Clock()])
@@ -418,11 +422,12 @@ def child_trl(spec: dict) -> dict:
              for t, g, c, p in zip(totals, times["gen"], times["comp"], times["prompt"])]
     for i, s in enumerate(steps):
         print(f"[trl] step {i}: {s['total']:.2f}s (generation {s['generation']:.2f}s)", flush=True)
+    peaks = profiled.get("peaks") or {"peak_rss_mb": _peak_rss_mb(), **gpu.result()}
     return {"side": "trl", "algo": spec["algo"], "steps": steps, "setup_s": setup_s, "rss_after_setup_mb": rss_setup,
-            "peak_rss_mb": _peak_rss_mb(), "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(),
             "prompt_lens": times["prompt"][0][:: spec["group"]] if times["prompt"] else [],
             "trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-            **gpu.result(), **({"profile": profiled["summary"]} if "summary" in profiled else {})}
+            **peaks, **({"profile": profiled["summary"]} if "summary" in profiled else {})}
 
 
 def forced_eos_processor(start: int, lengths: list[int], eos: int):
@@ -516,7 +521,7 @@ def fmt_ratio(a: float, b: float) -> str:
 
 def compare(args, workdir: Path) -> dict:
     spec = base_spec(args, workdir)
-    write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup))
+    write_prompts(Path(spec["data"]), args.prompts * (args.steps + args.warmup + args.profile))
     rate = matmul_rate(args.threads, args.dtype, device=args.device, shape=model_shape(Path(args.model)),
                        decode_rows=args.prompts * args.group)
     load_before = load_avg()
@@ -596,7 +601,8 @@ def compare_markdown(r: dict, args) -> str:
     ]
     profiles = {k: r["results"][k]["profile"] for k in sides if "profile" in r["results"][k]}
     if profiles:
-        lines += ["", "The last step's rest (after generation) under torch.profiler (`--profile`):", ""]
+        lines += ["", "One more step after the measured ones, its rest (after generation) under torch.profiler "
+                      "(`--profile`):", ""]
         for k, pr in profiles.items():
             lines.append(f"- {k}: {pr['wall_ms']:.0f} ms wall, {pr['device_ms']:.0f} ms of device time, "
                          f"{pr['kernels']:.0f} kernels, {pr['sync_ops']:.0f} host syncs; costliest kernels "
@@ -695,9 +701,10 @@ def parse_args(argv=None):
                    help="reasoning: rows end with EOS at lengths drawn once (seeded, recorded in the JSON) from a "
                         "reasoning-like distribution, the same on both sides (see reasoning_lengths)")
     p.add_argument("--profile", action="store_true",
-                   help="the last step's rest (everything after generation) under torch.profiler, on both sides: "
-                        "device time, kernels, host syncs, the costliest kernels and host ops (scripts/benchmarks/"
-                        "profiling.py), in the JSON and the Markdown")
+                   help="one more step after the measured ones (its time and memory left out of theirs), its rest "
+                        "(everything after generation) under torch.profiler, on both sides: device time, kernels, "
+                        "host syncs, the costliest kernels and host ops (scripts/benchmarks/profiling.py), in the "
+                        "JSON and the Markdown")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--trl-python", default=os.environ.get("BENCH_TRL_PYTHON", sys.executable),
                    help="interpreter with trl installed (default: this one, or env BENCH_TRL_PYTHON)")
