@@ -333,8 +333,8 @@ def child_ours(spec: dict) -> dict:
 
 
 def profile_after(obj, method: str, profiled: dict, spec: dict) -> None:
-    """Start a torch.profiler run (into ``profiled["prof"]``) when ``obj.method`` next returns: ours after the
-    rollout phase, TRL's after its ``_generate``; the caller stops it when the step has ended."""
+    """Start a torch.profiler run (into ``profiled["prof"]``) when ``obj.method`` next returns (our side: after the
+    rollout phase); the caller stops it when the step has ended."""
     from scripts.benchmarks import profiling
 
     plain = getattr(obj, method)
@@ -379,7 +379,8 @@ def child_trl(spec: dict) -> dict:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         beta=0.0 if dapo else spec["beta"], loss_type="dapo" if dapo else "grpo",
         epsilon=0.2, epsilon_high=0.28 if dapo else 0.2, scale_rewards="group", num_iterations=1,
-        max_steps=spec["steps"] + spec["warmup"] + bool(spec.get("profile")), seed=spec["seed"], gradient_checkpointing=False,
+        max_steps=spec["steps"] + spec["warmup"] + bool(spec.get("profile")), seed=spec["seed"],
+        gradient_checkpointing=False,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, shuffle_dataset=False,
         dataloader_num_workers=0,
     )

@@ -65,6 +65,7 @@ import torch  # noqa: E402
 
 from scripts.benchmarks.bench import forced_eos_processor, reasoning_lengths  # noqa: E402
 from scripts.benchmarks.bench_ref import SMOLLM_SHAPE, random_smollm2  # noqa: E402
+from scripts.benchmarks import profiling  # noqa: E402
 from scripts.benchmarks.profiling import profile_summary  # noqa: E402
 
 SHAPES = {
@@ -485,8 +486,6 @@ def stage_train_profile(folder: str, device: str, dtype: str, spec: dict, out: P
     syncs, the costliest kernels and host ops (profile_summary), and the phase's MFU: model FLOPs (2 N a token a
     forward, 6 N forward + backward, N the parameters; attention left out) over wall time x the GPU's dense bf16
     peak (PEAK_BF16). ``unprofiled``: the last unprofiled step's phase times, to show the profiler's overhead."""
-    from torch.profiler import ProfilerActivity, profile
-
     from grpo.training.trainer import Trainer
 
     cuda = device.startswith("cuda")
@@ -506,20 +505,16 @@ def stage_train_profile(folder: str, device: str, dtype: str, spec: dict, out: P
                  "update": 6 * n_params * tokens * cfg.algo.num_iterations}
         name = torch.cuda.get_device_name() if cuda else ""
         peak = next((f for k, f in PEAK_BF16.items() if k in name), None)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         phases = {}
         for label, run in (("logprobs", trainer.logprob_phase), ("advantages", trainer.advantage_phase),
                            ("update", trainer.update_phase)):
             _sync(device)
-            t0 = time.perf_counter()
-            with profile(activities=acts) as prof:
-                run(step)
-                _sync(device)
-            wall = time.perf_counter() - t0
-            phases[label] = {"wall_ms": 1000 * wall, **profile_summary(prof, cuda)}
+            prof = profiling.start(cuda)
+            run(step)
+            phases[label] = profiling.finish(prof, cuda)
             if label in flops:
                 phases[label]["model_tflop"] = flops[label] / 1e12
-                phases[label]["mfu"] = flops[label] / wall / peak if peak else None
+                phases[label]["mfu"] = flops[label] / (phases[label]["wall_ms"] / 1000) / peak if peak else None
         trainer.metrics_phase(step)
     finally:
         trainer.close()
