@@ -45,6 +45,9 @@ def test_bf16_training_steps_run_on_the_gpu(single_rank_env, tmp_path):
         assert min(m["memory/generate_gib"], m["memory/logprobs_gib"]) > weights, m
         assert m["memory/train_gib"] > 2 * weights, m
     assert tr.memory.run_peak / 2**30 >= max(m["memory/train_gib"] for m in steps)
+    # the first training passes ask the device for their memory; every count is a whole, non-negative number
+    assert steps[0]["memory/train_device_allocs"] > 0
+    assert all(m[k] >= 0 and m[k] == int(m[k]) for m in steps for k in m if k.endswith("_device_allocs"))
     tr.close()
 
 

@@ -59,3 +59,39 @@ def test_gc_timer_sees_a_collection():
     finally:
         t.close()
     assert t._callback not in gc.callbacks
+
+
+def test_memory_peaks_per_phase_and_device_allocations(monkeypatch):
+    """The CUDA allocator's counters through fakes (no GPU here): each phase's peak is the peak since the previous
+    call, and its device allocations are the counter's growth over that phase (a cumulative counter that a
+    reset of the peaks leaves alone)."""
+    import torch
+
+    from grpo.training.steptime import MemoryPeaks
+
+    state = {"peak": 0, "allocs": 0}
+
+    def alloc(peak: int, calls: int) -> None:  # what a phase does to the allocator
+        state["peak"] = max(state["peak"], peak)
+        state["allocs"] += calls
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_device_alloc": state["allocs"]})
+    m = MemoryPeaks(torch.device("cuda"))
+    alloc(3 * 2**30, 40)  # before the step (model loading): counts towards the run's peak only
+    m.begin()
+    alloc(2**30, 5)
+    m.end("generate")
+    alloc(2 * 2**30, 0)
+    m.end("logprobs")
+    alloc(2**29, 300)
+    m.end("train")
+    assert m.pop() == {"memory/generate_gib": 1.0, "memory/generate_device_allocs": 5.0,
+                       "memory/logprobs_gib": 2.0, "memory/logprobs_device_allocs": 0.0,
+                       "memory/train_gib": 0.5, "memory/train_device_allocs": 300.0}
+    assert m.run_peak == 3 * 2**30 and m.pop() == {}
+    off = MemoryPeaks(torch.device("cpu"))  # nothing off CUDA
+    off.begin()
+    off.end("train")
+    assert off.pop() == {}

@@ -21,13 +21,16 @@ import torch
 class MemoryPeaks:
     """``memory/<phase>_gib``: the most CUDA memory allocated during each phase of a step (``generate``,
     ``logprobs``: the old-policy and reference passes, ``train``: the training passes, the optimizer step and
-    the engine's weight sync), in GiB; nothing off CUDA. The allocator's counters are host reads (no device
-    sync). Each phase resets torch's peak counter, so the whole run's peak is ``run_peak`` (bytes), which also
-    keeps what happened between steps (evaluation, checkpoints)."""
+    the engine's weight sync), in GiB; and ``memory/<phase>_device_allocs``: how many times the caching allocator
+    asked the device for memory in that phase (``cudaMalloc`` calls; each costs host time and some synchronise:
+    a phase that pays them every step is working against an emptied cache). Nothing off CUDA. The allocator's
+    counters are host reads (no device sync). Each phase resets torch's peak counter, so the whole run's peak is
+    ``run_peak`` (bytes), which also keeps what happened between steps (evaluation, checkpoints)."""
 
     def __init__(self, device: torch.device):
         self.device = device if device.type == "cuda" else None
         self.run_peak = 0
+        self.allocs = 0  # the allocator's device allocations so far (num_device_alloc)
         self.metrics: dict[str, float] = {}
 
     def _read(self) -> int:
@@ -36,15 +39,23 @@ class MemoryPeaks:
         self.run_peak = max(self.run_peak, peak)
         return peak
 
+    def _allocs_since(self) -> int:
+        """Device allocations since the last call (the counter is cumulative: a reset of the peaks keeps it)."""
+        now = int(torch.cuda.memory_stats(self.device).get("num_device_alloc", 0))
+        since, self.allocs = now - self.allocs, now
+        return since
+
     def begin(self) -> None:
         """A step starts: what came before it counts towards ``run_peak`` only."""
         if self.device is not None:
             self._read()
+            self._allocs_since()
 
     def end(self, phase: str) -> None:
         """The phase that began at the previous call ends now."""
         if self.device is not None:
             self.metrics[f"memory/{phase}_gib"] = self._read() / 2**30
+            self.metrics[f"memory/{phase}_device_allocs"] = float(self._allocs_since())
 
     def pop(self) -> dict[str, float]:
         out, self.metrics = self.metrics, {}

@@ -457,7 +457,8 @@ def stage_step(folder: str, device: str, dtype: str, spec: dict, new_tokens: int
     rows = spec["prompts"] * spec["G"]
     parts = memory_parts(n_params, shape, dtype, states, rows, PROMPT_WORDS + new_tokens)
     parts["reference"] = n_params * {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]  # the in-process reference (beta > 0)
-    phases = {k: max(st.get(k, 0.0) for st in steps) for k in {k for st in steps for k in st if k.startswith("memory/")}}
+    phases = {k: max(st.get(k, 0.0) for st in steps)
+              for k in {k for st in steps for k in st if k.startswith("memory/") and k.endswith("_gib")}}
     kv_held = not phases or max(phases, key=phases.get) == "memory/generate_gib"
     kv = parts["kv_cache"] if kv_held else parts.pop("kv_cache")  # freed before the passes that set the peak
     parts["activations_and_rest"] = peak - sum(parts.values())
