@@ -85,6 +85,38 @@ def test_token_budget_gives_the_row_split_gradient(single_rank_env, tmp_path):
         tr.close()
 
 
+def test_share_prompt_off_gives_the_same_gradient_from_one_forward_per_row(single_rank_env, tmp_path, monkeypatch):
+    """train.share_prompt=false: the policy's passes run every prompt + completion row in one forward (no group's
+    prompt run once): the same loss, gradient and old log-probs as the shared path, which really shared."""
+    from tests.dist_grad_worker import global_batch
+    from grpo.foundation import logprobs
+    from grpo.training.trainer import Trainer
+
+    shared_calls = []
+    plain = logprobs._shared_prefix_hidden
+    monkeypatch.setattr(logprobs, "_shared_prefix_hidden", lambda *a: shared_calls.append(1) or plain(*a))
+    cfg = load_config(overrides=[*SMALL, "train.micro_batch_size=16", f"train.output_dir={tmp_path}"])
+    tr = Trainer(cfg)
+    try:
+        batch = global_batch(tr.model.config.vocab_size)
+        batch.advantages = tr.algo.advantages(batch, None)
+        results = {}
+        for share in (True, False):
+            cfg.train.share_prompt = share
+            shared_calls.clear()
+            old, _ = tr.policy_logprobs(batch, False)
+            results[share] = (_gradient(tr, batch), old, len(shared_calls))
+        (loss, grad), old, calls = results[True]
+        (l2, g2), old2, calls2 = results[False]
+        assert calls == 2 and calls2 == 0  # the old log-probs' pass and the training pass shared; then neither
+        assert grad.abs().max() > 1e-3
+        assert float(l2) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(g2, grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+        torch.testing.assert_close(old2, old, rtol=0, atol=1e-5)
+    finally:
+        tr.close()
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 def test_bf16_optimizer_states_build_and_step(single_rank_env, tmp_path, zero):
     """train.optimizer_states=bf16: Adam's moments are bf16 (no fp32 copy), and a step moves the weights;

@@ -415,6 +415,10 @@ class TrainConfig:
     export_final: bool = True
     # completion tokens per LM-head chunk (one [chunk x vocab] fp32 buffer); 0 = by device: 256 on a CPU, 512 on a GPU
     logprob_chunk_size: int = at_least_zero(0)
+    # the policy's passes (old log-probs and training): rows sharing a prompt (a group) run it once, the completions
+    # on its keys and values (the same numbers, a G-th of the prompt's work); false: one forward over every
+    # prompt + completion row, as TRL's (an A/B of the two paths' kernels on a GPU; the reference keeps the first)
+    share_prompt: bool = True
     # Adam's state and the master weights of a bf16 model: fp32 (DeepSpeed's bf16 mode: fp32 master weights,
     # fp32 moments and gradients, about 16-20 bytes a parameter) or bf16 (pure bf16 as TRL's bf16 runs:
     # the moments in the weights' bf16, about 8 bytes a parameter; needs model.dtype bf16 and no LoRA)

@@ -55,7 +55,8 @@ class PolicyPasses:
         for rows in self.micro_batches(batch):
             out_lp, out_ent, *out_sq = completion_logprobs(
                 self.model, batch.packed(rows or [0], self.pad_id), self.cfg.rollout.temperature,
-                self.cfg.train.logprob_chunk_size, with_entropy, sum_pi_squared=sum_pi_squared,
+                self.cfg.train.logprob_chunk_size, with_entropy, share_prefix=self.cfg.train.share_prompt,
+                sum_pi_squared=sum_pi_squared,
             )
             if not rows:  # an empty micro-batch (another rank's extra one): the forward only joins in
                 continue
@@ -89,7 +90,8 @@ class PolicyPasses:
             ds.begin_micro_batch(engine)
             mb = batch.select(rows or [0]).to(self.device)
             s = completion_scores(self.model, mb.packed(None, self.pad_id), cfg.rollout.temperature,
-                                  cfg.train.logprob_chunk_size, entropy_grad=self.algo.entropy_bonus,
+                                  cfg.train.logprob_chunk_size, share_prefix=cfg.train.share_prompt,
+                                  entropy_grad=self.algo.entropy_bonus,
                                   gather_ids=mb.extra.get("teacher_topk_ids"))  # teacher.top_k: its support
             logp, ent = s.logprobs, s.entropy
             if not rows:  # another rank's extra micro-batch: a pass of weight 0 through the same modules
