@@ -64,3 +64,67 @@ def test_models_without_a_softcap_keep_their_attention(tmp_path):
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path)
     assert load_model(ModelConfig(dtype="fp32"), str(tmp_path)).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("arch, cls", [("mistral3_mm", "Mistral3ForConditionalGeneration"),
+                                       ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+                                       ("qwen3_vl", "Qwen3VLForConditionalGeneration")])
+def test_image_text_to_text_checkpoints_load_as_their_own_class_and_score_text_exactly(tmp_path, arch, cls):
+    """Checkpoints that AutoModelForCausalLM refuses (Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL) load as their
+    own class, as TRL loads them; text-only, the log-probs of every path (each group's prompt once, or one forward
+    per row) are the model's own forward's in float64; freeze_bottom_layers finds the language model's layers."""
+    from grpo.foundation.logprobs import completion_scores, pack
+    from grpo.foundation.tiny import write_tiny
+
+    folder = write_tiny(tmp_path / arch, arch=arch)
+    model = load_model(ModelConfig(dtype="fp32", freeze_bottom_layers=1), str(folder)).double().eval()
+    assert type(model).__name__ == cls
+    layers = model.model.language_model.layers
+    assert not any(p.requires_grad for p in layers[0].parameters())
+    assert all(p.requires_grad for p in layers[1].parameters())
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    rows = [prompts[i // 2] for i in range(4)]
+    comps = [[12, 13, 14], [15, 16], [17, 18, 19, 20], [21]]
+    with torch.no_grad():
+        expected = []
+        for p, c in zip(rows, comps):
+            lp = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0], -1)
+            expected.append(torch.stack([lp[len(p) - 1 + j, t] for j, t in enumerate(c)]))
+        for share in (True, False):
+            got = completion_scores(model, pack(rows, comps, 0), 1.0, share_prefix=share).logprobs
+            for i, e in enumerate(expected):
+                torch.testing.assert_close(got[i, : len(e)], e, rtol=0, atol=1e-12)
+
+
+def test_a_checkpoint_that_cannot_generate_text_is_refused_by_name(tmp_path):
+    from transformers import ViTConfig, ViTModel
+
+    ViTModel(ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                       patch_size=14)).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"ViTConfig\) is neither a causal language model nor an image-text-to-text"):
+        load_model(ModelConfig(dtype="fp32"), str(tmp_path))
+
+
+def test_an_exported_image_text_to_text_model_keeps_its_processor_files(tmp_path, monkeypatch):
+    """The export / checkpoint folder of a multimodal policy carries its source folder's processor files (vLLM builds
+    the processor from them even for text) and loads as the same class; a model from no folder copies nothing, not
+    even from the working directory."""
+    from transformers import AutoTokenizer
+
+    from grpo.foundation.tiny import build_tiny, write_tiny
+    from grpo.training.checkpoint import write_weights
+
+    src = write_tiny(tmp_path / "src", arch="qwen2_5_vl")
+    (src / "preprocessor_config.json").write_text('{"image_processor_type": "Qwen2VLImageProcessor"}')
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    model = load_model(ModelConfig(dtype="fp32"), str(src))
+    write_weights(model, model.state_dict(), AutoTokenizer.from_pretrained(src), tmp_path / "out")
+    for name in ("preprocessor_config.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_text() == (src / name).read_text()
+    again = load_model(ModelConfig(dtype="fp32"), str(tmp_path / "out"))
+    assert type(again) is type(model)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+    monkeypatch.chdir(src)  # a folder with processor files as the working directory
+    tiny, tok = build_tiny()
+    write_weights(tiny, tiny.state_dict(), tok, tmp_path / "plain")
+    assert not (tmp_path / "plain" / "preprocessor_config.json").exists()

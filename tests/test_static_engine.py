@@ -13,8 +13,9 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
-                          SmolLM3ForCausalLM)
+                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                          SmolLM3Config, SmolLM3ForCausalLM)
 
 from grpo.foundation.modeling import keep_attention_softcap
 from grpo.rollout import static
@@ -55,6 +56,20 @@ MODELS = {
         vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, image_size=32, patch_size=8),
         image_token_index=33)),
+    # Qwen2.5-VL's and Qwen3-VL's checkpoints, text-only prompts: Qwen2's decoder (q/k/v biases) and Qwen3's (q/k
+    # norms) with multimodal RoPE (three position streams, interleaved in Qwen3-VL), under a vision tower
+    "qwen2_5_vl": lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
+        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+    "qwen3_vl": lambda: Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [4, 2, 2],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
     # Ministral 3: YaRN, queries scaled by 1 + beta log(1 + floor(pos / 4)) (4: a short original context, so that
     # the scale changes within these sequences)
     "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(
@@ -827,7 +842,9 @@ def test_auto_picks_hf_off_cuda_and_says_why(capsys):
 
 @pytest.mark.parametrize("engine, zero_stage, arch", [("static", 0, "llama"), ("static", 3, "llama"),
                                                       ("hf", 0, "llama"), ("static", 3, "gemma3"),
-                                                      ("static", 3, "qwen3_moe"), ("static", 3, "gemma3_mm")])
+                                                      ("static", 3, "qwen3_moe"), ("static", 3, "gemma3_mm"),
+                                                      ("static", 0, "mistral3_mm"), ("hf", 0, "qwen2_5_vl"),
+                                                      ("static", 0, "qwen3_vl")])
 def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, engine, zero_stage,
                                                                         arch):
     """The demo config through the Trainer with rollout.engine=static, TIS on: the sampler's log-probs are the
@@ -835,7 +852,9 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     weights once per call (a wrong or stale gather would show as a gap). The hf engine reports them too (issue 45,
     item 1): TIS runs with every engine. A Gemma 3 model (its embedding scale a buffer, not a parameter that ZeRO-3
     gathers), a Qwen3-MoE model (its experts' 3-D weights) and Gemma 3's multimodal checkpoint (its text model
-    under a vision tower) go through the same path."""
+    under a vision tower) go through the same path, and so do the image-text-to-text checkpoints that no
+    AutoModelForCausalLM loads (Mistral 3's, Qwen3-VL's; Qwen2.5-VL's on the hf engine): loaded as their own class,
+    as TRL loads them."""
     from pathlib import Path
 
     from grpo.foundation.tiny import write_tiny
@@ -852,7 +871,8 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     tr = Trainer(cfg)
     assert type(tr.rollout.engine) is {"static": static.StaticEngine, "hf": HFEngine}[engine]
     assert tr.model.config.model_type == {"llama": "llama", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe",
-                                          "gemma3_mm": "gemma3"}[arch]
+                                          "gemma3_mm": "gemma3", "mistral3_mm": "mistral3", "qwen2_5_vl": "qwen2_5_vl",
+                                          "qwen3_vl": "qwen3_vl"}[arch]
     assert static.partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2

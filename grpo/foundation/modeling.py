@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -177,14 +178,41 @@ def load_model(cfg: ModelConfig, name_or_path: str | None = None, safetensors_on
             kwargs["use_safetensors"] = True
         if cfg.attn_implementation:
             kwargs["attn_implementation"] = cfg.attn_implementation
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"model.name_or_path={name!r}: cannot load the model ({e}). "
-                f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
-            ) from e
+        model = _from_pretrained(name, kwargs)
     return prepare_model(model, cfg, apply_freeze)
+
+
+def _from_pretrained(name: str, kwargs: dict) -> PreTrainedModel:
+    """A causal LM, or an image-text-to-text checkpoint (Mistral Small 3.1 / 3.2 and Magistral, Qwen2.5-VL, Qwen3-VL,
+    LLaVA, ...) as its own class, as TRL's GRPOTrainer loads one: with text-only prompts its forward is its language
+    model's (the vision tower is never reached), so it trains like any decoder."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise _load_error(name, e) from e
+        causal = e
+    except OSError as e:
+        raise _load_error(name, e) from e
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        return AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise _load_error(name, e) from e
+        found = re.search(r"configuration class <class '([\w.]+)'>", str(causal))
+        kind = found.group(1).rsplit(".", 1)[-1] if found else "its class"
+        raise ConfigError(f"model.name_or_path={name!r}: its config ({kind}) is neither a causal language model nor an "
+                          f"image-text-to-text model of transformers (AutoModelForCausalLM, "
+                          f"AutoModelForImageTextToText): the policy must generate text") from e
+    except OSError as e:
+        raise _load_error(name, e) from e
+
+
+def _load_error(name: str, e: Exception) -> ConfigError:
+    return ConfigError(f"model.name_or_path={name!r}: cannot load the model ({e}). "
+                       f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}.")
 
 
 def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool = True) -> PreTrainedModel:
@@ -227,7 +255,8 @@ def freeze_bottom_layers(model: PreTrainedModel, n: int) -> None:
     saved while the top of the network still learns.
     """
     base = getattr(model, model.base_model_prefix, None)
-    layers = getattr(base, "layers", None)
+    # an image-text-to-text checkpoint's decoder layers are its language model's
+    layers = getattr(base, "layers", None) or getattr(getattr(base, "language_model", None), "layers", None)
     if layers is None:
         raise ConfigError(f"model.freeze_bottom_layers: cannot find the decoder layers of {type(model).__name__}")
     if n > len(layers):

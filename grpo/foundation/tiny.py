@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+                          LlamaForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
+                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2_5_VLTextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLTextConfig)
 
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -33,11 +35,17 @@ BUILTIN_MODELS = {
 # make_tiny_model's ``arch``: the architectures of the recipes' models (SmolLM2 is a Llama, Qwen2.5 a Qwen2).
 # gemma3: Gemma 3's text model (its sandwich norms, q/k norms, a RoPE per layer type; layer 1 of 2 slides);
 # qwen3_moe: Qwen3's mixture of experts (top-2 of 4 experts a quarter of the dense MLP's width);
-# gemma3_mm: that Gemma 3 text model inside Gemma 3's multimodal checkpoint (the 4B-27B models load as
-# Gemma3ForConditionalGeneration), with a one-layer vision tower that text prompts never reach.
+# Image-text-to-text checkpoints, each with a one-layer vision tower that text prompts never reach: gemma3_mm, that
+# Gemma 3 text model inside Gemma 3's multimodal checkpoint (the 4B-27B models load as
+# Gemma3ForConditionalGeneration); mistral3_mm, a Mistral text model under a Pixtral tower (Mistral Small 3.1 / 3.2,
+# Magistral); qwen2_5_vl and qwen3_vl, Qwen2.5-VL's and Qwen3-VL's (multimodal RoPE: three position streams, equal
+# for text).
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-         "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration)}
+         "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
+         "mistral3_mm": (MistralConfig, Mistral3ForConditionalGeneration),
+         "qwen2_5_vl": (Qwen2_5_VLTextConfig, Qwen2_5_VLForConditionalGeneration),
+         "qwen3_vl": (Qwen3VLTextConfig, Qwen3VLForConditionalGeneration)}
 
 
 def _gemma3_text(hidden: int, heads: int) -> dict:
@@ -45,10 +53,35 @@ def _gemma3_text(hidden: int, heads: int) -> dict:
             "sliding_window_pattern": 2}
 
 
+def _mrope(hidden: int, heads: int) -> dict:
+    """Multimodal RoPE: the head's frequency pairs split among the temporal, height and width positions."""
+    half = hidden // heads // 2
+    return {"head_dim": hidden // heads, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2}}
+
+
 ARCH_KWARGS = {
-    "gemma3": _gemma3_text, "gemma3_mm": _gemma3_text,
+    "gemma3": _gemma3_text, "gemma3_mm": _gemma3_text, "qwen2_5_vl": _mrope,
+    "qwen3_vl": lambda hidden, heads: {**_mrope(hidden, heads), "rope_parameters": {
+        **_mrope(hidden, heads)["rope_parameters"], "mrope_interleaved": True}},
     "qwen3_moe": lambda hidden, heads: {"head_dim": hidden // heads, "num_experts": 4, "num_experts_per_tok": 2,
                                         "moe_intermediate_size": hidden, "norm_topk_prob": True},
+}
+_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+_QWEN_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2)
+MULTIMODAL = {
+    "gemma3_mm": lambda text, vocab: Gemma3Config(
+        text_config=text, mm_tokens_per_image=4, image_token_index=vocab - 1, boi_token_index=vocab - 2,
+        eoi_token_index=vocab - 3, vision_config=dict(_VISION, image_size=28, patch_size=14)),
+    "mistral3_mm": lambda text, vocab: Mistral3Config(
+        text_config=text, image_token_index=vocab - 1,
+        vision_config=dict(_VISION, model_type="pixtral", image_size=32, patch_size=8)),
+    "qwen2_5_vl": lambda text, vocab: Qwen2_5_VLConfig(
+        text_config=text, image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
+        vision_config=dict(_QWEN_VISION, out_hidden_size=text["hidden_size"])),
+    "qwen3_vl": lambda text, vocab: Qwen3VLConfig(
+        text_config=text, image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
+        vision_config=dict(_QWEN_VISION, out_hidden_size=text["hidden_size"], deepstack_visual_indexes=[0])),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
@@ -104,11 +137,8 @@ def make_tiny_model(
         eos_token_id=eos_token_id,
         **ARCH_KWARGS.get(arch, lambda hidden, heads: {})(hidden_size, num_heads),
     )
-    if arch == "gemma3_mm":
-        config = Gemma3Config(text_config=config.to_dict(), mm_tokens_per_image=4, image_token_index=vocab_size - 1,
-                              boi_token_index=vocab_size - 2, eoi_token_index=vocab_size - 3,
-                              vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=28, patch_size=14))
+    if arch in MULTIMODAL:  # the text config inside the checkpoint's own; its image tokens the vocabulary's last
+        config = MULTIMODAL[arch](config.to_dict(), vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)

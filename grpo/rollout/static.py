@@ -53,11 +53,13 @@ from grpo.foundation.logprobs import partitioned
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
+# qwen2_5_vl_text / qwen3_vl_text: Qwen2.5-VL's and Qwen3-VL's language models, Qwen2's and Qwen3's decoders whose
+# multimodal RoPE gives text its three position streams equal: the plain RoPE of the same frequencies
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-               "gemma", "gemma2", "gemma3_text", "smollm3")
+               "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_5_vl_text", "qwen3_vl_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text")  # norms after attention and around the MLP; attention scale query_pre_attn_scalar
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
 MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,

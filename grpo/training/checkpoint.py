@@ -225,11 +225,24 @@ def _write_hf(engine, tokenizer, folder: Path) -> None:
         write_weights(engine.module, state_dict, tokenizer, folder)
 
 
+# an image-text-to-text checkpoint's processor files: what its processor (and vLLM, which builds it even for text)
+# reads beside the weights and the tokenizer
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json", "chat_template.jinja")
+
+
 def write_weights(model, state_dict: dict, tokenizer, folder: str | Path) -> None:
     """An HF folder (``from_pretrained`` loads it) with ``model``'s config and these weights (transformers'
-    names, e.g. a mixed reference's). Call it on one rank."""
+    names, e.g. a mixed reference's); an image-text-to-text model's processor files come along from the local
+    folder it was loaded from (the trainer reads text through the tokenizer alone). Call it on one rank."""
     model.save_pretrained(str(folder), state_dict=state_dict_for_save(model, state_dict), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
+    loaded_from = str(getattr(model.config, "_name_or_path", "") or "")
+    source = Path(loaded_from)
+    if loaded_from and source.is_dir() and source.resolve() != Path(folder).resolve():
+        for name in PROCESSOR_FILES:
+            if (source / name).is_file() and not (Path(folder) / name).exists():
+                shutil.copy2(source / name, Path(folder) / name)
 
 
 def export_model(engine, tokenizer, folder: str | Path) -> Path:
