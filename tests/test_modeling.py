@@ -68,9 +68,10 @@ def test_models_without_a_softcap_keep_their_attention(tmp_path):
 
 @pytest.mark.parametrize("arch, cls", [("mistral3_mm", "Mistral3ForConditionalGeneration"),
                                        ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
-                                       ("qwen3_vl", "Qwen3VLForConditionalGeneration")])
+                                       ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                                       ("llava", "LlavaForConditionalGeneration")])
 def test_image_text_to_text_checkpoints_load_as_their_own_class_and_score_text_exactly(tmp_path, arch, cls):
-    """Checkpoints that AutoModelForCausalLM refuses (Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL) load as their
+    """Checkpoints that AutoModelForCausalLM refuses (Mistral Small 3.1 / 3.2, Qwen2.5-VL, Qwen3-VL, LLaVA) load as their
     own class, as TRL loads them; text-only, the log-probs of every path (each group's prompt once, or one forward
     per row) are the model's own forward's in float64; freeze_bottom_layers finds the language model's layers."""
     from grpo.foundation.logprobs import completion_scores, pack

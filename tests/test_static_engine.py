@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM,
+                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
+                          Ministral3Config, Ministral3ForCausalLM,
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -70,6 +71,12 @@ MODELS = {
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                            deepstack_visual_indexes=[0]),
         image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+    # LLaVA's checkpoints, text-only prompts: a Llama under a CLIP tower
+    "llava": lambda: LlavaForConditionalGeneration(LlavaConfig(
+        text_config=dict(**COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        image_token_index=V - 1)),
     # Ministral 3: YaRN, queries scaled by 1 + beta log(1 + floor(pos / 4)) (4: a short original context, so that
     # the scale changes within these sequences)
     "ministral3": lambda: Ministral3ForCausalLM(Ministral3Config(

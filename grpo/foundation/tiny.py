@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
+                          LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
                           PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2_5_VLTextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLTextConfig)
@@ -39,13 +39,14 @@ BUILTIN_MODELS = {
 # Gemma 3 text model inside Gemma 3's multimodal checkpoint (the 4B-27B models load as
 # Gemma3ForConditionalGeneration); mistral3_mm, a Mistral text model under a Pixtral tower (Mistral Small 3.1 / 3.2,
 # Magistral); qwen2_5_vl and qwen3_vl, Qwen2.5-VL's and Qwen3-VL's (multimodal RoPE: three position streams, equal
-# for text).
+# for text); llava, a Llama under a CLIP tower.
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
          "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
          "mistral3_mm": (MistralConfig, Mistral3ForConditionalGeneration),
          "qwen2_5_vl": (Qwen2_5_VLTextConfig, Qwen2_5_VLForConditionalGeneration),
-         "qwen3_vl": (Qwen3VLTextConfig, Qwen3VLForConditionalGeneration)}
+         "qwen3_vl": (Qwen3VLTextConfig, Qwen3VLForConditionalGeneration),
+         "llava": (LlamaConfig, LlavaForConditionalGeneration)}
 
 
 def _gemma3_text(hidden: int, heads: int) -> dict:
@@ -76,6 +77,9 @@ MULTIMODAL = {
     "mistral3_mm": lambda text, vocab: Mistral3Config(
         text_config=text, image_token_index=vocab - 1,
         vision_config=dict(_VISION, model_type="pixtral", image_size=32, patch_size=8)),
+    "llava": lambda text, vocab: LlavaConfig(
+        text_config=text, image_token_index=vocab - 1,
+        vision_config=dict(_VISION, model_type="clip_vision_model", image_size=28, patch_size=14)),
     "qwen2_5_vl": lambda text, vocab: Qwen2_5_VLConfig(
         text_config=text, image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
         vision_config=dict(_QWEN_VISION, out_hidden_size=text["hidden_size"])),
