@@ -291,3 +291,50 @@ def test_hf_sampler_logprobs_equal_the_trainers_in_float64():
         want = torch.log_softmax(torch.where(torch.isinf(z), z, logits / 0.9), -1).gather(-1, torch.tensor(toks)[:, None])
         torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), want[:, 0], rtol=0, atol=1e-10)
     assert generate(model, prompts, SamplingParams(max_tokens=3), [tok.eos_token_id], tok.pad_token_id).logprobs is None
+
+
+def test_a_hybrid_linear_attention_model_generates_and_scores_as_transformers_does(monkeypatch):
+    """Qwen3.5's decoder (a Gated DeltaNet layer with a conv and a recurrent state, then full attention): the hf
+    engine's greedy rows = transformers' generate on each prompt alone (ragged prompts left-padded, a group's state
+    repeated, finished rows leaving the batch, so row selection moves the recurrent states too); its sampler
+    log-probs = the trainer's (to float32 rounding: transformers' delta rule runs in float32); the trainer's log-probs = the model's own forward per row, asked to share
+    each group's prompt but running one forward per row (a right-padded prompt's state would have decayed over the
+    padding). A bare DynamicCache crashed both on the first prompt."""
+    from grpo.foundation import logprobs as lpmod
+    from grpo.foundation.logprobs import completion_logprobs, pack
+
+    model, tok = build_tiny(seed=3, arch="qwen3_5")
+    model = model.double().eval()
+    torch.manual_seed(0)
+    for p in model.parameters():  # weights large enough that greedy rows vary (the default init repeats a token)
+        torch.nn.init.normal_(p, 0.0, 0.5 if p.dim() == 1 else p.shape[-1] ** -0.5)
+    prompts = [tok("12+3=").input_ids, tok("7=").input_ids, tok("(1+2)*3=").input_ids]
+    with torch.no_grad():  # an EOS that the prompts' greedy rows draw at different steps: rows leave at different times
+        rows = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                               pad_token_id=tok.pad_token_id)[0, len(p):].tolist() for p in prompts]
+    ends = {t: {r.index(t) if t in r else 8 for r in rows} for r in rows for t in r}
+    eos = [next(t for t, at in ends.items() if len(at) > 1)]
+    greedy = generate(model, prompts, SamplingParams(max_tokens=8, top_k=1), eos, tok.pad_token_id, n=2)
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            want = model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+            for row in greedy.tokens[2 * i: 2 * i + 2]:
+                assert row == want[: len(row)] and (len(row) == 8 or row[-1] in eos)
+    assert len({len(t) for t in greedy.tokens}) > 1  # some rows left early
+    torch.manual_seed(0)
+    comp = generate(model, prompts, SamplingParams(max_tokens=9, temperature=0.7), eos, tok.pad_token_id, n=3,
+                    logprobs=True)
+    shared = []
+    monkeypatch.setattr(lpmod, "_shared_prefix_hidden", lambda *a: shared.append(1))
+    packed = pack([p for p in prompts for _ in range(3)], comp.tokens, tok.pad_token_id)
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, packed, temperature=0.7, share_prefix=True)
+        for i, (p, toks) in enumerate(zip([p for p in prompts for _ in range(3)], comp.tokens)):
+            logits = model(input_ids=torch.tensor([p + toks])).logits[0, len(p) - 1: -1] / 0.7
+            own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]
+            torch.testing.assert_close(trainer[i, : len(toks)], own, rtol=0, atol=1e-12)
+            # transformers runs the delta rule in float32 whatever the model's dtype, and the engine's left padding
+            # shifts its chunks: float32 rounding
+            torch.testing.assert_close(torch.tensor(comp.logprobs[i], dtype=torch.float64), own, rtol=1e-6, atol=1e-6)
+    assert not shared

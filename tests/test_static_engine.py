@@ -851,7 +851,7 @@ def test_auto_picks_hf_off_cuda_and_says_why(capsys):
                                                       ("hf", 0, "llama"), ("static", 3, "gemma3"),
                                                       ("static", 3, "qwen3_moe"), ("static", 3, "gemma3_mm"),
                                                       ("static", 0, "mistral3_mm"), ("hf", 0, "qwen2_5_vl"),
-                                                      ("static", 0, "qwen3_vl")])
+                                                      ("static", 0, "qwen3_vl"), ("hf", 0, "qwen3_5")])
 def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, engine, zero_stage,
                                                                         arch):
     """The demo config through the Trainer with rollout.engine=static, TIS on: the sampler's log-probs are the
@@ -861,7 +861,7 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     gathers), a Qwen3-MoE model (its experts' 3-D weights) and Gemma 3's multimodal checkpoint (its text model
     under a vision tower) go through the same path, and so do the image-text-to-text checkpoints that no
     AutoModelForCausalLM loads (Mistral 3's, Qwen3-VL's; Qwen2.5-VL's on the hf engine): loaded as their own class,
-    as TRL loads them."""
+    as TRL loads them. Qwen3.5's hybrid decoder (linear attention with a recurrent state) on the hf engine."""
     from pathlib import Path
 
     from grpo.foundation.tiny import write_tiny
@@ -879,7 +879,7 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     assert type(tr.rollout.engine) is {"static": static.StaticEngine, "hf": HFEngine}[engine]
     assert tr.model.config.model_type == {"llama": "llama", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe",
                                           "gemma3_mm": "gemma3", "mistral3_mm": "mistral3", "qwen2_5_vl": "qwen2_5_vl",
-                                          "qwen3_vl": "qwen3_vl"}[arch]
+                                          "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_text"}[arch]
     assert static.partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2

@@ -343,13 +343,18 @@ def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     leaves padding columns between a prompt and its completion (the window would then cover the wrong keys). Not
     with gradients through ZeRO-3 leaf modules (mixture-of-experts blocks, ``mark_moe_leaves``): DeepSpeed reduces a
     leaf's gradients in its backward hook, which fires once per call, so a block called for the prompt and again
-    for the completions would have its gradients reduced twice."""
+    for the completions would have its gradients reduced twice. Not with recurrent layers (Qwen3.5's linear
+    attention: ``has_recurrent_layers``)."""
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
     text = _text_config(model)
     window = getattr(text, "sliding_window", None)  # a multimodal checkpoint's (Gemma 3 4B-27B) is its text model's
     if torch.is_grad_enabled() and any(getattr(m, "_z3_leaf", False) for m in model.modules()):
+        return False
+    from grpo.foundation.modeling import has_recurrent_layers
+
+    if has_recurrent_layers(model):  # a right-padded prompt's recurrent state has run over its padding
         return False
     return bool(getattr(text, "use_cache", True)) and not ckpt and (not window or window >= length)
 

@@ -26,6 +26,28 @@ def cache_of(out) -> object:
     """The KV cache a forward with ``use_cache=True`` returned (``out.cache`` or, before 5.24,
     ``out.past_key_values``)."""
     return getattr(out, CACHE_ARG)
+
+
+# layer types (transformers' ``layer_types``) that carry a recurrent state instead of, or beside, keys and values
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mamba2")
+
+
+def has_recurrent_layers(model: torch.nn.Module) -> bool:
+    """Whether the decoder has layers with a recurrent state (Qwen3.5's and Qwen3-Next's Gated DeltaNet, LFM2's
+    convolutions, Mamba hybrids): their cache must be built from the config (a bare DynamicCache has no place for
+    the state), and the state after a right-padded prompt has also run over the padding (it decays there), so a
+    prompt's state is not the one its completions continue from."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ()
+    return any(t in RECURRENT_LAYER_TYPES for t in types)
+
+
+def new_cache(model: torch.nn.Module):
+    """An empty cache for ``model``'s forward: built from its config where it has recurrent layers (each layer's kind
+    of state), else a bare DynamicCache (every layer's keys and values kept whole)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config) if has_recurrent_layers(model) else DynamicCache()
 from grpo.foundation.tiny import BUILTIN_NAME, build_builtin, is_builtin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

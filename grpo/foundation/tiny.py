@@ -16,7 +16,8 @@ from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalG
                           LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
                           PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2_5_VLTextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                          Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLTextConfig)
+                          Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLTextConfig, Qwen3_5ForCausalLM,
+                          Qwen3_5TextConfig)
 
 BUILTIN_NAME = "builtin:tiny-char"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -39,14 +40,16 @@ BUILTIN_MODELS = {
 # Gemma 3 text model inside Gemma 3's multimodal checkpoint (the 4B-27B models load as
 # Gemma3ForConditionalGeneration); mistral3_mm, a Mistral text model under a Pixtral tower (Mistral Small 3.1 / 3.2,
 # Magistral); qwen2_5_vl and qwen3_vl, Qwen2.5-VL's and Qwen3-VL's (multimodal RoPE: three position streams, equal
-# for text); llava, a Llama under a CLIP tower.
+# for text); llava, a Llama under a CLIP tower. qwen3_5: Qwen3.5's hybrid decoder, a Gated DeltaNet layer (linear
+# attention: a convolution and a recurrent state, no keys and values) then a gated full-attention layer.
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
          "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
          "mistral3_mm": (MistralConfig, Mistral3ForConditionalGeneration),
          "qwen2_5_vl": (Qwen2_5_VLTextConfig, Qwen2_5_VLForConditionalGeneration),
          "qwen3_vl": (Qwen3VLTextConfig, Qwen3VLForConditionalGeneration),
-         "llava": (LlamaConfig, LlavaForConditionalGeneration)}
+         "llava": (LlamaConfig, LlavaForConditionalGeneration),
+         "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}
 
 
 def _gemma3_text(hidden: int, heads: int) -> dict:
@@ -61,7 +64,15 @@ def _mrope(hidden: int, heads: int) -> dict:
                                                              "mrope_section": [half - 2 * (half // 3)] + [half // 3] * 2}}
 
 
+def _qwen3_5(hidden: int, heads: int) -> dict:
+    head = hidden // heads
+    return {"head_dim": head, "linear_num_key_heads": max(1, heads // 2), "linear_num_value_heads": heads,
+            "linear_key_head_dim": head, "linear_value_head_dim": head, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2}  # layers alternate: linear attention, then full
+
+
 ARCH_KWARGS = {
+    "qwen3_5": _qwen3_5,
     "gemma3": _gemma3_text, "gemma3_mm": _gemma3_text, "qwen2_5_vl": _mrope,
     "qwen3_vl": lambda hidden, heads: {**_mrope(hidden, heads), "rope_parameters": {
         **_mrope(hidden, heads)["rope_parameters"], "mrope_interleaved": True}},

@@ -18,8 +18,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+try:  # the conv and recurrent states of transformers' linear-attention layers (Qwen3.5, Qwen3-Next, LFM2, ...)
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # pragma: no cover - a transformers without them has no such layers either
+    LinearAttentionCacheLayerMixin = ()
+
 from grpo.foundation import dist
-from grpo.foundation.modeling import CACHE_ARG, cache_of
+from grpo.foundation.modeling import CACHE_ARG, cache_of, new_cache
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 
 
@@ -145,6 +150,19 @@ class _GrowLayer(DynamicLayer):
         self._views()
 
 
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """Keep the batch rows ``rows`` (in that order; repeated indices repeat a row) of every layer: keys and values,
+    and a recurrent layer's conv and recurrent states (transformers' linear-attention layers have no row selection
+    of their own: their beam-search reorder is one)."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, rows)
+            if isinstance(layer, DynamicLayer) and layer.is_initialized:  # a hybrid layer's keys and values too
+                DynamicLayer.batch_select_indices(layer, rows)
+        else:
+            layer.batch_select_indices(rows)
+
+
 def _make_room(cache: DynamicCache, extra: int) -> None:
     """Turn the cache's plain layers into in-place growing ones with room for ``extra`` more positions
     (sliding-window and other special layers are left as they are)."""
@@ -207,7 +225,7 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, devi
         att[i, C - c: C] = 1
         att[i, C + S - len(x):] = 1
     pos = (att.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache = new_cache(model)
     if C:
         kept = [store.kv[j] if j >= 0 else None for j, _ in matches]
         some = next(kv for kv in kept if kv is not None)
@@ -304,7 +322,7 @@ def generate(
         _make_room(cache, T)
         if keep is not None and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
             keep = None  # sliding-window or other special layers: their rows are not kept
-        cache.batch_repeat_interleave(G)
+        select_rows(cache, torch.arange(P, device=device).repeat_interleave(G))  # each prompt's state, G times
         logits = logits.repeat_interleave(G, dim=0)
         # The attention mask of every step is a view of one buffer; with no padding none is needed.
         padded = not bool(att.all())
@@ -346,7 +364,7 @@ def generate(
                     if not stay.numel():
                         active = active[:0]
                     else:  # finished rows leave the batch and its KV cache
-                        cache.batch_select_indices(stay)
+                        select_rows(cache, stay)
                         active, tok, next_pos = active[stay], tok[stay], next_pos[stay]
                         if att_all is not None:
                             att_all = att_all[stay]
