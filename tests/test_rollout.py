@@ -338,3 +338,47 @@ def test_a_hybrid_linear_attention_model_generates_and_scores_as_transformers_do
             # shifts its chunks: float32 rounding
             torch.testing.assert_close(torch.tensor(comp.logprobs[i], dtype=torch.float64), own, rtol=1e-6, atol=1e-6)
     assert not shared
+
+
+HYBRID = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LINEAR = dict(head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+              shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "lfm2", "granitemoehybrid"])
+def test_other_hybrid_decoders_generate_and_score_as_transformers_does(kind):
+    """Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet and experts), LFM2 (short convolutions), Granite 4's hybrids (Mamba
+    layers): the hf engine's greedy rows = transformers' generate per prompt (ragged prompts, groups of 2), the
+    trainer's log-probs = the model's own forward per row (float32: their experts refuse float64)."""
+    import transformers as T
+
+    from grpo.foundation.logprobs import completion_scores, pack
+
+    make = {
+        "qwen3_next": lambda: T.Qwen3NextForCausalLM(T.Qwen3NextConfig(**HYBRID, **LINEAR)),
+        "qwen3_5_moe": lambda: T.Qwen3_5MoeForCausalLM(T.Qwen3_5MoeTextConfig(**HYBRID, **LINEAR)),
+        "lfm2": lambda: T.Lfm2ForCausalLM(T.Lfm2Config(**HYBRID, layer_types=["conv", "full_attention"] * 2)),
+        "granitemoehybrid": lambda: T.GraniteMoeHybridForCausalLM(T.GraniteMoeHybridConfig(
+            **HYBRID, layer_types=["mamba", "attention"] * 2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+            mamba_d_state=8, mamba_expand=2, num_local_experts=0, shared_intermediate_size=64)),
+    }
+    torch.manual_seed(0)
+    model = make[kind]().eval()
+    for p in model.parameters():  # weights large enough that greedy rows vary
+        torch.nn.init.normal_(p, 0.0, 0.5 if p.dim() == 1 else p.shape[-1] ** -0.5)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
+    out = generate(model, prompts, SamplingParams(max_tokens=6, top_k=1), [2], 0, n=2)
+    rows = [p for p in prompts for _ in range(2)]
+    comps = [[20, 21, 22], [23, 24], [25, 26, 27, 28], [29], [30, 31], [32, 33, 34]]
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            want = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  eos_token_id=2)[0, len(p):].tolist()
+            assert out.tokens[2 * i] == out.tokens[2 * i + 1] == want[: want.index(2) + 1 if 2 in want else 6]
+        got = completion_scores(model, pack(rows, comps, 0), 1.0, share_prefix=True).logprobs
+        for i, (p, c) in enumerate(zip(rows, comps)):
+            own = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1: -1], -1)
+            torch.testing.assert_close(got[i, : len(c)], own.gather(-1, torch.tensor(c)[:, None])[:, 0],
+                                       rtol=0, atol=1e-5)
