@@ -322,7 +322,8 @@ def generate(
         _make_room(cache, T)
         if keep is not None and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
             keep = None  # sliding-window or other special layers: their rows are not kept
-        select_rows(cache, torch.arange(P, device=device).repeat_interleave(G))  # each prompt's state, G times
+        if G > 1:  # each prompt's keys, values and states, G times
+            select_rows(cache, torch.arange(P, device=device).repeat_interleave(G))
         logits = logits.repeat_interleave(G, dim=0)
         # The attention mask of every step is a view of one buffer; with no padding none is needed.
         padded = not bool(att.all())

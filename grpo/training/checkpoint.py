@@ -237,7 +237,7 @@ def write_weights(model, state_dict: dict, tokenizer, folder: str | Path) -> Non
     folder it was loaded from (the trainer reads text through the tokenizer alone). Call it on one rank."""
     model.save_pretrained(str(folder), state_dict=state_dict_for_save(model, state_dict), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
-    loaded_from = str(getattr(model.config, "_name_or_path", "") or "")
+    loaded_from = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     source = Path(loaded_from)
     if loaded_from and source.is_dir() and source.resolve() != Path(folder).resolve():
         for name in PROCESSOR_FILES:
