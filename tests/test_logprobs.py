@@ -439,3 +439,41 @@ def test_a_multimodal_checkpoints_sliding_window_is_its_text_models():
     assert getattr(model.config, "sliding_window", None) is None  # the outer config has none
     with torch.no_grad():
         assert _can_share_prefix(model, 5) and not _can_share_prefix(model, 6)
+
+
+SCALED = {  # families whose causal-LM head scales its logits, each with a scale away from 1
+    "cohere": dict(logit_scale=0.25), "cohere2": dict(logit_scale=0.25), "cohere2_moe": dict(logit_scale=0.25),
+    "granite": dict(logits_scaling=8.0), "granitemoe": dict(logits_scaling=8.0, num_local_experts=4,
+                                                            num_experts_per_tok=2),
+    "hyperclovax": dict(logits_scaling=0.25), "falcon_h1": dict(lm_head_multiplier=0.5),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALED))
+def test_log_probs_of_a_head_that_scales_its_logits_are_the_models_own(kind):
+    """Cohere's, Granite's, HyperCLOVA X's and Falcon-H1's causal-LM forward scales the head's logits: the log-probs,
+    and the top-k a teacher or the audit reads, are those of the model's own logits at the sampling temperature (the
+    trainer computed them from the unscaled head: 0.9 nats off on a tiny Cohere 2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo.foundation.logprobs import completion_scores, logit_scale, pack
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(kind, **{**dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2), **SCALED[kind]})
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    for p in model.parameters():  # weights large enough that the scale moves the log-probs
+        torch.nn.init.normal_(p, 0.0, 0.5 if p.dim() == 1 else p.shape[-1] ** -0.5)
+    assert logit_scale(model) != 1.0
+    rows = [[5, 6, 7], [5, 6, 7], [9, 10]]
+    comps = [[20, 21, 22], [23, 24], [25, 26, 27, 28]]
+    with torch.no_grad():
+        got = completion_scores(model, pack(rows, comps, 0), 0.7, top_k=3)
+        for i, (p, c) in enumerate(zip(rows, comps)):
+            own = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1: -1] / 0.7, -1)
+            torch.testing.assert_close(got.logprobs[i, : len(c)], own.gather(-1, torch.tensor(c)[:, None])[:, 0],
+                                       rtol=0, atol=1e-5)
+            top = own.topk(3, dim=-1)
+            torch.testing.assert_close(got.topk_logprobs[i, : len(c)], top.values, rtol=0, atol=1e-5)
+            assert torch.equal(got.topk_ids[i, : len(c)], top.indices)

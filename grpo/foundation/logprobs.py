@@ -337,6 +337,26 @@ def _text_config(model: torch.nn.Module):
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
+def logit_scale(model: torch.nn.Module) -> float:
+    """What the model's causal-LM forward multiplies its head's logits by (1: nothing), which the log-probs here must
+    do too: Cohere's ``logit_scale`` (Command R / R7B / A), Granite's 1 / ``logits_scaling`` (Granite 3 and 4, their
+    MoE and hybrid models), Falcon-H1's ``lm_head_multiplier``, HyperCLOVA X's ``logits_scaling``, MiniCPM3's
+    1 / ``logits_scaling`` (on the hidden states before the head: the same for a head without bias)."""
+    cfg = _text_config(model)
+    kind = str(getattr(cfg, "model_type", ""))
+    if kind in ("cohere", "cohere2", "cohere2_moe"):
+        return float(cfg.logit_scale)
+    if kind.startswith("granite") and getattr(cfg, "logits_scaling", None):
+        return 1.0 / float(cfg.logits_scaling)
+    if kind == "falcon_h1":
+        return float(cfg.lm_head_multiplier)
+    if kind == "hyperclovax":
+        return float(cfg.logits_scaling)
+    if kind == "minicpm3":
+        return 1.0 / float(cfg.logits_scaling)
+    return 1.0
+
+
 def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     """A cache-capable decoder run without activation checkpointing (which turns the cache off), and no sliding
     window shorter than ``length`` tokens: transformers applies the window to cache columns, and the shared path
@@ -456,6 +476,11 @@ def completion_scores(
         hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
         h = hidden[rows, pos - 1]
     softcap = getattr(_text_config(model), "final_logit_softcapping", None)
+    scale = logit_scale(model)
+    if scale != 1.0:  # scaled logits at temperature T are the head's at temperature T / scale
+        if softcap:
+            raise NotImplementedError(f"{_text_config(model).model_type}: both a logit scale and a soft-cap")
+        temperature = temperature / scale
     head = model.get_output_embeddings()
     lp, ent, *sq = head_logprobs(head, h, targets, temperature, chunk_size, with_entropy,
                                  softcap, entropy_grad=entropy_grad, sum_pi_squared=sum_pi_squared)
