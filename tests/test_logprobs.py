@@ -477,3 +477,33 @@ def test_log_probs_of_a_head_that_scales_its_logits_are_the_models_own(kind):
             top = own.topk(3, dim=-1)
             torch.testing.assert_close(got.topk_logprobs[i, : len(c)], top.values, rtol=0, atol=1e-5)
             assert torch.equal(got.topk_ids[i, : len(c)], top.indices)
+
+
+def test_a_head_transform_the_trainer_does_not_know_stops_the_run_at_start(tmp_path):
+    """check_head, run on every policy the trainer builds: a family whose causal-LM forward changes the head's
+    logits in a way the log-probs here do not reproduce (a Llama whose forward triples them stands for one) is
+    refused by name before any step; the known ones pass (Cohere 2's scale, Gemma 2's final soft-cap, Qwen3.5)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    from grpo.foundation.config import ConfigError
+    from grpo.foundation.logprobs import check_head
+
+    class Tripled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 3.0
+            return out
+
+    model, _ = build_tiny(seed=1)
+    assert check_head(model) < 1e-5
+    with pytest.raises(ConfigError, match=r"model 'llama': the trainer's log-probs differ .* nats"):
+        check_head(Tripled(model.config))
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    for kind, extra in [("cohere2", dict(logit_scale=0.25)), ("gemma2", dict(final_logit_softcapping=3.0, head_dim=8))]:
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **small, **extra))
+        for p in m.parameters():
+            torch.nn.init.normal_(p, 0.0, 0.5 if p.dim() == 1 else p.shape[-1] ** -0.5)
+        assert check_head(m) < 1e-4, kind
+    assert check_head(build_tiny(arch="qwen3_5")[0]) < 1e-4

@@ -357,6 +357,42 @@ def logit_scale(model: torch.nn.Module) -> float:
     return 1.0
 
 
+# how far the probe's log-probs may sit from the model's own forward before the head is called not reproduced: float32
+# rounding, or bf16 / fp16 logits (about 0.2 nats at a logit of 40); a missed scale or cap moves them by nats
+PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+HALF_PROBE_TOLERANCE = 1.0
+
+
+@torch.no_grad()
+def check_head(model: torch.nn.Module) -> float:
+    """The log-probs here on a short probe against the model's own forward: the most they differ, in nats. Raises
+    a ConfigError past the dtype's tolerance: its causal-LM forward transforms the head's logits in a way this
+    module does not reproduce (``logit_scale``, the final soft-cap), and every log-prob, ratio, KL and entropy of
+    the run would be another distribution's. Not on ZeRO-3 partitions (their forward is collective)."""
+    from grpo.foundation.config import ConfigError
+
+    head = model.get_output_embeddings()
+    device, vocab = next(model.parameters()).device, head.weight.shape[0]
+    ids = (vocab // 2 + torch.arange(6)) % vocab  # mid-vocabulary tokens: no special or image tokens
+    was_training = model.training
+    model.eval()
+    try:
+        own = torch.log_softmax(model(input_ids=ids[None].to(device)).logits[0, 2:-1].double(), -1)
+        own = own.gather(-1, ids[3:, None].to(device))[:, 0]
+        ours = completion_scores(model, pack([ids[:3].tolist()], [ids[3:].tolist()], 0), 1.0).logprobs[0, :3]
+    finally:
+        model.train(was_training)
+    gap = float((own - ours.double()).abs().max())
+    dtype = next(model.parameters()).dtype
+    if gap > PROBE_TOLERANCE.get(dtype, HALF_PROBE_TOLERANCE):
+        raise ConfigError(
+            f"model {_text_config(model).model_type!r}: the trainer's log-probs differ from the model's own forward by "
+            f"{gap:.3g} nats on a probe: its causal-LM forward transforms the head's logits in a way the trainer "
+            f"does not reproduce (grpo/foundation/logprobs.py: logit_scale); training it would follow another "
+            f"distribution. Please report the model.")
+    return gap
+
+
 def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     """A cache-capable decoder run without activation checkpointing (which turns the cache off), and no sliding
     window shorter than ``length`` tokens: transformers applies the window to cache columns, and the shared path

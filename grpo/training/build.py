@@ -10,6 +10,7 @@ from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, l
 from grpo.data.tasks import system_prompt
 from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError, custom_chat_template
+from grpo.foundation.logprobs import check_head
 from grpo.foundation.modeling import load_policy, load_tokenizer
 from grpo.foundation.plugins import SERVICES
 from grpo.rollout.multiturn import MultiTurnRollout
@@ -45,7 +46,11 @@ def policy(cfg: Config, world: int, load: Callable[[Any], Any] = load_policy) ->
     ranks builds it partitioned, so no rank ever holds the whole model; otherwise ``load`` loads it (LoRA, which
     ZeRO-3 refuses, too)."""
     zero3 = ds.deepspeed_config(cfg) if cfg.train.zero_stage == 3 and cfg.train.zero3_init and world > 1 else None
-    return (load(cfg.model) if zero3 is None else load_partitioned(cfg, cfg.model.name_or_path, zero3)), zero3
+    if zero3 is not None:
+        return load_partitioned(cfg, cfg.model.name_or_path, zero3), zero3
+    model = load(cfg.model)
+    check_head(model)  # the log-probs here are the model's own (a head that scales its logits is known)
+    return model, None
 
 
 def multiturn(cfg: Config, rollout: Any, env: Any) -> Optional[MultiTurnRollout]:
