@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from grpo.foundation.config import Config
-from grpo.foundation.logprobs import Packed, Scores
+from grpo.foundation.logprobs import Packed, Scores, check_head
 from grpo.reference.protocol import sliced_scores
 
 
@@ -149,4 +149,5 @@ def load_whole(cfg: Config, source: str, device: torch.device) -> torch.nn.Modul
 
     model = load_model(cfg.model, source).to(device).eval()
     model.requires_grad_(False)
+    check_head(model)  # a teacher may be of another family than the policy
     return model
