@@ -600,6 +600,22 @@ def test_offload_frees_the_kv_buffers_and_the_next_call_rebuilds_them():
     assert keeps.kv is kv
 
 
+def test_offload_empties_the_cuda_cache_unless_told_to_keep_it(monkeypatch):
+    """On CUDA the offload hands the freed memory back to the device (torch.cuda.empty_cache), or with
+    rollout.static.empty_cache=false leaves it in PyTorch's cache for the training passes (a CPU engine whose
+    device reads as CUDA, the call recorded)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    model = build("llama")
+    for overrides, expected in [([], 1), (["rollout.static.empty_cache=false"], 0)]:
+        engine = static.StaticEngine(setup_for(model, overrides))
+        engine.generate(PROMPTS, GREEDY, n=1)
+        engine.device = torch.device("cuda")
+        calls.clear()
+        engine.offload()
+        assert engine.kv is None and len(calls) == expected
+
+
 class ReplayOnCPU:
     """Stands in for a CUDA graph on CPU with a graph's semantics: ``run`` is fixed at capture with the tensors it
     reads then (a stale weight stays stale), and every replay overwrites the same output tensors."""

@@ -225,6 +225,10 @@ class StaticConfig:
     # before the training passes: free the KV buffers and the CUDA graphs (their memory goes to training; the
     # graphs are captured again at the next generation), or keep them (no recapture, the memory stays held)
     offload: bool = True
+    # after the offload: hand the freed memory back to the device (torch.cuda.empty_cache: a reference server or
+    # vLLM on the same GPU can take it), or leave it in PyTorch's cache, where the training passes reuse it without
+    # asking the device again (memory/train_device_allocs shows the difference)
+    empty_cache: bool = True
 
 
 @dataclass

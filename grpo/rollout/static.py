@@ -540,8 +540,10 @@ class StaticEngine:
             self.release()
 
     def release(self) -> None:
+        """Drop the KV buffers, the graphs and their pool, and a ZeRO-3 copy of the weights; on CUDA their memory
+        goes back to the device too unless ``rollout.static.empty_cache`` is off."""
         self.kv, self.graphs, self.pool, self.owned = None, {}, None, None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.setup.cfg.rollout.static.empty_cache:
             torch.cuda.empty_cache()
 
     # -- one decode step (compiled and / or captured)

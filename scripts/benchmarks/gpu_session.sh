@@ -36,6 +36,7 @@ stage $G --stages train_profile --step-engine static:$SM
 # the same step with the policy's passes in one forward per row (no shared prompt: TRL's shape), and the step
 # metrics' memory/*_device_allocs say whether the passes run on a cache the offload emptied
 stage $B --out $BE/noshare --set train.share_prompt=false
+stage $B --out $BE/cache --set rollout.static.empty_cache=false
 # the one step at a new batch width ran 0.8 s slower on the H100 (a per-shape set-up?); real data brings new
 # widths every step: 8 steps of prompts drawn at 20-60 words (the last stage's step_256: 40 words each)
 stage $G --stages step_256 --step-engine static:$SM --steps 8 --prompt-words 20-60
