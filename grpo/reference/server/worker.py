@@ -36,7 +36,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from grpo.foundation.config import ConfigError, ModelConfig
-from grpo.foundation.logprobs import Scores
+from grpo.foundation.logprobs import Scores, check_head
 from grpo.foundation.modeling import load_model, load_tokenizer, tokenizer_fingerprint
 from grpo.reference.wire import LogprobRequest, flatten_rows
 from grpo.reference.protocol import row_slices, sliced_scores
@@ -203,6 +203,7 @@ class DeviceWorker:
         self.chunk_size = chunk_size
         self.current = load_reference(model_cfg, source)
         self.current.model.to(self.device)
+        check_head(self.current.model)  # the log-probs it serves are the model's own (once, at start)
         self.version = 0
         # on-policy distillation's teacher beside the reference (--teacher-model): same device and queue, asked for
         # with the request's "model": "teacher"; the same tokenizer as the reference's
@@ -213,6 +214,7 @@ class DeviceWorker:
                                   f"not the reference {source!r}'s ({self.current.tokenizer_size} tokens); a server "
                                   f"holds a teacher of the reference's family, or run it on a server of its own")
             self.teacher.model.to(self.device)
+            check_head(self.teacher.model)
         # a reward model beside the reference (rewards/models.py): same device, same queue, own version
         self.reward_args = dict(reward or {})
         self.reward = self._load_reward(self.reward_args["model"]) if reward else None
