@@ -1,5 +1,9 @@
 """Loading a model keeps what the model is: Gemma 2's attention soft-cap under transformers versions whose default
-SDPA attention drops it (grpo.foundation.modeling.keep_attention_softcap)."""
+SDPA attention drops it (grpo.foundation.modeling.keep_attention_softcap); image-text-to-text checkpoints load as
+their own class, score text exactly, keep their vision side frozen and their processor files on export; a checkpoint
+that cannot generate is refused by name."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +13,8 @@ from transformers.models.gemma2 import modeling_gemma2
 
 from grpo.foundation.config import ConfigError, ModelConfig
 from grpo.foundation.modeling import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -83,6 +89,9 @@ def test_image_text_to_text_checkpoints_load_as_their_own_class_and_score_text_e
     layers = model.model.language_model.layers
     assert not any(p.requires_grad for p in layers[0].parameters())
     assert all(p.requires_grad for p in layers[1].parameters())
+    language = {id(p) for p in model.model.language_model.parameters()} | {id(model.lm_head.weight)}
+    outside = [n for n, p in model.named_parameters() if id(p) not in language]
+    assert outside and not any(p.requires_grad for n, p in model.named_parameters() if n in outside)  # vision side
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rows = [prompts[i // 2] for i in range(4)]
     comps = [[12, 13, 14], [15, 16], [17, 18, 19, 20], [21]]
@@ -129,3 +138,26 @@ def test_an_exported_image_text_to_text_model_keeps_its_processor_files(tmp_path
     tiny, tok = build_tiny()
     write_weights(tiny, tiny.state_dict(), tok, tmp_path / "plain")
     assert not (tmp_path / "plain" / "preprocessor_config.json").exists()
+
+
+def test_a_multimodal_checkpoints_vision_side_stays_as_it_was_under_zero_2(single_rank_env, tmp_path):
+    """Text prompts never reach a VL checkpoint's vision tower: it is frozen, so ZeRO-2's flat Adam partitions (which
+    gave it zero gradients) no longer decay it with weight decay; the language model trains."""
+    from grpo.foundation.tiny import write_tiny
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    folder = write_tiny(tmp_path / "m", arch="qwen2_5_vl")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", "grpo", [
+        f"train.output_dir={tmp_path}/run", "logging.progress_bar=false", "logging.plot=false", "train.max_steps=1",
+        "rollout.prompts_per_step=4", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
+        "model.dtype=fp32", f"model.name_or_path={folder}", "train.zero_stage=2", "train.weight_decay=0.1",
+        "train.lr=0.01", "train.save_every=0", "train.export_final=false"])
+    tr = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    tr.train()
+    after = dict(tr.model.named_parameters())
+    vision = [n for n in before if ".visual." in n]
+    assert vision and all(torch.equal(before[n], after[n]) for n in vision)
+    assert any(not torch.equal(before[n], after[n]) for n in before if "language_model" in n)
+    tr.close()

@@ -238,9 +238,11 @@ def _load_error(name: str, e: Exception) -> ConfigError:
 
 
 def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool = True) -> PreTrainedModel:
-    """What the config asks of a loaded model: its attention soft-cap kept (keep_attention_softcap), frozen bottom
-    layers (unless ``apply_freeze`` is off), gradient checkpointing."""
+    """What the config asks of a loaded model: its attention soft-cap kept (keep_attention_softcap), a multimodal
+    checkpoint's vision side frozen (freeze_unreached), frozen bottom layers (unless ``apply_freeze`` is off),
+    gradient checkpointing."""
     keep_attention_softcap(model, cfg.attn_implementation)
+    freeze_unreached(model)
     if cfg.freeze_bottom_layers and apply_freeze:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
     if cfg.gradient_checkpointing:
@@ -268,6 +270,24 @@ def keep_attention_softcap(model: PreTrainedModel, requested: Optional[str]) -> 
                           f"model caps them (attn_logit_softcapping={cap}); use eager, flex_attention or "
                           "flash_attention_2, or leave it unset (eager)")
     model.set_attn_implementation("eager")
+
+
+def freeze_unreached(model: PreTrainedModel) -> list[str]:
+    """An image-text-to-text checkpoint trains on text prompts: the parameters its text-only forward never reaches
+    (the vision tower, the projector: everything outside the language model, the input embeddings and the head) are
+    frozen, so they hold no optimizer state and no update touches them (under ZeRO 1-3 DeepSpeed's flat Adam
+    partitions gave them zero gradients, and weight decay shrank them every step). Returns their names."""
+    base = getattr(model, model.base_model_prefix, None)
+    language = getattr(base, "language_model", None)
+    if language is None:
+        return []
+    reached = {id(p) for m in (language, model.get_input_embeddings(), model.get_output_embeddings())
+               if m is not None for p in m.parameters()}
+    frozen = [n for n, p in model.named_parameters() if id(p) not in reached and p.requires_grad]
+    for n, p in model.named_parameters():
+        if id(p) not in reached:
+            p.requires_grad_(False)
+    return frozen
 
 
 def freeze_bottom_layers(model: PreTrainedModel, n: int) -> None:
