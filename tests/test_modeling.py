@@ -72,7 +72,8 @@ def test_models_without_a_softcap_keep_their_attention(tmp_path):
     assert load_model(ModelConfig(dtype="fp32"), str(tmp_path)).config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("arch, cls", [("mistral3_mm", "Mistral3ForConditionalGeneration"),
+@pytest.mark.parametrize("arch, cls", [("gemma3_mm", "Gemma3ForConditionalGeneration"),
+                                       ("mistral3_mm", "Mistral3ForConditionalGeneration"),
                                        ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
                                        ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                                        ("llava", "LlavaForConditionalGeneration")])
@@ -92,6 +93,12 @@ def test_image_text_to_text_checkpoints_load_as_their_own_class_and_score_text_e
     language = {id(p) for p in model.model.language_model.parameters()} | {id(model.lm_head.weight)}
     outside = [n for n, p in model.named_parameters() if id(p) not in language]
     assert outside and not any(p.requires_grad for n, p in model.named_parameters() if n in outside)  # vision side
+    for p in model.parameters():  # nothing frozen that a text forward reaches: every gradient lands inside
+        p.requires_grad_(True)
+    model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is not None and n in outside]
+    model.zero_grad(set_to_none=True)
+    model.requires_grad_(False)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     rows = [prompts[i // 2] for i in range(4)]
     comps = [[12, 13, 14], [15, 16], [17, 18, 19, 20], [21]]
