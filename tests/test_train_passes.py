@@ -3,6 +3,7 @@ makes the host wait for the device."""
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 
 import pytest
@@ -60,8 +61,10 @@ def _gradient(trainer, batch):
     return loss, grad
 
 
-def test_token_budget_gives_the_row_split_gradient(single_rank_env, tmp_path):
-    """The same step's gradient and loss with micro-batches of 16 rows, 3 rows, and a budget of 20 tokens."""
+@contextlib.contextmanager
+def fixed_batch_trainer(tmp_path):
+    """(config, a one-rank Trainer with micro-batches of 16 rows, the fixed 16-row batch with its advantages); the
+    Trainer is closed after."""
     from tests.dist_grad_worker import global_batch
     from grpo.training.trainer import Trainer
 
@@ -70,6 +73,21 @@ def test_token_budget_gives_the_row_split_gradient(single_rank_env, tmp_path):
     try:
         batch = global_batch(tr.model.config.vocab_size)
         batch.advantages = tr.algo.advantages(batch, None)
+        yield cfg, tr, batch
+    finally:
+        tr.close()
+
+
+def assert_same_step(got, expected):
+    """Two (loss, gradient) pairs of the same step: equal to float32 rounding."""
+    (l2, g2), (loss, grad) = got, expected
+    assert float(l2) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(g2, grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+
+
+def test_token_budget_gives_the_row_split_gradient(single_rank_env, tmp_path):
+    """The same step's gradient and loss with micro-batches of 16 rows, 3 rows, and a budget of 20 tokens."""
+    with fixed_batch_trainer(tmp_path) as (cfg, tr, batch):
         results = {}
         for name, rows, tokens in [("rows16", 16, 0), ("rows3", 3, 0), ("tok20", 16, 20)]:
             cfg.train.micro_batch_size, cfg.train.micro_batch_tokens = rows, tokens
@@ -78,28 +96,18 @@ def test_token_budget_gives_the_row_split_gradient(single_rank_env, tmp_path):
         (loss, grad), _ = results["rows16"]
         assert grad.abs().max() > 1e-3
         for name in ("rows3", "tok20"):
-            (l2, g2), _ = results[name]
-            assert float(l2) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
-            torch.testing.assert_close(g2, grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
-    finally:
-        tr.close()
+            assert_same_step(results[name][0], (loss, grad))
 
 
 def test_share_prompt_off_gives_the_same_gradient_from_one_forward_per_row(single_rank_env, tmp_path, monkeypatch):
     """train.share_prompt=false: the policy's passes run every prompt + completion row in one forward (no group's
     prompt run once): the same loss, gradient and old log-probs as the shared path, which really shared."""
-    from tests.dist_grad_worker import global_batch
     from grpo.foundation import logprobs
-    from grpo.training.trainer import Trainer
 
     shared_calls = []
     plain = logprobs._shared_prefix_hidden
     monkeypatch.setattr(logprobs, "_shared_prefix_hidden", lambda *a: shared_calls.append(1) or plain(*a))
-    cfg = load_config(overrides=[*SMALL, "train.micro_batch_size=16", f"train.output_dir={tmp_path}"])
-    tr = Trainer(cfg)
-    try:
-        batch = global_batch(tr.model.config.vocab_size)
-        batch.advantages = tr.algo.advantages(batch, None)
+    with fixed_batch_trainer(tmp_path) as (cfg, tr, batch):
         results = {}
         for share in (True, False):
             cfg.train.share_prompt = share
@@ -107,14 +115,11 @@ def test_share_prompt_off_gives_the_same_gradient_from_one_forward_per_row(singl
             old, _ = tr.policy_logprobs(batch, False)
             results[share] = (_gradient(tr, batch), old, len(shared_calls))
         (loss, grad), old, calls = results[True]
-        (l2, g2), old2, calls2 = results[False]
+        step2, old2, calls2 = results[False]
         assert calls == 2 and calls2 == 0  # the old log-probs' pass and the training pass shared; then neither
         assert grad.abs().max() > 1e-3
-        assert float(l2) == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
-        torch.testing.assert_close(g2, grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
+        assert_same_step(step2, (loss, grad))
         torch.testing.assert_close(old2, old, rtol=0, atol=1e-5)
-    finally:
-        tr.close()
 
 
 @pytest.mark.parametrize("zero", [0, 2])
