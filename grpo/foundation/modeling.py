@@ -27,6 +27,10 @@ def cache_of(out) -> object:
     ``out.past_key_values``)."""
     return getattr(out, CACHE_ARG)
 
+from grpo.foundation.tiny import BUILTIN_NAME, build_builtin, is_builtin
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 # layer types (transformers' ``layer_types``) that carry a recurrent state instead of, or beside, keys and values
 RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mamba2")
@@ -48,9 +52,6 @@ def new_cache(model: torch.nn.Module):
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config) if has_recurrent_layers(model) else DynamicCache()
-from grpo.foundation.tiny import BUILTIN_NAME, build_builtin, is_builtin
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # first path parts that mean a folder of this checkout even when missing (the configs' models/ folder, run outputs)
@@ -283,10 +284,11 @@ def freeze_unreached(model: PreTrainedModel) -> list[str]:
         return []
     reached = {id(p) for m in (language, model.get_input_embeddings(), model.get_output_embeddings())
                if m is not None for p in m.parameters()}
-    frozen = [n for n, p in model.named_parameters() if id(p) not in reached and p.requires_grad]
+    frozen = []
     for n, p in model.named_parameters():
-        if id(p) not in reached:
+        if id(p) not in reached and p.requires_grad:
             p.requires_grad_(False)
+            frozen.append(n)
     return frozen
 
 
