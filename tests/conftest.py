@@ -104,17 +104,19 @@ def single_rank_env():
     restore_env(old)
 
 
-# The suite's slowest files, slowest first (their time in `make test` on the 2-core machine, 2026-11-26: 46 s
-# down to 3.6 s; the other files take under 3 s each). pytest-xdist gives a file to whichever worker is free,
+# The suite's slowest files, slowest first (their time in the main suite on the 2-core machine, 2026-11-28: 88 s
+# down to 4.7 s; the other files take under 4 s each). pytest-xdist gives a file to whichever worker is free,
 # in the order of the collection: the long ones started first leave the short ones to even out the two workers'
 # ends (longest first). `make test` passes --no-loadscope-reorder, or xdist would order the files by their
 # number of tests instead.
-SLOWEST_FIRST = ["test_distributed.py", "test_algos_train.py", "test_ref_server.py", "test_algos_losses_train.py",
-                 "test_ref_fault.py", "test_agents_train.py", "test_recipes.py", "test_layers.py",
-                 "test_sandbox_isolation.py", "test_reward_pool.py",
-                 "test_gpu_check.py", "test_reward_learning.py", "test_code_tests.py", "test_multiturn.py",
-                 "test_ref_client.py", "test_eval_script.py", "test_sandbox.py", "test_reward_server.py",
-                 "test_algos_hooks.py", "test_reward_remote.py", "test_bench_ref_http.py", "test_lora.py"]
+SLOWEST_FIRST = ["test_distributed.py", "test_gpu_check.py", "test_algos_train.py", "test_ref_server.py",
+                 "test_sandbox_isolation.py", "test_distill.py", "test_distill_learning.py",
+                 "test_algos_losses_train.py", "test_agents_train.py", "test_ref_fault.py", "test_layers.py",
+                 "test_static_engine.py", "test_recipes.py", "test_code_tests.py", "test_reward_learning.py",
+                 "test_api.py", "test_ref_client.py", "test_bench_profile.py", "test_algos_hooks.py",
+                 "test_reward_server.py", "test_bench_ref_http.py", "test_multiturn.py", "test_reward_pool.py",
+                 "test_distill_topk.py", "test_sandbox.py", "test_lora.py", "test_registry.py", "test_logprobs.py",
+                 "test_eval_script.py", "test_reward_remote.py"]
 
 
 def pytest_collection_modifyitems(config, items):

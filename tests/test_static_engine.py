@@ -14,8 +14,12 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                          Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration,
+                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                          Qwen3NextConfig, Qwen3NextForCausalLM,
                           SmolLM3Config, SmolLM3ForCausalLM)
 
 from grpo.foundation.modeling import keep_attention_softcap
@@ -25,6 +29,11 @@ from grpo.rollout.engine import SamplingParams
 V = 37
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+QWEN3_5 = dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention", "full_attention"],
+               rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True})
 MODELS = {
     # untied head, MHA
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=4,
@@ -71,6 +80,21 @@ MODELS = {
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                            deepstack_visual_indexes=[0]),
         image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+    # Qwen2-VL's (Qwen2's decoder, multimodal RoPE not interleaved) and Qwen3-VL-MoE's (Qwen3-MoE's, interleaved;
+    # top-2 of 4 renormalised) checkpoints
+    "qwen2_vl": lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(
+        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2),
+        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+    "qwen3_vl_moe": lambda: Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(
+        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [4, 2, 2],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
     # LLaVA's checkpoints, text-only prompts: a Llama under a CLIP tower
     "llava": lambda: LlavaForConditionalGeneration(LlavaConfig(
         text_config=dict(**COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=2),
@@ -106,6 +130,18 @@ MODELS = {
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                      head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
                                                      attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
+    # Qwen3.5's hybrid decoders: Gated DeltaNet layers (a convolution and a recurrent state; 2 key heads serving 4
+    # value heads) then gated attention (q_proj also gives an output gate) with a partial RoPE (half the head) and
+    # (1 + w) norms; the MoE model with a sigmoid-gated shared expert, top-2 of 4 renormalised
+    "qwen3_5": lambda: Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN3_5)),
+    "qwen3_5_moe": lambda: Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        **QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    # Qwen3-Next: the same layers, its DeltaNet projections fused in two (outputs grouped per key head), plain
+    # partial RoPE; a dense first layer, then top-2 of 4 not renormalised with a shared expert
+    "qwen3_next": lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **{**QWEN3_5, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}},
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        norm_topk_prob=False, mlp_only_layers=[0])),
     # q/k norms, a RoPE per layer type (local theta, global theta with linear scaling)
     "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
@@ -123,7 +159,7 @@ def build(kind: str, dtype=torch.float64, seed: Optional[int] = None):
     torch.manual_seed(SEEDS.get(kind, 0) if seed is None else seed)
     model = MODELS[kind]().to(dtype).eval()
     keep_attention_softcap(model, None)  # as the trainer loads it (transformers 5.17 gives Gemma 2 a cap-less SDPA)
-    if getattr(model.config, "num_experts_per_tok", None):  # transformers' grouped_mm experts refuse float64
+    if getattr(model.config.get_text_config(), "num_experts_per_tok", None):  # grouped_mm experts refuse float64
         model.set_experts_implementation("eager")
     for name, p in model.named_parameters():  # random biases and norms too, so that they matter
         if p.dim() == 1:
@@ -159,8 +195,9 @@ def hf_logits(model, rows: list[list[int]]) -> torch.Tensor:
 
 
 # transformers' Gemma 2 attention takes its softmax in float32 even in a float64 model (and so does the static
-# engine, to match its bf16 rounding): float32-rounded probabilities
-TOL = {"gemma2": 1e-6}
+# engine, to match its bf16 rounding): float32-rounded probabilities. Qwen3.5's delta rule runs in float32 in any
+# model (transformers' and so the engine's), chunked over the prompt in one forward, step by step in the other
+TOL = {"gemma2": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -173,8 +210,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ids, pos = left_padded(PROMPTS)
     S = ids.shape[1]
     max_len = S + steps
-    k_buf = torch.zeros(spec.layers, R, spec.kv_heads, max_len, spec.head_dim, dtype=torch.float64)
-    v_buf = torch.zeros_like(k_buf)
+    k_buf, v_buf = static.new_buffers(spec, R, max_len, torch.float64, "cpu")
     kpos = torch.full((R, max_len), -1, dtype=torch.long)
     with torch.no_grad():
         got = static.forward(spec, w, ids, pos, torch.tensor([0]), k_buf, v_buf, kpos, S, last_only=False)
@@ -199,6 +235,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("gemma2", "final_softcap", None), ("gemma2", "sandwich", False), ("gemma3", "rope_of_layer", None),
     ("gemma3", "scale", None), ("ministral3", "q_scale", None), ("smollm3", "rope_layers", None),
     ("qwen2_moe", "renorm_topk", True), ("mixtral", "renorm_topk", False), ("ministral", "windows", (None, None)),
+    ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far
@@ -210,10 +247,10 @@ def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, of
     real, S = pos >= 0, ids.shape[1]
     want = hf_logits(model, PROMPTS).float()[real]
     for sp, lo, hi in ((spec, 0, TOL.get(kind, 1e-9)), (dataclasses.replace(spec, **{field: off}), 1e-4, None)):
-        k = torch.zeros(sp.layers, len(PROMPTS), sp.kv_heads, S, sp.head_dim, dtype=torch.float64)
+        k, v = static.new_buffers(sp, len(PROMPTS), S, torch.float64, "cpu")
         kpos = torch.full((len(PROMPTS), S), -1, dtype=torch.long)
         with torch.no_grad():
-            got = static.forward(sp, w, ids, pos, torch.tensor([0]), k, torch.zeros_like(k), kpos, S, last_only=False)
+            got = static.forward(sp, w, ids, pos, torch.tensor([0]), k, v, kpos, S, last_only=False)
         gap = float((got[real] - want).abs().max())
         assert gap >= lo and (hi is None or gap <= hi), (field, gap)
 
@@ -374,7 +411,7 @@ def test_the_audits_top_k_is_the_full_softmax_before_filtering(params):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5"])
 def test_bf16_logprob_gap_against_the_trainer(device, kind):
     """bf16 weights: the sampler's log-probs against the trainer's (``completion_logprobs``) on the same weights.
     Measured on CPU (eager): mean <= 2.5e-4, max <= 3e-3 nats over the tiny families (Gemma 3 the largest); on
@@ -425,10 +462,11 @@ def test_sampler_frequencies_follow_the_processed_softmax(top_k, top_p, device):
     torch.testing.assert_close(lp.double(), want.log()[tok], rtol=0, atol=1e-6)
 
 
-def test_compaction_keeps_every_rows_tokens():
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5"])  # Qwen3.5: the DeltaNet states move with their rows
+def test_compaction_keeps_every_rows_tokens(kind):
     """check_every=1: rows move into smaller buckets as they finish; a huge check_every: never. Same tokens,
     same log-probs (each row draws its own uniforms whatever its bucket)."""
-    model = build("qwen2")
+    model = build(kind)
     params = SamplingParams(max_tokens=16, temperature=1.0)
     eos = tuple(range(3, 9))  # rows end at different steps
     outs = []
@@ -494,7 +532,8 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2"])  # MoE routing and capped attention: no sync
+# MoE routing, capped attention and the DeltaNet step: no sync
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2", "qwen3_5"])
 def test_no_host_sync_inside_a_decode_step(kind):
     model = build(kind, dtype=torch.float32)
     engine = static.StaticEngine(setup_for(model))
@@ -689,7 +728,7 @@ def test_graphs_are_captured_once_across_in_place_weight_updates(monkeypatch):
 
 
 @pytest.mark.gpu  # runs on the CPU, but its ~50 s first compile does not fit CI's 20 minutes; the GPU suite runs it
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe"])  # the capped attention and MoE, compiled too
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5"])  # capped attention, MoE, DeltaNet
 def test_compiled_step_on_cpu_gives_the_eager_tokens_and_logprobs(kind):
     model = build(kind, dtype=torch.float32)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))
@@ -738,7 +777,7 @@ def cuda_model(kind: str = "qwen2"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["compile", "graphs", "compile+graphs"])
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe"])  # plus the capped attention and the MoE MLP
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5"])  # capped attention, MoE, DeltaNet
 def test_compiled_and_graphed_steps_give_the_eager_tokens(mode, kind):
     model = cuda_model(kind)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))
@@ -867,7 +906,7 @@ def test_auto_picks_hf_off_cuda_and_says_why(capsys):
                                                       ("hf", 0, "llama"), ("static", 3, "gemma3"),
                                                       ("static", 3, "qwen3_moe"), ("static", 3, "gemma3_mm"),
                                                       ("static", 0, "mistral3_mm"), ("hf", 0, "qwen2_5_vl"),
-                                                      ("static", 0, "qwen3_vl"), ("hf", 0, "qwen3_5")])
+                                                      ("static", 0, "qwen3_vl"), ("static", 0, "qwen3_5")])
 def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, engine, zero_stage,
                                                                         arch):
     """The demo config through the Trainer with rollout.engine=static, TIS on: the sampler's log-probs are the
@@ -877,7 +916,7 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     gathers), a Qwen3-MoE model (its experts' 3-D weights) and Gemma 3's multimodal checkpoint (its text model
     under a vision tower) go through the same path, and so do the image-text-to-text checkpoints that no
     AutoModelForCausalLM loads (Mistral 3's, Qwen3-VL's; Qwen2.5-VL's on the hf engine): loaded as their own class,
-    as TRL loads them. Qwen3.5's hybrid decoder (linear attention with a recurrent state) on the hf engine."""
+    as TRL loads them. Qwen3.5's hybrid decoder (linear attention with a recurrent state) too."""
     from pathlib import Path
 
     from grpo.foundation.tiny import write_tiny

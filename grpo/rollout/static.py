@@ -8,10 +8,13 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
   sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
-  final-logit soft-capping; Gemma 3's and Mistral 3's multimodal checkpoints through their text model;
+  final-logit soft-capping; Gemma 3's, Mistral 3's, LLaVA's and Qwen's VL checkpoints through their text model;
   mixture-of-experts MLPs with a softmax top-k router and Qwen2-MoE's gated shared expert, every expert applied
-  to every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once);
-  anything else gets a reason and the ``hf`` engine.
+  to every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once;
+  Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's hybrid decoders: Gated DeltaNet layers (delta_net.py; their two
+  buffers per layer are a convolution window and a recurrent state instead of keys and values) between attention
+  layers whose q_proj also gives an output gate, with a partial RoPE); anything else gets a reason and the ``hf``
+  engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -50,16 +53,22 @@ import torch.nn.functional as F
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import partitioned
+from grpo.rollout import delta_net
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
-# qwen2_5_vl_text / qwen3_vl_text: Qwen2.5-VL's and Qwen3-VL's language models, Qwen2's and Qwen3's decoders whose
-# multimodal RoPE gives text its three position streams equal: the plain RoPE of the same frequencies
+# qwen2_vl_text / qwen2_5_vl_text / qwen3_vl_text / qwen3_vl_moe_text: Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and
+# Qwen3-VL-MoE's language models, Qwen2's, Qwen3's and Qwen3-MoE's decoders whose multimodal RoPE gives text its
+# three position streams equal: the plain RoPE of the same frequencies
+# qwen3_5_text / qwen3_5_moe_text / qwen3_next: Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's hybrid decoders (Gated
+# DeltaNet layers, see delta_net.py, between gated attention layers with a partial RoPE)
+QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-               "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_5_vl_text", "qwen3_vl_text")
+               "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+               "qwen3_vl_moe_text", *QWEN3_5)
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text")  # norms after attention and around the MLP; attention scale query_pre_attn_scalar
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5)
 MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -94,6 +103,9 @@ class ModelSpec:
     fp32_routing: bool = False  # MoE: routing weights kept in float32 (Mixtral), else cast to the model's dtype
     rope_layers: Optional[tuple[bool, ...]] = None  # per layer: RoPE applied (SmolLM3's NoPE layers: False; None: all)
     q_scale: Optional[tuple[float, int]] = None  # Ministral 3: queries x (1 + beta log(1 + floor(pos / n))), (beta, n)
+    attn_gate: bool = False  # Qwen3.5: q_proj also gives a gate, the attention's output x sigmoid(gate)
+    linear: Optional[tuple[bool, ...]] = None  # per layer: a Gated DeltaNet layer (Qwen3.5; None: none)
+    delta: Optional[delta_net.DeltaSpec] = None  # the Gated DeltaNet layers' sizes
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -166,15 +178,21 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     return ModelSpec(
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=kind in QK_NORM, act=activation(cfg),
-        scale=(cfg.query_pre_attn_scalar if kind in SANDWICH else head_dim) ** -0.5, gemma_norm=kind in GEMMA,
+        scale=(cfg.query_pre_attn_scalar if kind in SANDWICH else head_dim) ** -0.5,
+        gemma_norm=kind in GEMMA + QWEN3_5,  # Qwen3.5's norms are (1 + w) too
         sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
         rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
         experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or 0,
-        renorm_topk=kind == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False)), fp32_routing=kind == "mixtral",
+        renorm_topk=(kind in ("mixtral", "qwen3_vl_moe_text", "qwen3_5_moe_text")
+                     or bool(getattr(cfg, "norm_topk_prob", False))),
+        fp32_routing=kind == "mixtral",
         rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind == "smollm3" else None,
         q_scale=((cfg.rope_parameters["llama_4_scaling_beta"], cfg.rope_parameters["original_max_position_embeddings"])
                  if kind == "ministral3" else None),
+        attn_gate=kind in QWEN3_5,
+        linear=tuple(t == "linear_attention" for t in layer_types) if kind in QWEN3_5 else None,
+        delta=delta_net.delta_spec(cfg) if kind in QWEN3_5 else None,
     )
 
 
@@ -224,6 +242,7 @@ LAYER_KEYS = {
     "router": "mlp.gate.weight", "experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj",
     "shared_gate": "mlp.shared_expert.gate_proj.weight", "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight", "shared_expert_gate": "mlp.shared_expert_gate.weight",
+    **delta_net.LAYER_KEYS,  # Qwen3.5's linear-attention layers
 }
 
 
@@ -299,6 +318,9 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of ``x`` (a partial RoPE, Qwen3.5's: the rest pass through)."""
+    if cos.shape[-1] < x.shape[-1]:
+        return torch.cat((rotate(x[..., : cos.shape[-1]], cos, sin), x[..., cos.shape[-1]:]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -311,9 +333,9 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     [R, kv_heads, max_len, head_dim] tensor per layer (a list: written in place as a whole, a compiled step
     writes one column; a write through a view of one [layers, ...] tensor made Inductor copy the whole buffer
     for every layer, about 300 ms a step at 8 x 16 x 2048 columns on CPU); attend to the first ``length`` columns (a static bucket >= the
-    last written column + 1). Returns float32 logits [R, V] of the last column (``last_only``) or [R, S, V]."""
+    last written column + 1). A Gated DeltaNet layer's two buffers are its states instead (``new_buffers``).
+    Returns float32 logits [R, V] of the last column (``last_only``) or [R, S, V]."""
     R, S = ids.shape
-    H, KV, D = spec.heads, spec.kv_heads, spec.head_dim
     cols = col + torch.arange(S, device=ids.device)
     kpos.index_copy_(1, cols, pos)
     qpos = pos.clamp(min=0)  # padding queries read whatever their row holds; their outputs are never used
@@ -331,34 +353,16 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     def norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, weight, spec.eps, spec.gemma_norm)
 
-    act, scale = ACTIVATIONS[spec.act], spec.scale or D ** -0.5
+    act, q_scale = ACTIVATIONS[spec.act], None
     if spec.q_scale is not None:  # Ministral 3 (transformers' get_llama_4_attn_scale), [R, 1, S, 1]
         beta, n = spec.q_scale
         q_scale = (1 + beta * torch.log(1 + torch.floor(qpos / n)))[:, None, :, None]
     for i, lw in enumerate(w.layers):
-        cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
         h = norm(x, lw["in_norm"])
-        q = F.linear(h, lw["q"], lw["q_bias"]).view(R, S, H, D)
-        k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
-        v = F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
-        if spec.qk_norm:
-            q, k = norm(q, lw["q_norm"]), norm(k, lw["k_norm"])
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if spec.rope_layers is None or spec.rope_layers[i]:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if spec.q_scale is not None:
-            q = q * q_scale.to(q.dtype)
-        k_buf[i].index_copy_(2, cols, k)
-        v_buf[i].index_copy_(2, cols, v.transpose(1, 2))
-        mask = attend
-        if spec.windows[i] is not None:
-            mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
-        keys, values = k_buf[i][:, :, :length], v_buf[i][:, :, :length]
-        if spec.attn_softcap:
-            a = capped_attention(q, keys, values, mask, scale, spec.attn_softcap)
+        if spec.linear is not None and spec.linear[i]:  # Qwen3.5's Gated DeltaNet: k_buf / v_buf hold its states
+            o = delta_net.layer(spec.delta, lw, h, pos >= 0, k_buf[i], v_buf[i], spec.eps, act)
         else:
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=H != KV)
-        o = F.linear(a.transpose(1, 2).reshape(R, S, H * D), lw["o"], lw["o_bias"])
+            o = attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length, q_scale)
         if spec.sandwich:  # Gemma 2/3: norm the attention's output, then norm the MLP's input and output
             x = x + norm(o, lw["post_norm"])
             h = norm(x, lw["pre_ff_norm"])
@@ -379,6 +383,43 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     return logits
 
 
+def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h: torch.Tensor, ropes: list,
+              qpos: torch.Tensor, cols: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, attend: torch.Tensor,
+              keys_pos: torch.Tensor, length: int, q_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """Layer ``i``'s attention (before the residual): writes its keys and values at ``cols``, attends to the first
+    ``length`` columns where ``attend`` (and the layer's window) allow."""
+    R, S, _ = h.shape
+    H, KV, D = spec.heads, spec.kv_heads, spec.head_dim
+    cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
+    q = F.linear(h, lw["q"], lw["q_bias"])
+    if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
+        q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
+    q = q.reshape(R, S, H, D)
+    k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
+    v = F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
+    if spec.qk_norm:
+        q, k = rms_norm(q, lw["q_norm"], spec.eps, spec.gemma_norm), rms_norm(k, lw["k_norm"], spec.eps, spec.gemma_norm)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if spec.rope_layers is None or spec.rope_layers[i]:
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    if q_scale is not None:
+        q = q * q_scale.to(q.dtype)
+    k_buf.index_copy_(2, cols, k)
+    v_buf.index_copy_(2, cols, v.transpose(1, 2))
+    mask = attend
+    if spec.windows[i] is not None:
+        mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
+    keys, values, scale = k_buf[:, :, :length], v_buf[:, :, :length], spec.scale or D ** -0.5
+    if spec.attn_softcap:
+        a = capped_attention(q, keys, values, mask, scale, spec.attn_softcap)
+    else:
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=H != KV)
+    a = a.transpose(1, 2).reshape(R, S, H * D)
+    if spec.attn_gate:
+        a = a * torch.sigmoid(gate.reshape(R, S, H * D))
+    return F.linear(a, lw["o"], lw["o_bias"])
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -394,6 +435,28 @@ def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: flo
         return tok, lp
     top = torch.log_softmax(logits.float() / temperature, dim=-1).topk(audit_k, dim=-1)
     return tok, lp, top.values, top.indices
+
+
+def new_buffers(spec: ModelSpec, rows: int, length: int, dtype: torch.dtype, device) -> tuple[list, list]:
+    """Each layer's two buffers: an attention layer's keys and values [rows, kv_heads, length, head_dim] (zeros, not
+    empty: masked keys still multiply their values by 0, and 0 * NaN is NaN); a Gated DeltaNet layer's convolution
+    window and recurrent state (``delta_net.new_state``)."""
+    ks, vs = [], []
+    for i in range(spec.layers):
+        if spec.linear is not None and spec.linear[i]:
+            k, v = delta_net.new_state(spec.delta, rows, dtype, device)
+        else:
+            k = torch.zeros((rows, spec.kv_heads, length, spec.head_dim), dtype=dtype, device=device)
+            v = torch.zeros_like(k)
+        ks.append(k)
+        vs.append(v)
+    return ks, vs
+
+
+def columns(spec: ModelSpec, i: int, length: int) -> slice:
+    """The part of layer ``i``'s buffers (dim 2) that holds a row's first ``length`` columns: those keys, or a Gated
+    DeltaNet layer's whole state."""
+    return slice(None) if spec.linear is not None and spec.linear[i] else slice(0, length)
 
 
 def rows_bucket(n: int) -> int:
@@ -585,17 +648,13 @@ class StaticEngine:
     # -- buffers
     def _buffers(self, rows: int, length: int, dtype: torch.dtype):
         """KV buffers with room for ``rows`` x ``length`` (grown when short; graphs then hold stale pointers)."""
-        s = self.spec
         if self.kv is not None:
-            k = self.kv[0][0]
-            if k.shape[0] >= rows and k.shape[2] >= length and k.dtype == dtype:
+            kpos = self.kv[2]
+            if kpos.shape[0] >= rows and kpos.shape[1] >= length and self.kv[0][0].dtype == dtype:
                 return self.kv
-            rows, length = max(rows, k.shape[0]), max(length, k.shape[2])
+            rows, length = max(rows, kpos.shape[0]), max(length, kpos.shape[1])
         self.graphs = {}
-        shape = (rows, s.kv_heads, length, s.head_dim)
-        # zeros, not empty: masked keys still multiply their values by 0, and 0 * NaN is NaN
-        self.kv = ([torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(s.layers)],
-                   [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(s.layers)],
+        self.kv = (*new_buffers(self.spec, rows, length, dtype, self.device),
                    torch.full((rows, length), -1, dtype=torch.long, device=self.device))
         return self.kv
 
@@ -622,12 +681,13 @@ class StaticEngine:
             ids[i, Lp - len(p):] = torch.tensor(p, dtype=torch.long)
             pos[i, Lp - len(p):] = torch.arange(len(p))
         ids, pos = ids.to(dev), pos.to(dev)
-        pk = torch.zeros((s.layers, P, s.kv_heads, Lp, s.head_dim), dtype=w.embed.dtype, device=dev)
-        pv, pkpos = torch.zeros_like(pk), torch.full((P, Lp), -1, dtype=torch.long, device=dev)
+        pk, pv = new_buffers(s, P, Lp, w.embed.dtype, dev)
+        pkpos = torch.full((P, Lp), -1, dtype=torch.long, device=dev)
         logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
         for i in range(s.layers):
-            k_all[i][:R, :, :Lp] = pk[i].repeat_interleave(G, dim=0)
-            v_all[i][:R, :, :Lp] = pv[i].repeat_interleave(G, dim=0)
+            c = columns(s, i, Lp)
+            k_all[i][:R, :, c] = pk[i].repeat_interleave(G, dim=0)
+            v_all[i][:R, :, c] = pv[i].repeat_interleave(G, dim=0)
         kpos_all[:Rb] = -1
         kpos_all[:R, :Lp] = pkpos.repeat_interleave(G, dim=0)
 
@@ -651,7 +711,7 @@ class StaticEngine:
         pending = False
 
         cols = torch.arange(Lp, Lp + T, device=dev)
-        cap = k_all[0].shape[2]
+        cap = kpos_all.shape[1]
         k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]  # each layer's rows of the bucket
         tok, lp, *top = sample(logits, u_all[0, rows], *sampling)
         for t in range(T):
@@ -688,8 +748,9 @@ class StaticEngine:
                     rows = torch.tensor(rows_h, device=dev)
                     idx, L = torch.tensor(sel, device=dev), Lp + t  # the columns written so far
                     for i in range(s.layers):
-                        k_all[i][: len(sel), :, :L] = k_all[i][idx, :, :L]
-                        v_all[i][: len(sel), :, :L] = v_all[i][idx, :, :L]
+                        c = columns(s, i, L)
+                        k_all[i][: len(sel), :, c] = k_all[i][idx, :, c]
+                        v_all[i][: len(sel), :, c] = v_all[i][idx, :, c]
                     k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]
                     kpos_all[: len(sel), :L] = kpos_all[idx, :L]
                     kpos_all[len(sel): Rb] = -1
