@@ -7,7 +7,8 @@ from typing import Optional
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM, Gemma4ForCausalLM,
+                          Gemma4TextConfig,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
                           GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
                           Ministral3Config, Ministral3ForCausalLM,
@@ -142,6 +143,17 @@ MODELS = {
         **{**QWEN3_5, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}},
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         norm_topk_prob=False, mlp_only_layers=[0])),
+    # Gemma 4: its full-attention layers with other sizes (head_dim 16, one KV head, keys = values, a proportional
+    # RoPE on half the head), value norms, norms' weights in float32, the last two layers reading the KV of the
+    # first two (KV sharing), per-layer inputs, final soft-capping
+    "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=4, vocab_size_per_layer_input=V, sliding_window=5, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                            "rope_theta": 10000.0}})),
     # q/k norms, a RoPE per layer type (local theta, global theta with linear scaling)
     "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
@@ -166,6 +178,9 @@ def build(kind: str, dtype=torch.float64, seed: Optional[int] = None):
             p.data.add_(0.3 * torch.randn_like(p))
         if kind == "gemma2" and ("q_proj" in name or "k_proj" in name):  # attention scores large enough to be capped
             p.data.mul_(30)
+    for name, b in model.named_buffers():  # Gemma 4's per-layer output scalars (1 when built)
+        if name.endswith("layer_scalar"):
+            b.add_(0.3 * torch.randn_like(b))
     return model
 
 
@@ -195,9 +210,10 @@ def hf_logits(model, rows: list[list[int]]) -> torch.Tensor:
 
 
 # transformers' Gemma 2 attention takes its softmax in float32 even in a float64 model (and so does the static
-# engine, to match its bf16 rounding): float32-rounded probabilities. Qwen3.5's delta rule runs in float32 in any
+# engine, to match its bf16 rounding): float32-rounded probabilities; the engine caps Gemma 4's final logits in
+# float32 as the trainer does. Qwen3.5's delta rule runs in float32 in any
 # model (transformers' and so the engine's), chunked over the prompt in one forward, step by step in the other
-TOL = {"gemma2": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
+TOL = {"gemma2": 1e-6, "gemma4": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -235,7 +251,8 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("gemma2", "final_softcap", None), ("gemma2", "sandwich", False), ("gemma3", "rope_of_layer", None),
     ("gemma3", "scale", None), ("ministral3", "q_scale", None), ("smollm3", "rope_layers", None),
     ("qwen2_moe", "renorm_topk", True), ("mixtral", "renorm_topk", False), ("ministral", "windows", (None, None)),
-    ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False),
+    ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False), ("gemma4", "per_layer_dim", 0),
+    ("gemma4", "scale", None), ("gemma4", "v_norm", False),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far
@@ -271,6 +288,12 @@ def test_unsupported_models_get_a_reason():
     model = build("llama")
     model.config.attn_logit_softcapping = 30.0
     assert "attn_logit_softcapping" in static.unsupported_reason(model)
+    model = build("gemma4")
+    assert static.unsupported_reason(model) is None
+    model.config.enable_moe_block = True  # Gemma 4's MoE models: the hf engine
+    assert "mixture-of-experts" in static.unsupported_reason(model)
+    model.config.enable_moe_block, model.config.use_bidirectional_attention = False, "all"
+    assert "bidirectional" in static.unsupported_reason(model)
 
 
 def test_gemma_specs_read_their_configs():
@@ -411,7 +434,7 @@ def test_the_audits_top_k_is_the_full_softmax_before_filtering(params):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5", "gemma4"])
 def test_bf16_logprob_gap_against_the_trainer(device, kind):
     """bf16 weights: the sampler's log-probs against the trainer's (``completion_logprobs``) on the same weights.
     Measured on CPU (eager): mean <= 2.5e-4, max <= 3e-3 nats over the tiny families (Gemma 3 the largest); on
@@ -462,7 +485,8 @@ def test_sampler_frequencies_follow_the_processed_softmax(top_k, top_p, device):
     torch.testing.assert_close(lp.double(), want.log()[tok], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5"])  # Qwen3.5: the DeltaNet states move with their rows
+# Qwen3.5: the DeltaNet states move with their rows; Gemma 4: a shared KV moves once
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "gemma4"])
 def test_compaction_keeps_every_rows_tokens(kind):
     """check_every=1: rows move into smaller buckets as they finish; a huge check_every: never. Same tokens,
     same log-probs (each row draws its own uniforms whatever its bucket)."""
@@ -533,7 +557,7 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 # MoE routing, capped attention and the DeltaNet step: no sync
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2", "qwen3_5", "gemma4"])
 def test_no_host_sync_inside_a_decode_step(kind):
     model = build(kind, dtype=torch.float32)
     engine = static.StaticEngine(setup_for(model))
@@ -728,7 +752,8 @@ def test_graphs_are_captured_once_across_in_place_weight_updates(monkeypatch):
 
 
 @pytest.mark.gpu  # runs on the CPU, but its ~50 s first compile does not fit CI's 20 minutes; the GPU suite runs it
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5"])  # capped attention, MoE, DeltaNet
+# capped attention, MoE, DeltaNet, shared KV
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5", "gemma4"])
 def test_compiled_step_on_cpu_gives_the_eager_tokens_and_logprobs(kind):
     model = build(kind, dtype=torch.float32)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))
@@ -777,7 +802,8 @@ def cuda_model(kind: str = "qwen2"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["compile", "graphs", "compile+graphs"])
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5"])  # capped attention, MoE, DeltaNet
+# capped attention, MoE, DeltaNet, shared KV
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5", "gemma4"])
 def test_compiled_and_graphed_steps_give_the_eager_tokens(mode, kind):
     model = cuda_model(kind)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))
@@ -906,7 +932,8 @@ def test_auto_picks_hf_off_cuda_and_says_why(capsys):
                                                       ("hf", 0, "llama"), ("static", 3, "gemma3"),
                                                       ("static", 3, "qwen3_moe"), ("static", 3, "gemma3_mm"),
                                                       ("static", 0, "mistral3_mm"), ("hf", 0, "qwen2_5_vl"),
-                                                      ("static", 0, "qwen3_vl"), ("static", 0, "qwen3_5")])
+                                                      ("static", 0, "qwen3_vl"), ("static", 0, "qwen3_5"),
+                                                      ("static", 3, "gemma4")])
 def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_rank_env, tmp_path, engine, zero_stage,
                                                                         arch):
     """The demo config through the Trainer with rollout.engine=static, TIS on: the sampler's log-probs are the
@@ -916,7 +943,8 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     gathers), a Qwen3-MoE model (its experts' 3-D weights) and Gemma 3's multimodal checkpoint (its text model
     under a vision tower) go through the same path, and so do the image-text-to-text checkpoints that no
     AutoModelForCausalLM loads (Mistral 3's, Qwen3-VL's; Qwen2.5-VL's on the hf engine): loaded as their own class,
-    as TRL loads them. Qwen3.5's hybrid decoder (linear attention with a recurrent state) too."""
+    as TRL loads them. Qwen3.5's hybrid decoder (linear attention with a recurrent state) too, and Gemma 4 at ZeRO-3
+    (its per-layer inputs' weights gathered, its layer scalars buffers)."""
     from pathlib import Path
 
     from grpo.foundation.tiny import write_tiny
@@ -934,7 +962,7 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     assert type(tr.rollout.engine) is {"static": static.StaticEngine, "hf": HFEngine}[engine]
     assert tr.model.config.model_type == {"llama": "llama", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe",
                                           "gemma3_mm": "gemma3", "mistral3_mm": "mistral3", "qwen2_5_vl": "qwen2_5_vl",
-                                          "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_text"}[arch]
+                                          "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}[arch]
     assert static.partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2

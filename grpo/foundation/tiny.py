@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig,
+from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                          Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig,
                           LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
                           PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                           Qwen2_5_VLTextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
@@ -41,7 +42,9 @@ BUILTIN_MODELS = {
 # Gemma3ForConditionalGeneration); mistral3_mm, a Mistral text model under a Pixtral tower (Mistral Small 3.1 / 3.2,
 # Magistral); qwen2_5_vl and qwen3_vl, Qwen2.5-VL's and Qwen3-VL's (multimodal RoPE: three position streams, equal
 # for text); llava, a Llama under a CLIP tower. qwen3_5: Qwen3.5's hybrid decoder, a Gated DeltaNet layer (linear
-# attention: a convolution and a recurrent state, no keys and values) then a gated full-attention layer.
+# attention: a convolution and a recurrent state, no keys and values) then a gated full-attention layer. gemma4:
+# Gemma 4's text model (a sliding layer, then a full one with twice the head width, one KV head and keys = values;
+# per-layer inputs).
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
          "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
@@ -49,7 +52,7 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2F
          "qwen2_5_vl": (Qwen2_5_VLTextConfig, Qwen2_5_VLForConditionalGeneration),
          "qwen3_vl": (Qwen3VLTextConfig, Qwen3VLForConditionalGeneration),
          "llava": (LlamaConfig, LlavaForConditionalGeneration),
-         "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM)}
+         "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM), "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM)}
 
 
 def _gemma3_text(hidden: int, heads: int) -> dict:
@@ -73,6 +76,10 @@ def _qwen3_5(hidden: int, heads: int) -> dict:
 
 ARCH_KWARGS = {
     "qwen3_5": _qwen3_5,
+    # the per-layer inputs' vocabulary: 128, more than any builtin tokenizer's (Gemma 4's own: 262,144)
+    "gemma4": lambda hidden, heads: {"head_dim": hidden // heads, "global_head_dim": 2 * hidden // heads,
+                                     "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 16,
+                                     "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128},
     "gemma3": _gemma3_text, "gemma3_mm": _gemma3_text, "qwen2_5_vl": _mrope,
     "qwen3_vl": lambda hidden, heads: {**_mrope(hidden, heads), "rope_parameters": {
         **_mrope(hidden, heads)["rope_parameters"], "mrope_interleaved": True}},

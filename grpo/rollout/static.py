@@ -4,7 +4,7 @@ Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model familie
 exact on a CPU too, where it runs eager. Read top to bottom:
 
 * ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral),
-  Qwen2, Qwen3 (their MoE models too), Gemma 1-3 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
+  Qwen2, Qwen3 (their MoE models too), Gemma 1-4 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
   sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
@@ -13,8 +13,9 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   to every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once;
   Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's hybrid decoders: Gated DeltaNet layers (delta_net.py; their two
   buffers per layer are a convolution window and a recurrent state instead of keys and values) between attention
-  layers whose q_proj also gives an output gate, with a partial RoPE); anything else gets a reason and the ``hf``
-  engine.
+  layers whose q_proj also gives an output gate, with a partial RoPE; Gemma 4's dense models: per-layer head
+  sizes, keys = values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and
+  output scalars); anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -65,17 +66,17 @@ from grpo.rollout.hf import filter_logits, sample_categorical
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", *QWEN3_5)
+               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
-SANDWICH = ("gemma2", "gemma3_text")  # norms after attention and around the MLP; attention scale query_pre_attn_scalar
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5)
+SANDWICH = ("gemma2", "gemma3_text", "gemma4_text")  # norms after attention and around the MLP
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text")
 MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
 }
 # RoPE types whose frequencies do not depend on the sequence length: inv_freq and the cos/sin scale are read
 # from the model's rotary module once. ("dynamic" and "longrope" change with the length: not supported.)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")  # proportional: Gemma 4's partial RoPE
 LENGTH_BUCKET = 64  # KV buffers are allocated in multiples of this many columns
 
 
@@ -106,6 +107,16 @@ class ModelSpec:
     attn_gate: bool = False  # Qwen3.5: q_proj also gives a gate, the attention's output x sigmoid(gate)
     linear: Optional[tuple[bool, ...]] = None  # per layer: a Gated DeltaNet layer (Qwen3.5; None: none)
     delta: Optional[delta_net.DeltaSpec] = None  # the Gated DeltaNet layers' sizes
+    # Gemma 4: per layer (kv_heads, head_dim) (its full-attention layers' differ), the layer whose KV buffers it
+    # reads (its own, or the last earlier layer of its type: KV sharing), keys = values before their norms
+    # (attention_k_eq_v), values RMS-normed without a weight, RMSNorm weights multiplied in float32, per-layer
+    # inputs (PLE) of this width, a scalar multiplying each layer's output
+    layer_dims: Optional[tuple[tuple[int, int], ...]] = None
+    kv_source: Optional[tuple[int, ...]] = None
+    k_eq_v: Optional[tuple[bool, ...]] = None
+    v_norm: bool = False
+    norm_f32: bool = False
+    per_layer_dim: int = 0
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -129,8 +140,10 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     if kind not in SANDWICH and getattr(cfg, "attn_logit_softcapping", None):
         return (f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps "
                 f"Gemma 2/3's attention only")
-    if getattr(cfg, "use_bidirectional_attention", None):
+    if getattr(cfg, "use_bidirectional_attention", None) not in (None, False, "vision"):  # Gemma 4: images only
         return "use_bidirectional_attention: the static engine decodes causally"
+    if getattr(cfg, "enable_moe_block", False):
+        return "Gemma 4's mixture-of-experts block: the static engine runs Gemma 4's dense models"
     if getattr(outer, "quantization_config", None) or getattr(cfg, "quantization_config", None):
         return "quantized weights: the static engine multiplies by the weights as they are stored"
     return None
@@ -167,7 +180,8 @@ def _rotary(model: torch.nn.Module) -> torch.nn.Module:
 def model_spec(model: torch.nn.Module) -> ModelSpec:
     cfg = text_config(model)
     heads, kind = cfg.num_attention_heads, cfg.model_type
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    first = cfg.per_layer_config[0] if kind == "gemma4_text" else cfg  # Gemma 4: sizes per layer (gemma4_fields)
+    head_dim = getattr(first, "head_dim", None) or cfg.hidden_size // heads
     layer_types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
     windows = tuple(
@@ -176,9 +190,10 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     )
     rope_types = getattr(_rotary(model), "layer_types", None)  # Gemma 3: a RoPE per layer type
     return ModelSpec(
-        layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(first, "num_key_value_heads", None) or heads,
         head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=kind in QK_NORM, act=activation(cfg),
-        scale=(cfg.query_pre_attn_scalar if kind in SANDWICH else head_dim) ** -0.5,
+        # Gemma 4: 1 (its q/k norms set the scale)
+        scale=1.0 if kind == "gemma4_text" else (cfg.query_pre_attn_scalar if kind in SANDWICH else head_dim) ** -0.5,
         gemma_norm=kind in GEMMA + QWEN3_5,  # Qwen3.5's norms are (1 + w) too
         sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
@@ -193,7 +208,21 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         attn_gate=kind in QWEN3_5,
         linear=tuple(t == "linear_attention" for t in layer_types) if kind in QWEN3_5 else None,
         delta=delta_net.delta_spec(cfg) if kind in QWEN3_5 else None,
+        **(gemma4_fields(cfg) if kind == "gemma4_text" else {}),
     )
+
+
+def gemma4_fields(cfg) -> dict:
+    """Gemma 4's ModelSpec fields from its config: per-layer sizes, KV sharing (a "reuse" layer reads the KV of
+    the "store" layer of its type), keys = values on full-attention layers under ``attention_k_eq_v``."""
+    types, modes = cfg.layer_types, cfg.kv_sharing_modes
+    store = {types[i]: i for i, m in enumerate(modes) if m == "store"}
+    dims = [(cfg.per_layer_config[i].num_key_value_heads, cfg.per_layer_config[i].head_dim)
+            for i in range(cfg.num_hidden_layers)]
+    return dict(layer_dims=tuple(dims), kv_source=tuple(store[t] if m == "reuse" else i
+                                                         for i, (t, m) in enumerate(zip(types, modes))),
+                k_eq_v=tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
+                v_norm=True, norm_f32=True, per_layer_dim=cfg.hidden_size_per_layer_input or 0)
 
 
 @dataclass
@@ -208,19 +237,21 @@ class Weights:
     ropes: list[torch.Tensor]  # inv_freq of each RoPE (one; Gemma 3: one per layer type)
     rope_scale: tuple[float, ...]  # the cos/sin scale of each
     embed_scale: Optional[torch.Tensor] = None  # Gemma: the embedding's multiplier, in the embedding's dtype
+    # Gemma 4's per-layer inputs: their embedding and its multiplier, the projection of the embeddings, its norm
+    ple: tuple[Optional[torch.Tensor], ...] = (None,) * 4
 
     def flat(self) -> list[Optional[torch.Tensor]]:
         """Every tensor in a fixed order (a compiled step takes them as a list: its guards then check tensors,
         never the identity of this object)."""
-        return ([self.embed, self.norm, self.head, self.embed_scale, *self.ropes]
+        return ([self.embed, self.norm, self.head, self.embed_scale, *self.ple, *self.ropes]
                 + [t for layer in self.layers for t in layer.values()])
 
     @classmethod
     def unflat(cls, flat: list[Optional[torch.Tensor]], rope_scale: tuple[float, ...]) -> "Weights":
-        n, first = len(LAYER_KEYS), 4 + len(rope_scale)
+        n, first = len(LAYER_KEYS), 8 + len(rope_scale)
         layers = [dict(zip(LAYER_KEYS, flat[i: i + n])) for i in range(first, len(flat), n)]
         return cls(embed=flat[0], layers=layers, norm=flat[1], head=flat[2], embed_scale=flat[3],
-                   ropes=list(flat[4:first]), rope_scale=rope_scale)
+                   ple=tuple(flat[4:8]), ropes=list(flat[8:first]), rope_scale=rope_scale)
 
     def pointers(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.flat() if t is not None)
@@ -243,6 +274,10 @@ LAYER_KEYS = {
     "shared_gate": "mlp.shared_expert.gate_proj.weight", "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight", "shared_expert_gate": "mlp.shared_expert_gate.weight",
     **delta_net.LAYER_KEYS,  # Qwen3.5's linear-attention layers
+    # Gemma 4: its per-layer input's gate, projection and norm; the layer's output scalar (a buffer, read from the
+    # module)
+    "ple_gate": "per_layer_input_gate.weight", "ple_proj": "per_layer_projection.weight",
+    "ple_norm": "post_per_layer_input_norm.weight", "layer_scalar": "layer_scalar",
 }
 
 
@@ -256,17 +291,32 @@ def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch
     rotary = _rotary(model)
     types = getattr(rotary, "layer_types", None) or [None]
     prefix = [f"{t}_" if t else "" for t in types]
-    scale = getattr(_decoder(model).embed_tokens, "embed_scale", None)  # Gemma's (a buffer: ZeRO-3 leaves it whole)
+    decoder = _decoder(model)
+    scale = getattr(decoder.embed_tokens, "embed_scale", None)  # Gemma's (a buffer: ZeRO-3 leaves it whole)
+    ple = (None,) * 4
+    if spec.norm_f32:  # Gemma 4: each layer's output scalar (a buffer, read from the module)
+        for i, lw in enumerate(layers):
+            lw["layer_scalar"] = decoder.layers[i].layer_scalar
+    if spec.per_layer_dim:  # Gemma 4's per-layer inputs (the embedding's multiplier a buffer, as above)
+        pe = named[f"{top}embed_tokens_per_layer.weight"]
+        ple = (pe, decoder.embed_tokens_per_layer.embed_scale.to(pe.device, pe.dtype),
+               named[f"{top}per_layer_model_projection.weight"], named[f"{top}per_layer_projection_norm.weight"])
     return Weights(embed=embed, layers=layers, norm=named[f"{top}norm.weight"],
                    head=named.get("lm_head.weight", embed), ropes=[getattr(rotary, f"{p}inv_freq") for p in prefix],
                    rope_scale=tuple(float(getattr(rotary, f"{p}attention_scaling", 1.0)) for p in prefix),
-                   embed_scale=None if scale is None else scale.to(embed.device, embed.dtype))
+                   embed_scale=None if scale is None else scale.to(embed.device, embed.dtype), ple=ple)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gemma: bool = False,
+             f32: bool = False) -> torch.Tensor:
+    """RMSNorm in float32 times ``weight``: cast first (Llama's), or ``1 + weight`` in float32 (``gemma``: Gemma 1-3,
+    Qwen3.5), or ``weight`` in float32 (``f32``: Gemma 4, whose value norm has no weight)."""
     h = x.float()
+    if f32:  # Gemma 4's own arithmetic (pow, not rsqrt)
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+        return (h if weight is None else h * weight.float()).to(x.dtype)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if gemma:  # Gemma: the weight is an offset from 1 and multiplies in float32
+    if gemma:
         return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
@@ -350,10 +400,16 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         emb = torch.cat((freqs, freqs), dim=-1)
         ropes.append(((emb.cos() * scale).to(x.dtype)[:, None], (emb.sin() * scale).to(x.dtype)[:, None]))
 
-    def norm(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h, weight, spec.eps, spec.gemma_norm)
+    def norm(h: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        return rms_norm(h, weight, spec.eps, spec.gemma_norm, spec.norm_f32)
 
     act, q_scale = ACTIVATIONS[spec.act], None
+    if spec.per_layer_dim:  # Gemma 4's per-layer inputs [R, S, layers, width]: the token's own embedding, plus a
+        # projection of the (scaled) embeddings, normed, the two summed and scaled by 1 / sqrt(2)
+        embed, embed_scale, proj, proj_norm = w.ple
+        per_layer = (F.embedding(ids, embed) * embed_scale).view(R, S, spec.layers, spec.per_layer_dim)
+        projected = (F.linear(x, proj) * x.shape[-1] ** -0.5).view(R, S, spec.layers, spec.per_layer_dim)
+        per_layer = (norm(projected, proj_norm) + per_layer) * 2.0 ** -0.5
     if spec.q_scale is not None:  # Ministral 3 (transformers' get_llama_4_attn_scale), [R, 1, S, 1]
         beta, n = spec.q_scale
         q_scale = (1 + beta * torch.log(1 + torch.floor(qpos / n)))[:, None, :, None]
@@ -375,6 +431,11 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
                            lw["down"], lw["down_bias"])
         x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
+        if spec.per_layer_dim:  # Gemma 4: the layer's per-layer input, gated by the hidden state
+            g = act(F.linear(x, lw["ple_gate"])) * per_layer[:, :, i]
+            x = x + norm(F.linear(g, lw["ple_proj"]), lw["ple_norm"])
+        if lw["layer_scalar"] is not None:
+            x = x * lw["layer_scalar"]
     if last_only:
         x = x[:, -1]
     logits = F.linear(norm(x, w.norm), w.head).float()
@@ -389,23 +450,30 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
     """Layer ``i``'s attention (before the residual): writes its keys and values at ``cols``, attends to the first
     ``length`` columns where ``attend`` (and the layer's window) allow."""
     R, S, _ = h.shape
-    H, KV, D = spec.heads, spec.kv_heads, spec.head_dim
+    H, (KV, D) = spec.heads, (spec.layer_dims[i] if spec.layer_dims else (spec.kv_heads, spec.head_dim))
     cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
+    rope = spec.rope_layers is None or spec.rope_layers[i]
+
+    def norm(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        return rms_norm(x, weight, spec.eps, spec.gemma_norm, spec.norm_f32)
+
     q = F.linear(h, lw["q"], lw["q_bias"])
     if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
         q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
     q = q.reshape(R, S, H, D)
-    k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
-    v = F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
-    if spec.qk_norm:
-        q, k = rms_norm(q, lw["q_norm"], spec.eps, spec.gemma_norm), rms_norm(k, lw["k_norm"], spec.eps, spec.gemma_norm)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    if spec.rope_layers is None or spec.rope_layers[i]:
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q = (norm(q, lw["q_norm"]) if spec.qk_norm else q).transpose(1, 2)
+    q = rotate(q, cos, sin) if rope else q
     if q_scale is not None:
         q = q * q_scale.to(q.dtype)
-    k_buf.index_copy_(2, cols, k)
-    v_buf.index_copy_(2, cols, v.transpose(1, 2))
+    if spec.kv_source is None or spec.kv_source[i] == i:  # else (Gemma 4's KV sharing): the buffers are another
+        # layer's, already written at these columns
+        k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
+        v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
+        k = (norm(k, lw["k_norm"]) if spec.qk_norm else k).transpose(1, 2)
+        if spec.v_norm:  # Gemma 4: values RMS-normed, no weight
+            v = norm(v, None)
+        k_buf.index_copy_(2, cols, rotate(k, cos, sin) if rope else k)
+        v_buf.index_copy_(2, cols, v.transpose(1, 2))
     mask = attend
     if spec.windows[i] is not None:
         mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
@@ -440,22 +508,28 @@ def sample(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_p: flo
 def new_buffers(spec: ModelSpec, rows: int, length: int, dtype: torch.dtype, device) -> tuple[list, list]:
     """Each layer's two buffers: an attention layer's keys and values [rows, kv_heads, length, head_dim] (zeros, not
     empty: masked keys still multiply their values by 0, and 0 * NaN is NaN); a Gated DeltaNet layer's convolution
-    window and recurrent state (``delta_net.new_state``)."""
+    window and recurrent state (``delta_net.new_state``); a Gemma 4 layer that shares another's KV, that layer's
+    very tensors."""
     ks, vs = [], []
     for i in range(spec.layers):
         if spec.linear is not None and spec.linear[i]:
             k, v = delta_net.new_state(spec.delta, rows, dtype, device)
+        elif spec.kv_source is not None and spec.kv_source[i] != i:
+            k, v = ks[spec.kv_source[i]], vs[spec.kv_source[i]]
         else:
-            k = torch.zeros((rows, spec.kv_heads, length, spec.head_dim), dtype=dtype, device=device)
+            kv, d = spec.layer_dims[i] if spec.layer_dims else (spec.kv_heads, spec.head_dim)
+            k = torch.zeros((rows, kv, length, d), dtype=dtype, device=device)
             v = torch.zeros_like(k)
         ks.append(k)
         vs.append(v)
     return ks, vs
 
 
-def columns(spec: ModelSpec, i: int, length: int) -> slice:
+def columns(spec: ModelSpec, i: int, length: int) -> Optional[slice]:
     """The part of layer ``i``'s buffers (dim 2) that holds a row's first ``length`` columns: those keys, or a Gated
-    DeltaNet layer's whole state."""
+    DeltaNet layer's whole state; None for a layer that shares another's buffers (moved with that layer's)."""
+    if spec.kv_source is not None and spec.kv_source[i] != i:
+        return None
     return slice(None) if spec.linear is not None and spec.linear[i] else slice(0, length)
 
 
@@ -685,7 +759,8 @@ class StaticEngine:
         pkpos = torch.full((P, Lp), -1, dtype=torch.long, device=dev)
         logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
         for i in range(s.layers):
-            c = columns(s, i, Lp)
+            if (c := columns(s, i, Lp)) is None:
+                continue
             k_all[i][:R, :, c] = pk[i].repeat_interleave(G, dim=0)
             v_all[i][:R, :, c] = pv[i].repeat_interleave(G, dim=0)
         kpos_all[:Rb] = -1
@@ -748,7 +823,8 @@ class StaticEngine:
                     rows = torch.tensor(rows_h, device=dev)
                     idx, L = torch.tensor(sel, device=dev), Lp + t  # the columns written so far
                     for i in range(s.layers):
-                        c = columns(s, i, L)
+                        if (c := columns(s, i, L)) is None:
+                            continue
                         k_all[i][: len(sel), :, c] = k_all[i][idx, :, c]
                         v_all[i][: len(sel), :, c] = v_all[i][idx, :, c]
                     k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]
