@@ -35,6 +35,13 @@ QWEN3_5 = dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=
                layer_types=["linear_attention", "full_attention"],
                rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5,
                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+GEMMA4 = dict(**{**COMMON, "num_hidden_layers": 4}, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+              hidden_size_per_layer_input=4, vocab_size_per_layer_input=V, sliding_window=5,
+              final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"] * 2,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                  "rope_theta": 10000.0}})
 MODELS = {
     # untied head, MHA
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=4,
@@ -146,14 +153,10 @@ MODELS = {
     # Gemma 4: its full-attention layers with other sizes (head_dim 16, one KV head, keys = values, a proportional
     # RoPE on half the head), value norms, norms' weights in float32, the last two layers reading the KV of the
     # first two (KV sharing), per-layer inputs, final soft-capping
-    "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
-        **{**COMMON, "num_hidden_layers": 4}, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
-        hidden_size_per_layer_input=4, vocab_size_per_layer_input=V, sliding_window=5, final_logit_softcapping=3.0,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                            "rope_theta": 10000.0}})),
+    "gemma4": lambda: Gemma4ForCausalLM(Gemma4TextConfig(**GEMMA4)),
+    # its MoE models: experts (top-2 of 4) beside the MLP, their router on the residual stream
+    "gemma4_moe": lambda: Gemma4ForCausalLM(Gemma4TextConfig(
+        **GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)),
     # q/k norms, a RoPE per layer type (local theta, global theta with linear scaling)
     "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
@@ -171,7 +174,9 @@ def build(kind: str, dtype=torch.float64, seed: Optional[int] = None):
     torch.manual_seed(SEEDS.get(kind, 0) if seed is None else seed)
     model = MODELS[kind]().to(dtype).eval()
     keep_attention_softcap(model, None)  # as the trainer loads it (transformers 5.17 gives Gemma 2 a cap-less SDPA)
-    if getattr(model.config.get_text_config(), "num_experts_per_tok", None):  # grouped_mm experts refuse float64
+    text = model.config.get_text_config()
+    if getattr(text, "num_experts_per_tok", None) or getattr(text, "enable_moe_block", False):  # grouped_mm
+        # experts refuse float64
         model.set_experts_implementation("eager")
     for name, p in model.named_parameters():  # random biases and norms too, so that they matter
         if p.dim() == 1:
@@ -213,7 +218,7 @@ def hf_logits(model, rows: list[list[int]]) -> torch.Tensor:
 # engine, to match its bf16 rounding): float32-rounded probabilities; the engine caps Gemma 4's final logits in
 # float32 as the trainer does. Qwen3.5's delta rule runs in float32 in any
 # model (transformers' and so the engine's), chunked over the prompt in one forward, step by step in the other
-TOL = {"gemma2": 1e-6, "gemma4": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
+TOL = {"gemma2": 1e-6, "gemma4": 1e-6, "gemma4_moe": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -252,7 +257,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("gemma3", "scale", None), ("ministral3", "q_scale", None), ("smollm3", "rope_layers", None),
     ("qwen2_moe", "renorm_topk", True), ("mixtral", "renorm_topk", False), ("ministral", "windows", (None, None)),
     ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False), ("gemma4", "per_layer_dim", 0),
-    ("gemma4", "scale", None), ("gemma4", "v_norm", False),
+    ("gemma4", "scale", None), ("gemma4", "v_norm", False), ("gemma4_moe", "experts_per_token", 1),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far
@@ -289,10 +294,9 @@ def test_unsupported_models_get_a_reason():
     model.config.attn_logit_softcapping = 30.0
     assert "attn_logit_softcapping" in static.unsupported_reason(model)
     model = build("gemma4")
+    model.config.use_bidirectional_attention = "vision"  # Gemma 4's: images only, text stays causal
     assert static.unsupported_reason(model) is None
-    model.config.enable_moe_block = True  # Gemma 4's MoE models: the hf engine
-    assert "mixture-of-experts" in static.unsupported_reason(model)
-    model.config.enable_moe_block, model.config.use_bidirectional_attention = False, "all"
+    model.config.use_bidirectional_attention = "all"
     assert "bidirectional" in static.unsupported_reason(model)
 
 

@@ -13,9 +13,9 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   to every token in one batched GEMM, so a decode step keeps static shapes and reads each expert's weights once;
   Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's hybrid decoders: Gated DeltaNet layers (delta_net.py; their two
   buffers per layer are a convolution window and a recurrent state instead of keys and values) between attention
-  layers whose q_proj also gives an output gate, with a partial RoPE; Gemma 4's dense models: per-layer head
-  sizes, keys = values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and
-  output scalars); anything else gets a reason and the ``hf`` engine.
+  layers whose q_proj also gives an output gate, with a partial RoPE; Gemma 4: per-layer head sizes, keys =
+  values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and output
+  scalars, its MoE models' experts beside the MLP); anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -142,8 +142,6 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
                 f"Gemma 2/3's attention only")
     if getattr(cfg, "use_bidirectional_attention", None) not in (None, False, "vision"):  # Gemma 4: images only
         return "use_bidirectional_attention: the static engine decodes causally"
-    if getattr(cfg, "enable_moe_block", False):
-        return "Gemma 4's mixture-of-experts block: the static engine runs Gemma 4's dense models"
     if getattr(outer, "quantization_config", None) or getattr(cfg, "quantization_config", None):
         return "quantized weights: the static engine multiplies by the weights as they are stored"
     return None
@@ -198,7 +196,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
         rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
-        experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or 0,
+        experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k_experts", 0) or 0,
         renorm_topk=(kind in ("mixtral", "qwen3_vl_moe_text", "qwen3_5_moe_text")
                      or bool(getattr(cfg, "norm_topk_prob", False))),
         fp32_routing=kind == "mixtral",
@@ -278,6 +276,11 @@ LAYER_KEYS = {
     # module)
     "ple_gate": "per_layer_input_gate.weight", "ple_proj": "per_layer_projection.weight",
     "ple_norm": "post_per_layer_input_norm.weight", "layer_scalar": "layer_scalar",
+    # Gemma 4's mixture of experts beside the MLP: its router, experts and norms
+    "g4_router": "router.proj.weight", "g4_router_scale": "router.scale", "g4_expert_scale": "router.per_expert_scale",
+    "g4_experts_gate_up": "experts.gate_up_proj", "g4_experts_down": "experts.down_proj",
+    "pre_ff_norm_2": "pre_feedforward_layernorm_2.weight", "post_ff_norm_1": "post_feedforward_layernorm_1.weight",
+    "post_ff_norm_2": "post_feedforward_layernorm_2.weight",
 }
 
 
@@ -335,24 +338,46 @@ def moe_mlp(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Ten
         top = top / top.sum(dim=-1, keepdim=True)
     if not spec.fp32_routing:
         top = top.to(logits.dtype)
+    out = experts(x, top, idx, lw["experts_gate_up"], lw["experts_down"], act)
+    if lw["shared_gate"] is not None:
+        shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
+        out = out + torch.sigmoid(F.linear(x, lw["shared_expert_gate"])) * shared
+    return out.view(h.shape)
+
+
+def experts(x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The chosen experts (``idx`` [n, k], weights ``top``) of tokens ``x`` [n, H]: each expert's gated MLP
+    (``gate_up`` [E, 2 I, H], ``down`` [E, H, I]) scaled by its weight, summed in the model's dtype in increasing
+    expert order (transformers' ``index_add_`` order), every expert on every token in one batched GEMM."""
     idx, order = idx.sort(dim=-1)  # increasing expert ids, as transformers adds the experts' outputs
     top = top.gather(-1, order)
     parts = []
     for s in range(0, x.shape[0], MOE_CHUNK):
         xs = x[s: s + MOE_CHUNK]
-        gate, up = torch.matmul(xs, lw["experts_gate_up"].transpose(1, 2)).chunk(2, dim=-1)  # [E, n, I] each
-        y = torch.matmul(act(gate) * up, lw["experts_down"].transpose(1, 2))  # [E, n, H]
+        gate, up = torch.matmul(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, n, I] each
+        y = torch.matmul(act(gate) * up, down.transpose(1, 2))  # [E, n, H]
         chosen = y.transpose(0, 1).gather(1, idx[s: s + MOE_CHUNK, :, None].expand(-1, -1, y.shape[-1]))  # [n, k, H]
         scaled = (chosen * top[s: s + MOE_CHUNK, :, None]).to(x.dtype)
         out = scaled[:, 0]
         for j in range(1, scaled.shape[1]):
             out = out + scaled[:, j]
         parts.append(out)
-    out = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if lw["shared_gate"] is not None:
-        shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
-        out = out + torch.sigmoid(F.linear(x, lw["shared_expert_gate"])) * shared
-    return out.view(h.shape)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def gemma4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], x: torch.Tensor,
+               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Gemma 4's mixture of experts beside its MLP, on the residual stream ``x``: the router reads it RMS-normed
+    (no weight) times its scale and 1 / sqrt(hidden), softmax in float32, top-k renormalised, times each chosen
+    expert's own scale; the experts read ``x`` under their own norm."""
+    flat = x.reshape(-1, x.shape[-1])
+    r = rms_norm(flat, None, spec.eps, f32=True) * lw["g4_router_scale"] * flat.shape[-1] ** -0.5
+    probs = torch.softmax(F.linear(r, lw["g4_router"]), dim=-1, dtype=torch.float32)
+    top, idx = probs.topk(spec.experts_per_token, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True) * lw["g4_expert_scale"][idx]
+    h = rms_norm(flat, lw["pre_ff_norm_2"], spec.eps, f32=True)
+    return experts(h, top, idx, lw["g4_experts_gate_up"], lw["g4_experts_down"], act).view(x.shape)
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -430,6 +455,8 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         else:
             mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
                            lw["down"], lw["down_bias"])
+        if lw["g4_router"] is not None:  # Gemma 4's MoE models: experts beside the MLP, both normed
+            mlp = norm(mlp, lw["post_ff_norm_1"]) + norm(gemma4_moe(spec, lw, x, act), lw["post_ff_norm_2"])
         x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
         if spec.per_layer_dim:  # Gemma 4: the layer's per-layer input, gated by the hidden state
             g = act(F.linear(x, lw["ple_gate"])) * per_layer[:, :, i]
