@@ -441,6 +441,29 @@ def test_a_multimodal_checkpoints_sliding_window_is_its_text_models():
         assert _can_share_prefix(model, 5) and not _can_share_prefix(model, 6)
 
 
+def test_llama4_shares_prompts_only_within_its_first_chunk_and_its_unscaled_positions():
+    """Llama 4's attention chunks and its NoPE layers' query scale follow cache columns in transformers, so the
+    shared-prompt pass (completions at columns past the longest prompt) is refused where either changes within
+    the rows (a tiny one with chunks of 4 and a floor of 2 missed its own forward by 0.15 nats); both equal Llama 4's
+    8,192 (no change below 8,192 tokens) leave it on. Its decoder is ``model.model`` (its base_model is itself)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from grpo.foundation.logprobs import _can_share_prefix, _decoder_stack
+
+    def llama4(chunk: int, floor: int):
+        return Llama4ForCausalLM(Llama4TextConfig(
+            vocab_size=40, hidden_size=16, intermediate_size=16, intermediate_size_mlp=32, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2, no_rope_layers=[1, 0],
+            attention_chunk_size=chunk, floor_scale=floor, attn_temperature_tuning=True))
+
+    with torch.no_grad():
+        model = llama4(8192, 8192)
+        assert _decoder_stack(model) is model.model
+        assert _can_share_prefix(model, 8191) and not _can_share_prefix(model, 8193)
+        assert not _can_share_prefix(llama4(4, 8192), 6) and not _can_share_prefix(llama4(8192, 2), 6)
+        assert _can_share_prefix(llama4(4, 8192), 4)
+
+
 SCALED = {  # families whose causal-LM head scales its logits, each with a scale away from 1
     "cohere": dict(logit_scale=0.25), "cohere2": dict(logit_scale=0.25), "cohere2_moe": dict(logit_scale=0.25),
     "granite": dict(logits_scaling=8.0), "granitemoe": dict(logits_scaling=8.0, num_local_experts=4,

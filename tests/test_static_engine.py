@@ -10,7 +10,7 @@ import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM, Gemma4ForCausalLM,
                           Gemma4TextConfig,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
+                          GemmaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
                           Ministral3Config, Ministral3ForCausalLM,
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
@@ -150,6 +150,14 @@ MODELS = {
         **{**QWEN3_5, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}},
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         norm_topk_prob=False, mlp_only_layers=[0])),
+    # Llama 4: RoPE on interleaved pairs, q/k L2 norms after it, chunked attention (chunks of 4 positions) on its
+    # RoPE layers, a NoPE layer whose queries scale with the position (floor 2), MoE layers (sigmoid of the top-2
+    # logits scaling the experts' inputs, a shared expert) between dense ones
+    "llama4": lambda: Llama4ForCausalLM(Llama4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4, "intermediate_size": 16}, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0, 1, 1],
+        attention_chunk_size=4, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, use_qk_norm=True,
+        moe_layers=[1, 3], rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
     # Gemma 4: its full-attention layers with other sizes (head_dim 16, one KV head, keys = values, a proportional
     # RoPE on half the head), value norms, norms' weights in float32, the last two layers reading the KV of the
     # first two (KV sharing), per-layer inputs, final soft-capping
@@ -218,7 +226,8 @@ def hf_logits(model, rows: list[list[int]]) -> torch.Tensor:
 # engine, to match its bf16 rounding): float32-rounded probabilities; the engine caps Gemma 4's final logits in
 # float32 as the trainer does. Qwen3.5's delta rule runs in float32 in any
 # model (transformers' and so the engine's), chunked over the prompt in one forward, step by step in the other
-TOL = {"gemma2": 1e-6, "gemma4": 1e-6, "gemma4_moe": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
+# Llama 4 rotates in float32 in any model.
+TOL = {"gemma2": 1e-6, "gemma4": 1e-6, "gemma4_moe": 1e-6, "llama4": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -258,6 +267,8 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("qwen2_moe", "renorm_topk", True), ("mixtral", "renorm_topk", False), ("ministral", "windows", (None, None)),
     ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False), ("gemma4", "per_layer_dim", 0),
     ("gemma4", "scale", None), ("gemma4", "v_norm", False), ("gemma4_moe", "experts_per_token", 1),
+    ("llama4", "rope_interleaved", False), ("llama4", "qk_l2", False), ("llama4", "chunks", (None,) * 4),
+    ("llama4", "attn_temperature", None), ("llama4", "experts_per_token", 1),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far

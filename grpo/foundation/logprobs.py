@@ -393,6 +393,13 @@ def check_head(model: torch.nn.Module) -> float:
     return gap
 
 
+def _decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder under the head (transformers' ``base_model``; Llama 4's text model names the multimodal
+    checkpoint's attribute as its base, so its ``base_model`` is the whole model: its decoder is ``model.model``)."""
+    base = model.base_model
+    return model.model if base is model and hasattr(model, "model") else base
+
+
 def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     """A cache-capable decoder run without activation checkpointing (which turns the cache off), and no sliding
     window shorter than ``length`` tokens: transformers applies the window to cache columns, and the shared path
@@ -400,7 +407,8 @@ def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     with gradients through ZeRO-3 leaf modules (mixture-of-experts blocks, ``mark_moe_leaves``): DeepSpeed reduces a
     leaf's gradients in its backward hook, which fires once per call, so a block called for the prompt and again
     for the completions would have its gradients reduced twice. Not with recurrent layers (Qwen3.5's linear
-    attention: ``has_recurrent_layers``)."""
+    attention: ``has_recurrent_layers``). Not when Llama 4's attention chunks or its NoPE layers' query scale change
+    within ``length`` positions: transformers reads both from cache columns, not positions."""
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
@@ -412,7 +420,10 @@ def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
 
     if has_recurrent_layers(model):  # a right-padded prompt's recurrent state has run over its padding
         return False
-    return bool(getattr(text, "use_cache", True)) and not ckpt and (not window or window >= length)
+    chunk = getattr(text, "attention_chunk_size", None)
+    floor = getattr(text, "floor_scale", None) if getattr(text, "attn_temperature_tuning", False) else None
+    return (bool(getattr(text, "use_cache", True)) and not ckpt and (not window or window >= length)
+            and (not chunk or chunk >= length) and (not floor or floor > length))
 
 
 def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[list[int]], which: list[int],
@@ -436,7 +447,7 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
         p_att[i, : len(p)] = 1
     p_ids, p_att = p_ids.to(device), p_att.to(device)
     p_len = p_att.sum(-1)
-    out = model.base_model(input_ids=p_ids, attention_mask=p_att, **{CACHE_ARG: DynamicCache()}, use_cache=True)
+    out = _decoder_stack(model)(input_ids=p_ids, attention_mask=p_att, **{CACHE_ARG: DynamicCache()}, use_cache=True)
     cache = cache_of(out)
     h_last = out.last_hidden_state[torch.arange(U, device=device), p_len - 1]  # predicts completion token 0
     idx = torch.tensor(which, dtype=torch.long, device=device)
@@ -452,7 +463,7 @@ def _shared_prefix_hidden(model: torch.nn.Module, packed: Packed, prompts: list[
         full_ids = packed.input_ids.to(device)
         c_ids = full_ids.gather(1, c_pos.clamp(max=full_ids.shape[1] - 1))
         att = torch.cat([p_att[idx], c_att], dim=1)
-        h_c = model.base_model(input_ids=c_ids, attention_mask=att, position_ids=c_pos, **{CACHE_ARG: cache},
+        h_c = _decoder_stack(model)(input_ids=c_ids, attention_mask=att, position_ids=c_pos, **{CACHE_ARG: cache},
                                use_cache=True).last_hidden_state
         return torch.cat([h_last[idx].unsqueeze(1), h_c], dim=1)
     return h_last[idx].unsqueeze(1)
@@ -509,7 +520,7 @@ def completion_scores(
     if share:
         h = _shared_prefix_hidden(model, packed, prompts, which, device)[rows, tcols]
     else:
-        hidden = model.base_model(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
+        hidden = _decoder_stack(model)(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
         h = hidden[rows, pos - 1]
     softcap = getattr(_text_config(model), "final_logit_softcapping", None)
     scale = logit_scale(model)

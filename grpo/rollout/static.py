@@ -4,7 +4,7 @@ Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model familie
 exact on a CPU too, where it runs eager. Read top to bottom:
 
 * ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral),
-  Qwen2, Qwen3 (their MoE models too), Gemma 1-4 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
+  Qwen2, Qwen3 (their MoE models too), Gemma 1-4, Llama 4 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
   sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
@@ -15,7 +15,9 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   buffers per layer are a convolution window and a recurrent state instead of keys and values) between attention
   layers whose q_proj also gives an output gate, with a partial RoPE; Gemma 4: per-layer head sizes, keys =
   values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and output
-  scalars, its MoE models' experts beside the MLP); anything else gets a reason and the ``hf`` engine.
+  scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
+  chunked attention, the NoPE layers' query scale, its MoE layers); anything else gets a reason and the ``hf``
+  engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -66,7 +68,7 @@ from grpo.rollout.hf import filter_logits, sample_categorical
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text")
+               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text", "gemma4_text")  # norms after attention and around the MLP
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text")
@@ -117,6 +119,13 @@ class ModelSpec:
     v_norm: bool = False
     norm_f32: bool = False
     per_layer_dim: int = 0
+    # Llama 4: RoPE on interleaved pairs (complex products in float32), queries and keys L2-normed after it,
+    # per layer the attention chunk (keys in the query's chunk of this many positions; None: all), the query
+    # scale of NoPE layers (attn_scale, floor_scale: 1 + attn_scale log(1 + floor((pos + 1) / floor_scale)))
+    rope_interleaved: bool = False
+    qk_l2: bool = False
+    chunks: Optional[tuple[Optional[int], ...]] = None
+    attn_temperature: Optional[tuple[float, float]] = None
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -200,14 +209,23 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         renorm_topk=(kind in ("mixtral", "qwen3_vl_moe_text", "qwen3_5_moe_text")
                      or bool(getattr(cfg, "norm_topk_prob", False))),
         fp32_routing=kind == "mixtral",
-        rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind == "smollm3" else None,
+        rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind in ("smollm3", "llama4_text") else None,
         q_scale=((cfg.rope_parameters["llama_4_scaling_beta"], cfg.rope_parameters["original_max_position_embeddings"])
                  if kind == "ministral3" else None),
         attn_gate=kind in QWEN3_5,
         linear=tuple(t == "linear_attention" for t in layer_types) if kind in QWEN3_5 else None,
         delta=delta_net.delta_spec(cfg) if kind in QWEN3_5 else None,
         **(gemma4_fields(cfg) if kind == "gemma4_text" else {}),
+        **(llama4_fields(cfg) if kind == "llama4_text" else {}),
     )
+
+
+def llama4_fields(cfg) -> dict:
+    """Llama 4's ModelSpec fields: NoPE layers (``no_rope_layers[i]`` 0), chunked attention on its RoPE layers, the
+    NoPE layers' query scale."""
+    return dict(rope_interleaved=True, qk_l2=bool(cfg.use_qk_norm),
+                chunks=tuple(cfg.attention_chunk_size if t == "chunked_attention" else None for t in cfg.layer_types),
+                attn_temperature=(cfg.attn_scale, cfg.floor_scale) if cfg.attn_temperature_tuning else None)
 
 
 def gemma4_fields(cfg) -> dict:
@@ -281,12 +299,16 @@ LAYER_KEYS = {
     "g4_experts_gate_up": "experts.gate_up_proj", "g4_experts_down": "experts.down_proj",
     "pre_ff_norm_2": "pre_feedforward_layernorm_2.weight", "post_ff_norm_1": "post_feedforward_layernorm_1.weight",
     "post_ff_norm_2": "post_feedforward_layernorm_2.weight",
+    # Llama 4's router (its experts: experts_gate_up [E, H, 2 I] and experts_down [E, I, H], transposed against the
+    # others')
+    "l4_router": "mlp.router.weight",
 }
 
 
 def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch.Tensor]) -> Weights:
     """``named``: transformers' names -> tensors (``named_parameters`` or a LoRA-merged state dict)."""
-    named = {k.removeprefix("base_model.model."): v for k, v in named.items()}
+    # Llama 4 calls its MLP feed_forward (its shared expert then has Qwen2-MoE's names)
+    named = {k.removeprefix("base_model.model.").replace(".feed_forward.", ".mlp."): v for k, v in named.items()}
     top = "model.language_model." if "model.language_model.embed_tokens.weight" in named else "model."
     embed = named[f"{top}embed_tokens.weight"]
     layers = [{key: named.get(f"{top}layers.{i}.{name}") for key, name in LAYER_KEYS.items()}
@@ -319,6 +341,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gemma:
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
         return (h if weight is None else h * weight.float()).to(x.dtype)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:  # Llama 4's L2 norm of queries and keys
+        return h.to(x.dtype)
     if gemma:
         return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
@@ -366,6 +390,22 @@ def experts(x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, gate_up: torc
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def llama4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor,
+               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Llama 4's mixture of experts: the top-k of the router's logits through a sigmoid (in float32, cast back) scale
+    each chosen expert's *input*; every expert runs on every token (a zero input gives a zero output), their outputs
+    summed, plus the shared expert's."""
+    x = h.reshape(-1, h.shape[-1])
+    logits = F.linear(x, lw["l4_router"])
+    top, idx = logits.topk(spec.experts_per_token, dim=-1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, idx, top).float().sigmoid().to(logits.dtype)
+    xs = x[None] * scores.t()[:, :, None]  # [E, n, H]
+    gate, up = torch.bmm(xs, lw["experts_gate_up"]).chunk(2, dim=-1)
+    routed = torch.bmm(up * act(gate), lw["experts_down"]).sum(dim=0)
+    shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
+    return (shared + routed).view(h.shape)
+
+
 def gemma4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], x: torch.Tensor,
                act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Gemma 4's mixture of experts beside its MLP, on the residual stream ``x``: the router reads it RMS-normed
@@ -400,6 +440,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama 4's RoPE: each pair (x[2j], x[2j + 1]) a complex number times (cos + i sin) of frequency j, in float32."""
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
 def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
             k_buf: Sequence[torch.Tensor], v_buf: Sequence[torch.Tensor], kpos: torch.Tensor, length: int,
             last_only: bool = True) -> torch.Tensor:
@@ -422,6 +468,9 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     ropes = []  # (cos, sin) [R, 1, S, D] of each RoPE
     for inv_freq, scale in zip(w.ropes, w.rope_scale):
         freqs = qpos[..., None].float() * inv_freq.float()
+        if spec.rope_interleaved:  # Llama 4: its complex factors' parts, [R, 1, S, D / 2], in float32
+            ropes.append(((freqs.cos() * scale)[:, None], (freqs.sin() * scale)[:, None]))
+            continue
         emb = torch.cat((freqs, freqs), dim=-1)
         ropes.append(((emb.cos() * scale).to(x.dtype)[:, None], (emb.sin() * scale).to(x.dtype)[:, None]))
 
@@ -452,6 +501,8 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             h = norm(x, lw["post_norm"])
         if lw["router"] is not None:
             mlp = moe_mlp(spec, lw, h, act)
+        elif lw["l4_router"] is not None:
+            mlp = llama4_moe(spec, lw, h, act)
         else:
             mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
                            lw["down"], lw["down_bias"])
@@ -484,14 +535,22 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
     def norm(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
         return rms_norm(x, weight, spec.eps, spec.gemma_norm, spec.norm_f32)
 
+    def positional(x: torch.Tensor) -> torch.Tensor:  # RoPE, then Llama 4's L2 norm of its RoPE layers
+        if not rope:
+            return x
+        x = rotate_interleaved(x, cos, sin) if spec.rope_interleaved else rotate(x, cos, sin)
+        return norm(x, None) if spec.qk_l2 else x
+
     q = F.linear(h, lw["q"], lw["q_bias"])
     if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
         q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
     q = q.reshape(R, S, H, D)
-    q = (norm(q, lw["q_norm"]) if spec.qk_norm else q).transpose(1, 2)
-    q = rotate(q, cos, sin) if rope else q
+    q = positional((norm(q, lw["q_norm"]) if spec.qk_norm else q).transpose(1, 2))
     if q_scale is not None:
         q = q * q_scale.to(q.dtype)
+    if spec.attn_temperature and not rope:  # Llama 4's NoPE layers, [R, 1, S, 1]
+        t_scale, floor = spec.attn_temperature
+        q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
     if spec.kv_source is None or spec.kv_source[i] == i:  # else (Gemma 4's KV sharing): the buffers are another
         # layer's, already written at these columns
         k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
@@ -499,11 +558,13 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         k = (norm(k, lw["k_norm"]) if spec.qk_norm else k).transpose(1, 2)
         if spec.v_norm:  # Gemma 4: values RMS-normed, no weight
             v = norm(v, None)
-        k_buf.index_copy_(2, cols, rotate(k, cos, sin) if rope else k)
+        k_buf.index_copy_(2, cols, positional(k))
         v_buf.index_copy_(2, cols, v.transpose(1, 2))
     mask = attend
     if spec.windows[i] is not None:
         mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
+    if spec.chunks is not None and spec.chunks[i] is not None:  # Llama 4: keys in the query's chunk
+        mask = mask & (keys_pos // spec.chunks[i] == qpos[:, None, :, None] // spec.chunks[i])
     keys, values, scale = k_buf[:, :, :length], v_buf[:, :, :length], spec.scale or D ** -0.5
     if spec.attn_softcap:
         a = capped_attention(q, keys, values, mask, scale, spec.attn_softcap)
