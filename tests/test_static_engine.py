@@ -13,6 +13,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           GemmaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
                           Ministral3Config, Ministral3ForCausalLM,
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
+                          Mistral4Config, Mistral4ForCausalLM,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
@@ -116,6 +117,17 @@ MODELS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0,
                          "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
+    # Mistral 4: multi-head latent attention (queries through a rank-8 pair, keys and values from a rank-12 latent,
+    # a 4-wide RoPE key shared by the heads, DeepSeek's interleaved RoPE, YaRN's attention scale, Ministral 3's query
+    # scale), a dense first layer, then top-2 of 8 experts in the best 2 of 4 groups, scaled by 2.5, a shared expert
+    "mistral4": lambda: Mistral4ForCausalLM(Mistral4Config(
+        **{**COMMON, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=16,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=8, qk_rope_head_dim=4, v_head_dim=6,
+        qk_nope_head_dim=8, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0, "original_max_position_embeddings": 4,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                         "llama_4_scaling_beta": 0.5})),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         no_rope_layer_interval=2)),
@@ -268,7 +280,8 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False), ("gemma4", "per_layer_dim", 0),
     ("gemma4", "scale", None), ("gemma4", "v_norm", False), ("gemma4_moe", "experts_per_token", 1),
     ("llama4", "rope_interleaved", False), ("llama4", "qk_l2", False), ("llama4", "chunks", (None,) * 4),
-    ("llama4", "attn_temperature", None), ("llama4", "experts_per_token", 1),
+    ("llama4", "attn_temperature", None), ("llama4", "experts_per_token", 1), ("mistral4", "mla_interleave", False),
+    ("mistral4", "grouped_routing", (1, 1, 2.5)), ("mistral4", "q_scale", None),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far

@@ -94,8 +94,9 @@ class _GrowLayer(DynamicLayer):
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         self.length = keys.shape[-2]
-        shape = (*keys.shape[:-2], self.length + max(extra, 1), keys.shape[-1])
-        self._k, self._v = keys.new_empty(shape), values.new_empty(shape)
+        room = self.length + max(extra, 1)  # keys and values may differ in width (MLA caches two latents)
+        self._k = keys.new_empty((*keys.shape[:-2], room, keys.shape[-1]))
+        self._v = values.new_empty((*values.shape[:-2], room, values.shape[-1]))
         self._k[..., : self.length, :] = keys
         self._v[..., : self.length, :] = values
         self._views()

@@ -3,7 +3,7 @@
 Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model families below; see docs/gpu.md) and
 exact on a CPU too, where it runs eager. Read top to bottom:
 
-* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral),
+* ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral, 4),
   Qwen2, Qwen3 (their MoE models too), Gemma 1-4, Llama 4 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
@@ -16,8 +16,8 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   layers whose q_proj also gives an output gate, with a partial RoPE; Gemma 4: per-layer head sizes, keys =
   values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and output
   scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
-  chunked attention, the NoPE layers' query scale, its MoE layers); anything else gets a reason and the ``hf``
-  engine.
+  chunked attention, the NoPE layers' query scale, its MoE layers; Mistral 4: latent attention, grouped
+  routing); anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -68,7 +68,7 @@ from grpo.rollout.hf import filter_logits, sample_categorical
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text")
+               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text", "gemma4_text")  # norms after attention and around the MLP
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text")
@@ -126,6 +126,12 @@ class ModelSpec:
     qk_l2: bool = False
     chunks: Optional[tuple[Optional[int], ...]] = None
     attn_temperature: Optional[tuple[float, float]] = None
+    # Mistral 4: multi-head latent attention (qk_nope_head_dim, qk_rope_head_dim, v_head_dim; keys and values
+    # expanded from the normed latent once, as they enter the buffers), its RoPE on interleaved pairs (DeepSeek's
+    # layout), group-limited routing (n_group, topk_group, routed_scaling_factor)
+    mla: Optional[tuple[int, int, int]] = None
+    mla_interleave: bool = False
+    grouped_routing: Optional[tuple[int, int, float]] = None
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -196,11 +202,10 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         for i in range(cfg.num_hidden_layers)
     )
     rope_types = getattr(_rotary(model), "layer_types", None)  # Gemma 3: a RoPE per layer type
-    return ModelSpec(
+    fields = dict(
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(first, "num_key_value_heads", None) or heads,
         head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=kind in QK_NORM, act=activation(cfg),
-        # Gemma 4: 1 (its q/k norms set the scale)
-        scale=1.0 if kind == "gemma4_text" else (cfg.query_pre_attn_scalar if kind in SANDWICH else head_dim) ** -0.5,
+        scale=(cfg.query_pre_attn_scalar if kind in ("gemma2", "gemma3_text") else head_dim) ** -0.5,
         gemma_norm=kind in GEMMA + QWEN3_5,  # Qwen3.5's norms are (1 + w) too
         sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
@@ -211,13 +216,27 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         fp32_routing=kind == "mixtral",
         rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind in ("smollm3", "llama4_text") else None,
         q_scale=((cfg.rope_parameters["llama_4_scaling_beta"], cfg.rope_parameters["original_max_position_embeddings"])
-                 if kind == "ministral3" else None),
+                 if kind in ("ministral3", "mistral4") else None),
         attn_gate=kind in QWEN3_5,
         linear=tuple(t == "linear_attention" for t in layer_types) if kind in QWEN3_5 else None,
         delta=delta_net.delta_spec(cfg) if kind in QWEN3_5 else None,
-        **(gemma4_fields(cfg) if kind == "gemma4_text" else {}),
-        **(llama4_fields(cfg) if kind == "llama4_text" else {}),
     )
+    if kind == "gemma4_text":
+        fields.update(gemma4_fields(cfg))
+    elif kind == "llama4_text":
+        fields.update(llama4_fields(cfg))
+    elif kind == "mistral4":
+        fields.update(mistral4_fields(cfg, _decoder(model)))
+    return ModelSpec(**fields)
+
+
+def mistral4_fields(cfg, decoder: torch.nn.Module) -> dict:
+    """Mistral 4's ModelSpec fields: MLA's sizes, its keys' and values' heads (every query head's own), its
+    attention scale (the layer's: YaRN's mscale squared), group-limited routing."""
+    return dict(mla=(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim),
+                mla_interleave=bool(cfg.rope_interleave), kv_heads=cfg.num_attention_heads, head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                scale=float(decoder.layers[0].self_attn.scaling),
+                grouped_routing=(cfg.n_group, cfg.topk_group, float(cfg.routed_scaling_factor)))
 
 
 def llama4_fields(cfg) -> dict:
@@ -238,7 +257,8 @@ def gemma4_fields(cfg) -> dict:
     return dict(layer_dims=tuple(dims), kv_source=tuple(store[t] if m == "reuse" else i
                                                          for i, (t, m) in enumerate(zip(types, modes))),
                 k_eq_v=tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
-                v_norm=True, norm_f32=True, per_layer_dim=cfg.hidden_size_per_layer_input or 0)
+                v_norm=True, norm_f32=True, per_layer_dim=cfg.hidden_size_per_layer_input or 0,
+                scale=1.0)  # its q/k norms set the scale
 
 
 @dataclass
@@ -302,13 +322,19 @@ LAYER_KEYS = {
     # Llama 4's router (its experts: experts_gate_up [E, H, 2 I] and experts_down [E, I, H], transposed against the
     # others')
     "l4_router": "mlp.router.weight",
+    # Mistral 4's latent attention: the query's low-rank pair and its norm, the latent's projection, norm and expansion
+    "q_a": "self_attn.q_a_proj.weight", "q_a_bias": "self_attn.q_a_proj.bias", "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_bias": "self_attn.kv_a_proj_with_mqa.bias", "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "kv_b": "self_attn.kv_b_proj.weight",
 }
 
 
 def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch.Tensor]) -> Weights:
     """``named``: transformers' names -> tensors (``named_parameters`` or a LoRA-merged state dict)."""
-    # Llama 4 calls its MLP feed_forward (its shared expert then has Qwen2-MoE's names)
-    named = {k.removeprefix("base_model.model.").replace(".feed_forward.", ".mlp."): v for k, v in named.items()}
+    # Llama 4 calls its MLP feed_forward, Mistral 4 its shared expert shared_experts (then both have Qwen2-MoE's names)
+    named = {k.removeprefix("base_model.model.").replace(".feed_forward.", ".mlp.")
+             .replace(".mlp.shared_experts.", ".mlp.shared_expert."): v for k, v in named.items()}
     top = "model.language_model." if "model.language_model.embed_tokens.weight" in named else "model."
     embed = named[f"{top}embed_tokens.weight"]
     layers = [{key: named.get(f"{top}layers.{i}.{name}") for key, name in LAYER_KEYS.items()}
@@ -357,16 +383,37 @@ def moe_mlp(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Ten
     host sync, each expert's weights read once per step; only the chosen experts' outputs are kept."""
     x = h.reshape(-1, h.shape[-1])
     logits = F.linear(x, lw["router"])
-    top, idx = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(spec.experts_per_token, dim=-1)
-    if spec.renorm_topk:
-        top = top / top.sum(dim=-1, keepdim=True)
-    if not spec.fp32_routing:
-        top = top.to(logits.dtype)
+    if spec.grouped_routing is not None:
+        top, idx = grouped_topk(spec, logits)
+    else:
+        top, idx = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(spec.experts_per_token, dim=-1)
+        if spec.renorm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if not spec.fp32_routing:
+            top = top.to(logits.dtype)
     out = experts(x, top, idx, lw["experts_gate_up"], lw["experts_down"], act)
-    if lw["shared_gate"] is not None:
+    if lw["shared_gate"] is not None:  # under a sigmoid gate (Qwen2-MoE's), or not (Mistral 4's)
         shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
-        out = out + torch.sigmoid(F.linear(x, lw["shared_expert_gate"])) * shared
+        gate = lw["shared_expert_gate"]
+        out = out + (shared if gate is None else torch.sigmoid(F.linear(x, gate)) * shared)
     return out.view(h.shape)
+
+
+def grouped_topk(spec: ModelSpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mistral 4's routing (DeepSeek's): softmax in the model's dtype; the experts split in groups, each group
+    scored by its two best, the top ``topk_group`` groups kept; the top-k experts among them, renormalised (or
+    not), times ``routed_scaling_factor``."""
+    groups, keep, factor = spec.grouped_routing
+    scores = logits.softmax(-1)
+    E = scores.shape[-1]
+    best = scores.view(-1, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1).bool()
+    allowed = chosen[:, :, None].expand(-1, groups, E // groups).reshape(-1, E)
+    idx = scores.masked_fill(~allowed, 0.0).topk(spec.experts_per_token, dim=-1, sorted=False)[1]
+    top = scores.gather(1, idx)
+    if spec.renorm_topk:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * factor, idx
 
 
 def experts(x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -541,18 +588,23 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         x = rotate_interleaved(x, cos, sin) if spec.rope_interleaved else rotate(x, cos, sin)
         return norm(x, None) if spec.qk_l2 else x
 
-    q = F.linear(h, lw["q"], lw["q_bias"])
-    if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
-        q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
-    q = q.reshape(R, S, H, D)
-    q = positional((norm(q, lw["q_norm"]) if spec.qk_norm else q).transpose(1, 2))
+    if spec.mla is not None:  # Mistral 4
+        q, k, v = latent_qkv(spec, lw, h, cos, sin)
+        k_buf.index_copy_(2, cols, k)
+        v_buf.index_copy_(2, cols, v)
+    else:
+        q = F.linear(h, lw["q"], lw["q_bias"])
+        if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
+            q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
+        q = q.reshape(R, S, H, D)
+        q = positional((norm(q, lw["q_norm"]) if spec.qk_norm else q).transpose(1, 2))
     if q_scale is not None:
         q = q * q_scale.to(q.dtype)
     if spec.attn_temperature and not rope:  # Llama 4's NoPE layers, [R, 1, S, 1]
         t_scale, floor = spec.attn_temperature
         q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
-    if spec.kv_source is None or spec.kv_source[i] == i:  # else (Gemma 4's KV sharing): the buffers are another
-        # layer's, already written at these columns
+    if spec.mla is None and (spec.kv_source is None or spec.kv_source[i] == i):  # else (Gemma 4's KV sharing):
+        # the buffers are another layer's, already written at these columns
         k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
         v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
         k = (norm(k, lw["k_norm"]) if spec.qk_norm else k).transpose(1, 2)
@@ -570,10 +622,37 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         a = capped_attention(q, keys, values, mask, scale, spec.attn_softcap)
     else:
         a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=H != KV)
-    a = a.transpose(1, 2).reshape(R, S, H * D)
+    a = a.transpose(1, 2).reshape(R, S, -1)
     if spec.attn_gate:
         a = a * torch.sigmoid(gate.reshape(R, S, H * D))
     return F.linear(a, lw["o"], lw["o_bias"])
+
+
+def latent_qkv(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mistral 4's multi-head latent attention: queries (through their low-rank pair and its norm, when the model
+    has one), keys and values expanded from the normed latent, one RoPE key shared by every head; q and k
+    [R, H, S, nope + rope], v [R, H, S, v_dim]."""
+    R, S, _ = h.shape
+    nope, rd, dv = spec.mla
+    if lw["q"] is not None:
+        q = F.linear(h, lw["q"])
+    else:
+        q = F.linear(rms_norm(F.linear(h, lw["q_a"], lw["q_a_bias"]), lw["q_a_norm"], spec.eps), lw["q_b"])
+    q_pass, q_rot = q.view(R, S, spec.heads, nope + rd).transpose(1, 2).split([nope, rd], dim=-1)
+    latent = F.linear(h, lw["kv_a"], lw["kv_a_bias"])
+    k_pass, k_rot = latent.split([latent.shape[-1] - rd, rd], dim=-1)
+    k_rot = k_rot.reshape(R, 1, S, rd)
+    if spec.mla_interleave:  # DeepSeek's layout: pairs (x[2j], x[2j + 1]) rotated, the results' halves concatenated
+        c, s = cos[..., : rd // 2], sin[..., : rd // 2]
+        q_rot, k_rot = (torch.cat([x[..., 0::2] * c - x[..., 1::2] * s, x[..., 1::2] * c + x[..., 0::2] * s], dim=-1)
+                        for x in (q_rot, k_rot))
+    else:
+        q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
+    kv = F.linear(rms_norm(k_pass, lw["kv_a_norm"], spec.eps), lw["kv_b"]).view(R, S, spec.heads, nope + dv)
+    k_nope, v = kv.transpose(1, 2).split([nope, dv], dim=-1)
+    k = torch.cat([k_nope, k_rot.expand(-1, spec.heads, -1, -1)], dim=-1)
+    return torch.cat([q_pass, q_rot], dim=-1), k, v
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -607,7 +686,7 @@ def new_buffers(spec: ModelSpec, rows: int, length: int, dtype: torch.dtype, dev
         else:
             kv, d = spec.layer_dims[i] if spec.layer_dims else (spec.kv_heads, spec.head_dim)
             k = torch.zeros((rows, kv, length, d), dtype=dtype, device=device)
-            v = torch.zeros_like(k)
+            v = torch.zeros((rows, kv, length, spec.mla[2]), dtype=dtype, device=device) if spec.mla else torch.zeros_like(k)
         ks.append(k)
         vs.append(v)
     return ks, vs
