@@ -7,10 +7,12 @@ from typing import Optional
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM, Gemma4ForCausalLM,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM, Gemma3nForCausalLM,
+                          Gemma3nTextConfig, Gemma4ForCausalLM,
                           Gemma4TextConfig,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
+                          GemmaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM,
+                          LlavaConfig, LlavaForConditionalGeneration,
                           Ministral3Config, Ministral3ForCausalLM,
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
                           Mistral4Config, Mistral4ForCausalLM,
@@ -125,8 +127,8 @@ MODELS = {
         n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=8, qk_rope_head_dim=4, v_head_dim=6,
         qk_nope_head_dim=8, first_k_dense_replace=1, norm_topk_prob=True, rope_interleave=True,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0, "original_max_position_embeddings": 4,
-                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0,
+                         "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                          "llama_4_scaling_beta": 0.5})),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
@@ -170,6 +172,17 @@ MODELS = {
         head_dim=8, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=2, no_rope_layers=[1, 0, 1, 1],
         attention_chunk_size=4, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, use_qk_norm=True,
         moe_layers=[1, 3], rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    # Gemma 3n: three AltUp copies of the hidden state, LAuReL beside attention and MLP, the first layer's MLP
+    # sparse (60%), the last two layers reading the first two's KV, per-layer inputs (a vocabulary of 30 of the 37
+    # tokens), per-layer MLP widths, value norms, final soft-capping
+    "gemma3n": lambda: Gemma3nForCausalLM(Gemma3nTextConfig(
+        **{**COMMON, "num_hidden_layers": 4, "intermediate_size": [64, 64, 48, 64]}, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, hidden_size_per_layer_input=4, vocab_size_per_layer_input=30,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        laurel_rank=4, altup_num_inputs=3, activation_sparsity_pattern=[0.6, 0.0, 0.0, 0.0],
+        final_logit_softcapping=3.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # Gemma 4: its full-attention layers with other sizes (head_dim 16, one KV head, keys = values, a proportional
     # RoPE on half the head), value norms, norms' weights in float32, the last two layers reading the KV of the
     # first two (KV sharing), per-layer inputs, final soft-capping
@@ -239,7 +252,8 @@ def hf_logits(model, rows: list[list[int]]) -> torch.Tensor:
 # float32 as the trainer does. Qwen3.5's delta rule runs in float32 in any
 # model (transformers' and so the engine's), chunked over the prompt in one forward, step by step in the other
 # Llama 4 rotates in float32 in any model.
-TOL = {"gemma2": 1e-6, "gemma4": 1e-6, "gemma4_moe": 1e-6, "llama4": 1e-6, "qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
+TOL = {"gemma2": 1e-6, "gemma3n": 1e-6, "gemma4": 1e-6, "gemma4_moe": 1e-6, "llama4": 1e-6, "qwen3_5": 1e-6,
+       "qwen3_5_moe": 1e-6, "qwen3_next": 1e-6}
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -282,6 +296,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("llama4", "rope_interleaved", False), ("llama4", "qk_l2", False), ("llama4", "chunks", (None,) * 4),
     ("llama4", "attn_temperature", None), ("llama4", "experts_per_token", 1), ("mistral4", "mla_interleave", False),
     ("mistral4", "grouped_routing", (1, 1, 2.5)), ("mistral4", "q_scale", None),
+    ("gemma3n", "sparsity", (None,) * 4), ("gemma3n", "altup", (3, 0, False)),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far
@@ -462,7 +477,7 @@ def test_the_audits_top_k_is_the_full_softmax_before_filtering(params):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5", "gemma4", "gemma3n"])
 def test_bf16_logprob_gap_against_the_trainer(device, kind):
     """bf16 weights: the sampler's log-probs against the trainer's (``completion_logprobs``) on the same weights.
     Measured on CPU (eager): mean <= 2.5e-4, max <= 3e-3 nats over the tiny families (Gemma 3 the largest); on
@@ -513,8 +528,8 @@ def test_sampler_frequencies_follow_the_processed_softmax(top_k, top_p, device):
     torch.testing.assert_close(lp.double(), want.log()[tok], rtol=0, atol=1e-6)
 
 
-# Qwen3.5: the DeltaNet states move with their rows; Gemma 4: a shared KV moves once
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "gemma4"])
+# Qwen3.5: the DeltaNet states move with their rows; Gemma 3n and 4: a shared KV moves once
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "gemma4", "gemma3n"])
 def test_compaction_keeps_every_rows_tokens(kind):
     """check_every=1: rows move into smaller buckets as they finish; a huge check_every: never. Same tokens,
     same log-probs (each row draws its own uniforms whatever its bucket)."""
@@ -585,7 +600,7 @@ class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 # MoE routing, capped attention and the DeltaNet step: no sync
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_moe", "gemma2", "qwen3_5", "gemma4", "gemma3n"])
 def test_no_host_sync_inside_a_decode_step(kind):
     model = build(kind, dtype=torch.float32)
     engine = static.StaticEngine(setup_for(model))
@@ -990,7 +1005,8 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
     assert type(tr.rollout.engine) is {"static": static.StaticEngine, "hf": HFEngine}[engine]
     assert tr.model.config.model_type == {"llama": "llama", "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe",
                                           "gemma3_mm": "gemma3", "mistral3_mm": "mistral3", "qwen2_5_vl": "qwen2_5_vl",
-                                          "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_text", "gemma4": "gemma4_text"}[arch]
+                                          "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_text",
+                                          "gemma4": "gemma4_text"}[arch]
     assert static.partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2

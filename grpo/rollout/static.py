@@ -4,7 +4,7 @@ Built for a GPU (``rollout.engine: auto`` picks it on CUDA for the model familie
 exact on a CPU too, where it runs eager. Read top to bottom:
 
 * ``ModelSpec`` / ``unsupported_reason``: which models it runs (the Llama, Mistral (Ministral 1 and 3, Mixtral, 4),
-  Qwen2, Qwen3 (their MoE models too), Gemma 1-4, Llama 4 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
+  Qwen2, Qwen3 (their MoE models too), Gemma 1-4 and 3n, Llama 4 and SmolLM3 lines: grouped-query attention, q/k/v/o and MLP
   biases, q/k RMSNorms, RoPE with a position-independent scaling (one per layer type for Gemma 3; none on SmolLM3's
   NoPE layers; Ministral 3's position-dependent query scale), SiLU or GELU-tanh gated MLP, tied or untied head,
   sliding windows; Gemma's (1 + w) RMSNorm, scaled embedding, norms around attention and MLP, attention-logit and
@@ -17,7 +17,7 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and output
   scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
   chunked attention, the NoPE layers' query scale, its MoE layers; Mistral 4: latent attention, grouped
-  routing); anything else gets a reason and the ``hf`` engine.
+  routing; Gemma 3n's text models through gemma3n.py); anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import partitioned
-from grpo.rollout import delta_net
+from grpo.rollout import delta_net, gemma3n
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.hf import filter_logits, sample_categorical
 
@@ -68,10 +68,11 @@ from grpo.rollout.hf import filter_logits, sample_categorical
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4")
+               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 SANDWICH = ("gemma2", "gemma3_text", "gemma4_text")  # norms after attention and around the MLP
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text",
+           "gemma3n_text")
 MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -132,6 +133,12 @@ class ModelSpec:
     mla: Optional[tuple[int, int, int]] = None
     mla_interleave: bool = False
     grouped_routing: Optional[tuple[int, int, float]] = None
+    # Gemma 3n (gemma3n.py): AltUp (altup_num_inputs, altup_active_idx, altup_correct_scale), per layer the MLP's
+    # activation-sparsity quantile (gemma3n.quantile, in the model's dtype; None: dense), the per-layer inputs'
+    # vocabulary
+    altup: Optional[tuple[int, int, bool]] = None
+    sparsity: Optional[tuple[Optional[float], ...]] = None
+    per_layer_vocab: int = 0
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -227,14 +234,26 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         fields.update(llama4_fields(cfg))
     elif kind == "mistral4":
         fields.update(mistral4_fields(cfg, _decoder(model)))
+    elif kind == "gemma3n_text":
+        fields.update(gemma3n_fields(cfg, next(model.parameters()).dtype))
     return ModelSpec(**fields)
+
+
+def gemma3n_fields(cfg, dtype: torch.dtype) -> dict:
+    """Gemma 3n's ModelSpec fields: KV sharing, value norms, its norms, scale 1, per-layer inputs, AltUp, the MLPs'
+    sparsity quantiles in the model's dtype."""
+    return dict(**kv_sharing(cfg), v_norm=True, norm_f32=True, scale=1.0, per_layer_dim=cfg.hidden_size_per_layer_input,
+                per_layer_vocab=cfg.vocab_size_per_layer_input,
+                altup=(cfg.altup_num_inputs, cfg.altup_active_idx, bool(cfg.altup_correct_scale)),
+                sparsity=tuple(gemma3n.quantile(float(s), dtype) for s in cfg.activation_sparsity_pattern))
 
 
 def mistral4_fields(cfg, decoder: torch.nn.Module) -> dict:
     """Mistral 4's ModelSpec fields: MLA's sizes, its keys' and values' heads (every query head's own), its
     attention scale (the layer's: YaRN's mscale squared), group-limited routing."""
     return dict(mla=(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim),
-                mla_interleave=bool(cfg.rope_interleave), kv_heads=cfg.num_attention_heads, head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                mla_interleave=bool(cfg.rope_interleave), kv_heads=cfg.num_attention_heads,
+                head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
                 scale=float(decoder.layers[0].self_attn.scaling),
                 grouped_routing=(cfg.n_group, cfg.topk_group, float(cfg.routed_scaling_factor)))
 
@@ -247,15 +266,20 @@ def llama4_fields(cfg) -> dict:
                 attn_temperature=(cfg.attn_scale, cfg.floor_scale) if cfg.attn_temperature_tuning else None)
 
 
+def kv_sharing(cfg) -> dict:
+    """Gemma 3n's and 4's KV sharing: a "reuse" layer reads the KV of the "store" layer of its type."""
+    types, modes = cfg.layer_types, cfg.kv_sharing_modes
+    store = {types[i]: i for i, m in enumerate(modes) if m == "store"}
+    return dict(kv_source=tuple(store[t] if m == "reuse" else i for i, (t, m) in enumerate(zip(types, modes))))
+
+
 def gemma4_fields(cfg) -> dict:
     """Gemma 4's ModelSpec fields from its config: per-layer sizes, KV sharing (a "reuse" layer reads the KV of
     the "store" layer of its type), keys = values on full-attention layers under ``attention_k_eq_v``."""
-    types, modes = cfg.layer_types, cfg.kv_sharing_modes
-    store = {types[i]: i for i, m in enumerate(modes) if m == "store"}
+    types = cfg.layer_types
     dims = [(cfg.per_layer_config[i].num_key_value_heads, cfg.per_layer_config[i].head_dim)
             for i in range(cfg.num_hidden_layers)]
-    return dict(layer_dims=tuple(dims), kv_source=tuple(store[t] if m == "reuse" else i
-                                                         for i, (t, m) in enumerate(zip(types, modes))),
+    return dict(layer_dims=tuple(dims), **kv_sharing(cfg),
                 k_eq_v=tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
                 v_norm=True, norm_f32=True, per_layer_dim=cfg.hidden_size_per_layer_input or 0,
                 scale=1.0)  # its q/k norms set the scale
@@ -273,21 +297,22 @@ class Weights:
     ropes: list[torch.Tensor]  # inv_freq of each RoPE (one; Gemma 3: one per layer type)
     rope_scale: tuple[float, ...]  # the cos/sin scale of each
     embed_scale: Optional[torch.Tensor] = None  # Gemma: the embedding's multiplier, in the embedding's dtype
-    # Gemma 4's per-layer inputs: their embedding and its multiplier, the projection of the embeddings, its norm
-    ple: tuple[Optional[torch.Tensor], ...] = (None,) * 4
+    # model-level tensors of Gemma 4 and 3n (``extra_count``): the per-layer inputs' embedding and its multiplier,
+    # the projection of the embeddings and its norm; Gemma 3n's two scales of them and its AltUp projections
+    extra: tuple[Optional[torch.Tensor], ...] = ()
 
     def flat(self) -> list[Optional[torch.Tensor]]:
         """Every tensor in a fixed order (a compiled step takes them as a list: its guards then check tensors,
         never the identity of this object)."""
-        return ([self.embed, self.norm, self.head, self.embed_scale, *self.ple, *self.ropes]
+        return ([self.embed, self.norm, self.head, self.embed_scale, *self.extra, *self.ropes]
                 + [t for layer in self.layers for t in layer.values()])
 
     @classmethod
-    def unflat(cls, flat: list[Optional[torch.Tensor]], rope_scale: tuple[float, ...]) -> "Weights":
-        n, first = len(LAYER_KEYS), 8 + len(rope_scale)
+    def unflat(cls, flat: list[Optional[torch.Tensor]], rope_scale: tuple[float, ...], n_extra: int = 0) -> "Weights":
+        n, first = len(LAYER_KEYS), 4 + n_extra + len(rope_scale)
         layers = [dict(zip(LAYER_KEYS, flat[i: i + n])) for i in range(first, len(flat), n)]
         return cls(embed=flat[0], layers=layers, norm=flat[1], head=flat[2], embed_scale=flat[3],
-                   ple=tuple(flat[4:8]), ropes=list(flat[8:first]), rope_scale=rope_scale)
+                   extra=tuple(flat[4: 4 + n_extra]), ropes=list(flat[4 + n_extra: first]), rope_scale=rope_scale)
 
     def pointers(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.flat() if t is not None)
@@ -310,6 +335,7 @@ LAYER_KEYS = {
     "shared_gate": "mlp.shared_expert.gate_proj.weight", "shared_up": "mlp.shared_expert.up_proj.weight",
     "shared_down": "mlp.shared_expert.down_proj.weight", "shared_expert_gate": "mlp.shared_expert_gate.weight",
     **delta_net.LAYER_KEYS,  # Qwen3.5's linear-attention layers
+    **gemma3n.LAYER_KEYS,  # Gemma 3n's AltUp and LAuReL
     # Gemma 4: its per-layer input's gate, projection and norm; the layer's output scalar (a buffer, read from the
     # module)
     "ple_gate": "per_layer_input_gate.weight", "ple_proj": "per_layer_projection.weight",
@@ -323,8 +349,8 @@ LAYER_KEYS = {
     # others')
     "l4_router": "mlp.router.weight",
     # Mistral 4's latent attention: the query's low-rank pair and its norm, the latent's projection, norm and expansion
-    "q_a": "self_attn.q_a_proj.weight", "q_a_bias": "self_attn.q_a_proj.bias", "q_a_norm": "self_attn.q_a_layernorm.weight",
-    "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "q_a": "self_attn.q_a_proj.weight", "q_a_bias": "self_attn.q_a_proj.bias",
+    "q_a_norm": "self_attn.q_a_layernorm.weight", "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
     "kv_a_bias": "self_attn.kv_a_proj_with_mqa.bias", "kv_a_norm": "self_attn.kv_a_layernorm.weight",
     "kv_b": "self_attn.kv_b_proj.weight",
 }
@@ -344,18 +370,27 @@ def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch
     prefix = [f"{t}_" if t else "" for t in types]
     decoder = _decoder(model)
     scale = getattr(decoder.embed_tokens, "embed_scale", None)  # Gemma's (a buffer: ZeRO-3 leaves it whole)
-    ple = (None,) * 4
-    if spec.norm_f32:  # Gemma 4: each layer's output scalar (a buffer, read from the module)
-        for i, lw in enumerate(layers):
-            lw["layer_scalar"] = decoder.layers[i].layer_scalar
-    if spec.per_layer_dim:  # Gemma 4's per-layer inputs (the embedding's multiplier a buffer, as above)
+    extra: tuple = ()
+    for i, lw in enumerate(layers):  # buffers, read from the module: Gemma 4's layer scalars, Gemma 3n's router scale
+        lw["layer_scalar"] = getattr(decoder.layers[i], "layer_scalar", None)
+        if spec.altup:
+            lw["altup_router_scale"] = decoder.layers[i].altup.router_input_scale
+    if spec.per_layer_dim:  # Gemma 4's and 3n's per-layer inputs (the embedding's multiplier a buffer, as above)
         pe = named[f"{top}embed_tokens_per_layer.weight"]
-        ple = (pe, decoder.embed_tokens_per_layer.embed_scale.to(pe.device, pe.dtype),
-               named[f"{top}per_layer_model_projection.weight"], named[f"{top}per_layer_projection_norm.weight"])
+        extra = (pe, decoder.embed_tokens_per_layer.embed_scale.to(pe.device, pe.dtype),
+                 named[f"{top}per_layer_model_projection.weight"], named[f"{top}per_layer_projection_norm.weight"])
+    if spec.altup:  # Gemma 3n: the per-layer inputs' scales (buffers), the AltUp projections in and out
+        extra += (decoder.per_layer_projection_scale, decoder.per_layer_input_scale,
+                  *(named[name] for name in gemma3n.extra_names(top, spec.altup[0])[2:]))
     return Weights(embed=embed, layers=layers, norm=named[f"{top}norm.weight"],
                    head=named.get("lm_head.weight", embed), ropes=[getattr(rotary, f"{p}inv_freq") for p in prefix],
                    rope_scale=tuple(float(getattr(rotary, f"{p}attention_scaling", 1.0)) for p in prefix),
-                   embed_scale=None if scale is None else scale.to(embed.device, embed.dtype), ple=ple)
+                   embed_scale=None if scale is None else scale.to(embed.device, embed.dtype), extra=extra)
+
+
+def extra_count(spec: ModelSpec) -> int:
+    """How many model-level tensors ``Weights.extra`` holds for this model."""
+    return (6 + 2 * (spec.altup[0] - 1)) if spec.altup else (4 if spec.per_layer_dim else 0)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gemma: bool = False,
@@ -525,9 +560,13 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         return rms_norm(h, weight, spec.eps, spec.gemma_norm, spec.norm_f32)
 
     act, q_scale = ACTIVATIONS[spec.act], None
-    if spec.per_layer_dim:  # Gemma 4's per-layer inputs [R, S, layers, width]: the token's own embedding, plus a
+    if spec.altup:  # Gemma 3n: its per-layer inputs, the AltUp copies of the embeddings
+        per_layer = gemma3n.per_layer_inputs(w.extra, ids, x, spec.layers, spec.per_layer_dim, spec.per_layer_vocab,
+                                             norm)
+        streams = gemma3n.streams_in(w.extra, spec.altup[0], x)
+    elif spec.per_layer_dim:  # Gemma 4's per-layer inputs [R, S, layers, width]: the token's own embedding, plus a
         # projection of the (scaled) embeddings, normed, the two summed and scaled by 1 / sqrt(2)
-        embed, embed_scale, proj, proj_norm = w.ple
+        embed, embed_scale, proj, proj_norm = w.extra
         per_layer = (F.embedding(ids, embed) * embed_scale).view(R, S, spec.layers, spec.per_layer_dim)
         projected = (F.linear(x, proj) * x.shape[-1] ** -0.5).view(R, S, spec.layers, spec.per_layer_dim)
         per_layer = (norm(projected, proj_norm) + per_layer) * 2.0 ** -0.5
@@ -535,6 +574,13 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         beta, n = spec.q_scale
         q_scale = (1 + beta * torch.log(1 + torch.floor(qpos / n)))[:, None, :, None]
     for i, lw in enumerate(w.layers):
+        if spec.altup:
+            def attend_fn(h: torch.Tensor, lw=lw, i=i) -> torch.Tensor:
+                return attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length,
+                                 q_scale)
+            streams = gemma3n.layer(lw, streams, per_layer[:, :, i], spec.altup[1], spec.altup[2], spec.sparsity[i],
+                                    attend_fn, norm, act)
+            continue
         h = norm(x, lw["in_norm"])
         if spec.linear is not None and spec.linear[i]:  # Qwen3.5's Gated DeltaNet: k_buf / v_buf hold its states
             o = delta_net.layer(spec.delta, lw, h, pos >= 0, k_buf[i], v_buf[i], spec.eps, act)
@@ -561,6 +607,8 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             x = x + norm(F.linear(g, lw["ple_proj"]), lw["ple_norm"])
         if lw["layer_scalar"] is not None:
             x = x * lw["layer_scalar"]
+    if spec.altup:
+        x = gemma3n.streams_out(w.extra, spec.altup[0], streams)
     if last_only:
         x = x[:, -1]
     logits = F.linear(norm(x, w.norm), w.head).float()
@@ -686,7 +734,7 @@ def new_buffers(spec: ModelSpec, rows: int, length: int, dtype: torch.dtype, dev
         else:
             kv, d = spec.layer_dims[i] if spec.layer_dims else (spec.kv_heads, spec.head_dim)
             k = torch.zeros((rows, kv, length, d), dtype=dtype, device=device)
-            v = torch.zeros((rows, kv, length, spec.mla[2]), dtype=dtype, device=device) if spec.mla else torch.zeros_like(k)
+            v = torch.zeros((rows, kv, length, spec.mla[2] if spec.mla else d), dtype=dtype, device=device)
         ks.append(k)
         vs.append(v)
     return ks, vs
@@ -853,7 +901,8 @@ class StaticEngine:
     # -- one decode step (compiled and / or captured)
     def _logits(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: tuple[float, ...]) -> torch.Tensor:
-        return forward(self.spec, Weights.unflat(flat, rope_scale), tok[:, None], pos[:, None], col, k, v, kpos, length)
+        return forward(self.spec, Weights.unflat(flat, rope_scale, extra_count(self.spec)), tok[:, None], pos[:, None],
+                       col, k, v, kpos, length)
 
     def _step(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, u: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: tuple[float, ...],
