@@ -845,8 +845,9 @@ def cuda_model(kind: str = "qwen2"):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["compile", "graphs", "compile+graphs"])
-# capped attention, MoE, DeltaNet, shared KV
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5", "gemma4"])
+# capped attention, MoE, DeltaNet, shared KV, AltUp, chunked attention, latent attention
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "qwen3_moe", "qwen3_5", "gemma4", "gemma3n", "llama4",
+                                  "mistral4"])
 def test_compiled_and_graphed_steps_give_the_eager_tokens(mode, kind):
     model = cuda_model(kind)
     eager = static.StaticEngine(setup_for(model, ["rollout.static.mode=eager"]))

@@ -48,7 +48,7 @@ stage $G --stages decode_profile --engines hf,generate
 stage $B --out $BE/keep --set rollout.static.offload=false
 stage $B --out $BE/eos-keep --eos-lengths reasoning --set rollout.static.offload=false
 # the Gemma 2 fix of 24115da on the GPU (the H100's one failure), then the gpu suite's other checks
-stage $PY -m pytest -p no:cacheprovider -q -m gpu tests/test_static_engine.py -k "gemma2 or logprob_gap or [graphs-qwen3_5] or [graphs-gemma4]"
+stage $PY -m pytest -p no:cacheprovider -q -m gpu tests/test_static_engine.py -k "gemma2 or logprob_gap or [graphs-qwen3_5] or [graphs-gemma4] or [graphs-gemma3n] or [graphs-llama4] or [graphs-mistral4]"
 # item 4 on both sides: TRL with EOS at the same recorded lengths (cut by the time limit on 2026-11-27)
 stage $B --vs trl --eos-lengths reasoning --out $BE/eos
 stage $G --stages eos_generation --engines static:$SM
