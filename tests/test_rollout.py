@@ -382,3 +382,37 @@ def test_other_hybrid_decoders_generate_and_score_as_transformers_does(kind):
             own = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1: -1], -1)
             torch.testing.assert_close(got[i, : len(c)], own.gather(-1, torch.tensor(c)[:, None])[:, 0],
                                        rtol=0, atol=1e-5)
+
+
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=12, q_lora_rank=8, qk_rope_head_dim=4,
+           v_head_dim=6, qk_nope_head_dim=8)
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=16,
+                         first_k_dense_replace=1, n_shared_experts=1)),
+    ("minicpm3", {}),
+])
+def test_latent_attention_decoders_generate_and_score_as_transformers_does(kind, extra):
+    """Multi-head latent attention caches two latents of different widths as its keys and values (DeepSeek-V2/V3,
+    MiniCPM3, Mistral 4): the hf engine's growing cache gave the values the keys' width and crashed at the first
+    decode step. Greedy rows = transformers' generate per prompt, log-probs = the model's own forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo.foundation.logprobs import completion_scores, pack
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**HYBRID, **MLA}, **extra)).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
+    out = generate(model, prompts, SamplingParams(max_tokens=6, top_k=1), [2], 0, n=2)
+    rows = [p for p in prompts for _ in range(2)]
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            want = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                  eos_token_id=2)[0, len(p):].tolist()
+            assert out.tokens[2 * i] == out.tokens[2 * i + 1] == want[: want.index(2) + 1 if 2 in want else 6]
+        got = completion_scores(model, pack(rows, out.tokens, 0), 1.0, share_prefix=True).logprobs
+        for i, (p, c) in enumerate(zip(rows, out.tokens)):
+            own = torch.log_softmax(model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1: -1], -1)
+            torch.testing.assert_close(got[i, : len(c)], own.gather(-1, torch.tensor(c)[:, None])[:, 0],
+                                       rtol=0, atol=1e-5)
