@@ -17,7 +17,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
                           Mistral4Config, Mistral4ForCausalLM,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
@@ -130,6 +131,13 @@ MODELS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 64.0,
                          "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                          "llama_4_scaling_beta": 0.5})),
+    # OLMo 2: norms after attention and MLP only (weights in float32), q/k norms over the whole projection; OLMo 3:
+    # a sliding layer with its own RoPE, then a full one; OLMoE: q/k norms over the projection, top-2 of 4 experts
+    "olmo2": lambda: Olmo2ForCausalLM(Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2)),
+    "olmo3": lambda: Olmo3ForCausalLM(Olmo3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                  sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
+    "olmoe": lambda: OlmoeForCausalLM(OlmoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                                  num_experts_per_tok=2, norm_topk_prob=True)),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         no_rope_layer_interval=2)),
@@ -296,7 +304,8 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("llama4", "rope_interleaved", False), ("llama4", "qk_l2", False), ("llama4", "chunks", (None,) * 4),
     ("llama4", "attn_temperature", None), ("llama4", "experts_per_token", 1), ("mistral4", "mla_interleave", False),
     ("mistral4", "grouped_routing", (1, 1, 2.5)), ("mistral4", "q_scale", None),
-    ("gemma3n", "sparsity", (None,) * 4), ("gemma3n", "altup", (3, 0, False)),
+    ("gemma3n", "sparsity", (None,) * 4), ("gemma3n", "altup", (3, 0, False)), ("olmo2", "qk_norm_full", False),
+    ("olmo3", "windows", (None, None)), ("olmoe", "qk_norm_full", False),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far

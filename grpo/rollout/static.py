@@ -17,7 +17,8 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   values, value norms, KV sharing (a layer's buffers are an earlier layer's), per-layer inputs and output
   scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
   chunked attention, the NoPE layers' query scale, its MoE layers; Mistral 4: latent attention, grouped
-  routing; Gemma 3n's text models through gemma3n.py); anything else gets a reason and the ``hf`` engine.
+  routing; Gemma 3n's text models through gemma3n.py; OLMo 2 and 3 (post-norms, q/k norms over the projection)
+  and OLMoE); anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -68,9 +69,11 @@ from grpo.rollout.hf import filter_logits, sample_categorical
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text")
+               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text", "olmo2", "olmo3",
+               "olmoe")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
-SANDWICH = ("gemma2", "gemma3_text", "gemma4_text")  # norms after attention and around the MLP
+# norms after attention and around the MLP (OLMo 2 / 3: after them only, no norm before)
+SANDWICH = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text",
            "gemma3n_text")
 MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
@@ -118,7 +121,7 @@ class ModelSpec:
     kv_source: Optional[tuple[int, ...]] = None
     k_eq_v: Optional[tuple[bool, ...]] = None
     v_norm: bool = False
-    norm_f32: bool = False
+    norm_f32: str = ""  # RMSNorm weights multiplied in float32, the inverse RMS by "pow" (Gemma 3n, 4) or "rsqrt" (OLMo)
     per_layer_dim: int = 0
     # Llama 4: RoPE on interleaved pairs (complex products in float32), queries and keys L2-normed after it,
     # per layer the attention chunk (keys in the query's chunk of this many positions; None: all), the query
@@ -139,6 +142,7 @@ class ModelSpec:
     altup: Optional[tuple[int, int, bool]] = None
     sparsity: Optional[tuple[Optional[float], ...]] = None
     per_layer_vocab: int = 0
+    qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
@@ -234,6 +238,10 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         fields.update(llama4_fields(cfg))
     elif kind == "mistral4":
         fields.update(mistral4_fields(cfg, _decoder(model)))
+    elif kind in ("olmo2", "olmo3"):
+        fields.update(norm_f32="rsqrt", qk_norm_full=True)
+    elif kind == "olmoe":
+        fields.update(qk_norm_full=True)
     elif kind == "gemma3n_text":
         fields.update(gemma3n_fields(cfg, next(model.parameters()).dtype))
     return ModelSpec(**fields)
@@ -242,7 +250,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
 def gemma3n_fields(cfg, dtype: torch.dtype) -> dict:
     """Gemma 3n's ModelSpec fields: KV sharing, value norms, its norms, scale 1, per-layer inputs, AltUp, the MLPs'
     sparsity quantiles in the model's dtype."""
-    return dict(**kv_sharing(cfg), v_norm=True, norm_f32=True, scale=1.0, per_layer_dim=cfg.hidden_size_per_layer_input,
+    return dict(**kv_sharing(cfg), v_norm=True, norm_f32="pow", scale=1.0, per_layer_dim=cfg.hidden_size_per_layer_input,
                 per_layer_vocab=cfg.vocab_size_per_layer_input,
                 altup=(cfg.altup_num_inputs, cfg.altup_active_idx, bool(cfg.altup_correct_scale)),
                 sparsity=tuple(gemma3n.quantile(float(s), dtype) for s in cfg.activation_sparsity_pattern))
@@ -281,7 +289,7 @@ def gemma4_fields(cfg) -> dict:
             for i in range(cfg.num_hidden_layers)]
     return dict(layer_dims=tuple(dims), **kv_sharing(cfg),
                 k_eq_v=tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
-                v_norm=True, norm_f32=True, per_layer_dim=cfg.hidden_size_per_layer_input or 0,
+                v_norm=True, norm_f32="pow", per_layer_dim=cfg.hidden_size_per_layer_input or 0,
                 scale=1.0)  # its q/k norms set the scale
 
 
@@ -394,13 +402,16 @@ def extra_count(spec: ModelSpec) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, gemma: bool = False,
-             f32: bool = False) -> torch.Tensor:
+             f32: str = "") -> torch.Tensor:
     """RMSNorm in float32 times ``weight``: cast first (Llama's), or ``1 + weight`` in float32 (``gemma``: Gemma 1-3,
-    Qwen3.5), or ``weight`` in float32 (``f32``: Gemma 4, whose value norm has no weight)."""
+    Qwen3.5), or ``weight`` in float32 with the inverse RMS by ``f32`` = "pow" (Gemma 3n and 4, whose value norms have
+    no weight) or "rsqrt" (OLMo 2 and 3)."""
     h = x.float()
-    if f32:  # Gemma 4's own arithmetic (pow, not rsqrt)
+    if f32 == "pow":
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
         return (h if weight is None else h * weight.float()).to(x.dtype)
+    if f32:  # OLMo: the weight times the float32 normed input, in their promoted dtype
+        return (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:  # Llama 4's L2 norm of queries and keys
         return h.to(x.dtype)
@@ -494,11 +505,11 @@ def gemma4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], x: torch.
     (no weight) times its scale and 1 / sqrt(hidden), softmax in float32, top-k renormalised, times each chosen
     expert's own scale; the experts read ``x`` under their own norm."""
     flat = x.reshape(-1, x.shape[-1])
-    r = rms_norm(flat, None, spec.eps, f32=True) * lw["g4_router_scale"] * flat.shape[-1] ** -0.5
+    r = rms_norm(flat, None, spec.eps, f32="pow") * lw["g4_router_scale"] * flat.shape[-1] ** -0.5
     probs = torch.softmax(F.linear(r, lw["g4_router"]), dim=-1, dtype=torch.float32)
     top, idx = probs.topk(spec.experts_per_token, dim=-1)
     top = top / top.sum(dim=-1, keepdim=True) * lw["g4_expert_scale"][idx]
-    h = rms_norm(flat, lw["pre_ff_norm_2"], spec.eps, f32=True)
+    h = rms_norm(flat, lw["pre_ff_norm_2"], spec.eps, f32="pow")
     return experts(h, top, idx, lw["g4_experts_gate_up"], lw["g4_experts_down"], act).view(x.shape)
 
 
@@ -581,14 +592,14 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             streams = gemma3n.layer(lw, streams, per_layer[:, :, i], spec.altup[1], spec.altup[2], spec.sparsity[i],
                                     attend_fn, norm, act)
             continue
-        h = norm(x, lw["in_norm"])
+        h = x if lw["in_norm"] is None else norm(x, lw["in_norm"])  # OLMo 2 / 3: no norm before attention
         if spec.linear is not None and spec.linear[i]:  # Qwen3.5's Gated DeltaNet: k_buf / v_buf hold its states
             o = delta_net.layer(spec.delta, lw, h, pos >= 0, k_buf[i], v_buf[i], spec.eps, act)
         else:
             o = attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length, q_scale)
         if spec.sandwich:  # Gemma 2/3: norm the attention's output, then norm the MLP's input and output
             x = x + norm(o, lw["post_norm"])
-            h = norm(x, lw["pre_ff_norm"])
+            h = x if lw["pre_ff_norm"] is None else norm(x, lw["pre_ff_norm"])
         else:
             x = x + o
             h = norm(x, lw["post_norm"])
@@ -642,6 +653,8 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         v_buf.index_copy_(2, cols, v)
     else:
         q = F.linear(h, lw["q"], lw["q_bias"])
+        if spec.qk_norm_full:  # OLMo 2 / 3
+            q = norm(q, lw["q_norm"])
         if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
             q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
         q = q.reshape(R, S, H, D)
@@ -653,7 +666,8 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
     if spec.mla is None and (spec.kv_source is None or spec.kv_source[i] == i):  # else (Gemma 4's KV sharing):
         # the buffers are another layer's, already written at these columns
-        k = F.linear(h, lw["k"], lw["k_bias"]).view(R, S, KV, D)
+        k = F.linear(h, lw["k"], lw["k_bias"])
+        k = (norm(k, lw["k_norm"]) if spec.qk_norm_full else k).view(R, S, KV, D)
         v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
         k = (norm(k, lw["k_norm"]) if spec.qk_norm else k).transpose(1, 2)
         if spec.v_norm:  # Gemma 4: values RMS-normed, no weight
