@@ -18,7 +18,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           Mistral4Config, Mistral4ForCausalLM,
                           MistralConfig, MistralForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM,
-                          OlmoeConfig, OlmoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
@@ -138,6 +138,9 @@ MODELS = {
                                                   sliding_window=5, layer_types=["sliding_attention", "full_attention"])),
     "olmoe": lambda: OlmoeForCausalLM(OlmoeConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                                                   num_experts_per_tok=2, norm_topk_prob=True)),
+    # Phi-3 / Phi-4: q, k, v in one projection, gate and up in another, RoPE on half the head, a sliding window
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                               partial_rotary_factor=0.5, sliding_window=5)),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         no_rope_layer_interval=2)),
@@ -305,7 +308,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("llama4", "attn_temperature", None), ("llama4", "experts_per_token", 1), ("mistral4", "mla_interleave", False),
     ("mistral4", "grouped_routing", (1, 1, 2.5)), ("mistral4", "q_scale", None),
     ("gemma3n", "sparsity", (None,) * 4), ("gemma3n", "altup", (3, 0, False)), ("olmo2", "qk_norm_full", False),
-    ("olmo3", "windows", (None, None)), ("olmoe", "qk_norm_full", False),
+    ("olmo3", "windows", (None, None)), ("olmoe", "qk_norm_full", False), ("phi3", "windows", (None, None)),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far

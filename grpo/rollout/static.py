@@ -18,7 +18,7 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
   chunked attention, the NoPE layers' query scale, its MoE layers; Mistral 4: latent attention, grouped
   routing; Gemma 3n's text models through gemma3n.py; OLMo 2 and 3 (post-norms, q/k norms over the projection)
-  and OLMoE); anything else gets a reason and the ``hf`` engine.
+  and OLMoE; Phi-3 / Phi-4's fused projections); anything else gets a reason and the ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -70,7 +70,7 @@ QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
                "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text", "olmo2", "olmo3",
-               "olmoe")
+               "olmoe", "phi3")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 # norms after attention and around the MLP (OLMo 2 / 3: after them only, no norm before)
 SANDWICH = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
@@ -356,6 +356,8 @@ LAYER_KEYS = {
     # Llama 4's router (its experts: experts_gate_up [E, H, 2 I] and experts_down [E, I, H], transposed against the
     # others')
     "l4_router": "mlp.router.weight",
+    # Phi-3 / Phi-4's fused projections: q, k, v in one; gate and up in one
+    "qkv": "self_attn.qkv_proj.weight", "gate_up": "mlp.gate_up_proj.weight",
     # Mistral 4's latent attention: the query's low-rank pair and its norm, the latent's projection, norm and expansion
     "q_a": "self_attn.q_a_proj.weight", "q_a_bias": "self_attn.q_a_proj.bias",
     "q_a_norm": "self_attn.q_a_layernorm.weight", "q_b": "self_attn.q_b_proj.weight", "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
@@ -607,6 +609,9 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             mlp = moe_mlp(spec, lw, h, act)
         elif lw["l4_router"] is not None:
             mlp = llama4_moe(spec, lw, h, act)
+        elif lw["gate_up"] is not None:  # Phi-3 / Phi-4: gate and up from one projection
+            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
+            mlp = F.linear(up * act(gate), lw["down"])
         else:
             mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
                            lw["down"], lw["down_bias"])
@@ -652,7 +657,10 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         k_buf.index_copy_(2, cols, k)
         v_buf.index_copy_(2, cols, v)
     else:
-        q = F.linear(h, lw["q"], lw["q_bias"])
+        if lw["qkv"] is not None:  # Phi-3 / Phi-4: q, k, v from one projection
+            q, k_fused, v_fused = F.linear(h, lw["qkv"]).split([H * D, KV * D, KV * D], dim=-1)
+        else:
+            q = F.linear(h, lw["q"], lw["q_bias"])
         if spec.qk_norm_full:  # OLMo 2 / 3
             q = norm(q, lw["q_norm"])
         if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
@@ -666,9 +674,12 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
     if spec.mla is None and (spec.kv_source is None or spec.kv_source[i] == i):  # else (Gemma 4's KV sharing):
         # the buffers are another layer's, already written at these columns
-        k = F.linear(h, lw["k"], lw["k_bias"])
+        k = k_fused if lw["qkv"] is not None else F.linear(h, lw["k"], lw["k_bias"])
         k = (norm(k, lw["k_norm"]) if spec.qk_norm_full else k).view(R, S, KV, D)
-        v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
+        if lw["qkv"] is not None:
+            v = v_fused.reshape(R, S, KV, D)
+        else:
+            v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
         k = (norm(k, lw["k_norm"]) if spec.qk_norm else k).transpose(1, 2)
         if spec.v_norm:  # Gemma 4: values RMS-normed, no weight
             v = norm(v, None)
