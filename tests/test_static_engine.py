@@ -11,7 +11,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           Gemma3nTextConfig, Gemma4ForCausalLM,
                           Gemma4TextConfig,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM,
+                          GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM,
                           LlavaConfig, LlavaForConditionalGeneration,
                           Ministral3Config, Ministral3ForCausalLM,
                           MinistralConfig, MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration,
@@ -141,6 +141,10 @@ MODELS = {
     # Phi-3 / Phi-4: q, k, v in one projection, gate and up in another, RoPE on half the head, a sliding window
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                partial_rotary_factor=0.5, sliding_window=5)),
+    # Granite 3: multipliers on the embeddings, each residual branch and the attention scores, logits divided
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                        embedding_multiplier=6.0, residual_multiplier=0.3,
+                                                        attention_multiplier=0.05, logits_scaling=4.0)),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         no_rope_layer_interval=2)),
@@ -309,6 +313,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
     ("mistral4", "grouped_routing", (1, 1, 2.5)), ("mistral4", "q_scale", None),
     ("gemma3n", "sparsity", (None,) * 4), ("gemma3n", "altup", (3, 0, False)), ("olmo2", "qk_norm_full", False),
     ("olmo3", "windows", (None, None)), ("olmoe", "qk_norm_full", False), ("phi3", "windows", (None, None)),
+    ("granite", "granite", (1.0, 1.0, 1.0)),
 ])
 def test_each_family_feature_moves_the_logits_past_the_tolerance(kind, field, off):
     """The tiny models exercise what their family changes: the step without it misses transformers' logits by far

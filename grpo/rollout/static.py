@@ -18,7 +18,8 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
   chunked attention, the NoPE layers' query scale, its MoE layers; Mistral 4: latent attention, grouped
   routing; Gemma 3n's text models through gemma3n.py; OLMo 2 and 3 (post-norms, q/k norms over the projection)
-  and OLMoE; Phi-3 / Phi-4's fused projections); anything else gets a reason and the ``hf`` engine.
+  and OLMoE; Phi-3 / Phi-4's fused projections; Granite 3's multipliers); anything else gets a reason and the
+  ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).
 * ``forward``: one functional pass (prefill or decode) independent of transformers' cache, mask and generate
@@ -70,7 +71,7 @@ QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
                "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text", "olmo2", "olmo3",
-               "olmoe", "phi3")
+               "olmoe", "phi3", "granite")
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
 # norms after attention and around the MLP (OLMo 2 / 3: after them only, no norm before)
 SANDWICH = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
@@ -142,6 +143,8 @@ class ModelSpec:
     altup: Optional[tuple[int, int, bool]] = None
     sparsity: Optional[tuple[Optional[float], ...]] = None
     per_layer_vocab: int = 0
+    # Granite 3: the embeddings' multiplier, each residual branch's, the logits' divisor
+    granite: Optional[tuple[float, float, float]] = None
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
 
 
@@ -242,6 +245,9 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         fields.update(norm_f32="rsqrt", qk_norm_full=True)
     elif kind == "olmoe":
         fields.update(qk_norm_full=True)
+    elif kind == "granite":
+        fields.update(scale=float(cfg.attention_multiplier), granite=(
+            float(cfg.embedding_multiplier), float(cfg.residual_multiplier), float(cfg.logits_scaling)))
     elif kind == "gemma3n_text":
         fields.update(gemma3n_fields(cfg, next(model.parameters()).dtype))
     return ModelSpec(**fields)
@@ -560,6 +566,8 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     x = F.embedding(ids, w.embed)
     if w.embed_scale is not None:
         x = x * w.embed_scale
+    if spec.granite is not None:  # Granite 3: the embeddings times their multiplier
+        x = x * spec.granite[0]
     ropes = []  # (cos, sin) [R, 1, S, D] of each RoPE
     for inv_freq, scale in zip(w.ropes, w.rope_scale):
         freqs = qpos[..., None].float() * inv_freq.float()
@@ -603,7 +611,7 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             x = x + norm(o, lw["post_norm"])
             h = x if lw["pre_ff_norm"] is None else norm(x, lw["pre_ff_norm"])
         else:
-            x = x + o
+            x = x + (o if spec.granite is None else o * spec.granite[1])  # Granite 3: a residual multiplier
             h = norm(x, lw["post_norm"])
         if lw["router"] is not None:
             mlp = moe_mlp(spec, lw, h, act)
@@ -617,7 +625,8 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
                            lw["down"], lw["down_bias"])
         if lw["g4_router"] is not None:  # Gemma 4's MoE models: experts beside the MLP, both normed
             mlp = norm(mlp, lw["post_ff_norm_1"]) + norm(gemma4_moe(spec, lw, x, act), lw["post_ff_norm_2"])
-        x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
+        x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp if spec.granite is None
+                 else mlp * spec.granite[1])
         if spec.per_layer_dim:  # Gemma 4: the layer's per-layer input, gated by the hidden state
             g = act(F.linear(x, lw["ple_gate"])) * per_layer[:, :, i]
             x = x + norm(F.linear(g, lw["ple_proj"]), lw["ple_norm"])
@@ -627,7 +636,8 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         x = gemma3n.streams_out(w.extra, spec.altup[0], streams)
     if last_only:
         x = x[:, -1]
-    logits = F.linear(norm(x, w.norm), w.head).float()
+    logits = F.linear(norm(x, w.norm), w.head)
+    logits = (logits if spec.granite is None else logits / spec.granite[2]).float()  # Granite 3: divided
     if spec.final_softcap:  # in float32, as the trainer's log-probs (grpo/foundation/logprobs.py) cap them
         logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
     return logits
