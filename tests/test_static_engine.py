@@ -34,6 +34,16 @@ from grpo.rollout.engine import SamplingParams
 V = 37
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=256,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# the Qwen VL checkpoints' text models (Qwen2-VL's and Qwen2.5-VL's; Qwen3-VL's and Qwen3-VL-MoE's), vision towers
+# and special tokens
+QWEN2_VL_TEXT = dict(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1]})
+QWEN3_VL_TEXT = dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [4, 2, 2],
+                                      "mrope_interleaved": True})
+QWEN_VISION = dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=32)
+QWEN3_VL_VISION = dict(QWEN_VISION, intermediate_size=32, deepstack_visual_indexes=[0])
+QWEN_VL_TOKENS = dict(image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)
 QWEN3_5 = dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                layer_types=["linear_attention", "full_attention"],
@@ -81,32 +91,17 @@ MODELS = {
     # Qwen2.5-VL's and Qwen3-VL's checkpoints, text-only prompts: Qwen2's decoder (q/k/v biases) and Qwen3's (q/k
     # norms) with multimodal RoPE (three position streams, interleaved in Qwen3-VL), under a vision tower
     "qwen2_5_vl": lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
-        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+        text_config=QWEN2_VL_TEXT, vision_config=dict(QWEN_VISION, intermediate_size=32), **QWEN_VL_TOKENS)),
     "qwen3_vl": lambda: Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [4, 2, 2],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           deepstack_visual_indexes=[0]),
-        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+        text_config=QWEN3_VL_TEXT, vision_config=QWEN3_VL_VISION, **QWEN_VL_TOKENS)),
     # Qwen2-VL's (Qwen2's decoder, multimodal RoPE not interleaved) and Qwen3-VL-MoE's (Qwen3-MoE's, interleaved;
     # top-2 of 4 renormalised) checkpoints
     "qwen2_vl": lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(
-        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2),
-        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+        text_config=QWEN2_VL_TEXT, vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2),
+        **QWEN_VL_TOKENS)),
     "qwen3_vl_moe": lambda: Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(
-        text_config=dict(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=16,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "mrope_section": [4, 2, 2],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           deepstack_visual_indexes=[0]),
-        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3)),
+        text_config=dict(QWEN3_VL_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        vision_config=QWEN3_VL_VISION, **QWEN_VL_TOKENS)),
     # LLaVA's checkpoints, text-only prompts: a Llama under a CLIP tower
     "llava": lambda: LlavaForConditionalGeneration(LlavaConfig(
         text_config=dict(**COMMON, model_type="llama", num_attention_heads=4, num_key_value_heads=2),

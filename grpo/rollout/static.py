@@ -607,11 +607,13 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
             o = delta_net.layer(spec.delta, lw, h, pos >= 0, k_buf[i], v_buf[i], spec.eps, act)
         else:
             o = attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length, q_scale)
+        if spec.granite is not None:  # Granite 3: each residual branch times its multiplier
+            o = o * spec.granite[1]
         if spec.sandwich:  # Gemma 2/3: norm the attention's output, then norm the MLP's input and output
             x = x + norm(o, lw["post_norm"])
             h = x if lw["pre_ff_norm"] is None else norm(x, lw["pre_ff_norm"])
         else:
-            x = x + (o if spec.granite is None else o * spec.granite[1])  # Granite 3: a residual multiplier
+            x = x + o
             h = norm(x, lw["post_norm"])
         if lw["router"] is not None:
             mlp = moe_mlp(spec, lw, h, act)
@@ -625,8 +627,9 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
                            lw["down"], lw["down_bias"])
         if lw["g4_router"] is not None:  # Gemma 4's MoE models: experts beside the MLP, both normed
             mlp = norm(mlp, lw["post_ff_norm_1"]) + norm(gemma4_moe(spec, lw, x, act), lw["post_ff_norm_2"])
-        x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp if spec.granite is None
-                 else mlp * spec.granite[1])
+        if spec.granite is not None:
+            mlp = mlp * spec.granite[1]
+        x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
         if spec.per_layer_dim:  # Gemma 4: the layer's per-layer input, gated by the hidden state
             g = act(F.linear(x, lw["ple_gate"])) * per_layer[:, :, i]
             x = x + norm(F.linear(g, lw["ple_proj"]), lw["ple_norm"])
