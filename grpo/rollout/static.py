@@ -148,6 +148,11 @@ class ModelSpec:
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
 
 
+    def norm(self, x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        """This model's RMSNorm (``rms_norm`` in its family's arithmetic)."""
+        return rms_norm(x, weight, self.eps, self.gemma_norm, self.norm_f32)
+
+
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     """Why the static engine cannot run ``model`` (None: it can)."""
     if lora.has_lora(model):
@@ -513,11 +518,11 @@ def gemma4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], x: torch.
     (no weight) times its scale and 1 / sqrt(hidden), softmax in float32, top-k renormalised, times each chosen
     expert's own scale; the experts read ``x`` under their own norm."""
     flat = x.reshape(-1, x.shape[-1])
-    r = rms_norm(flat, None, spec.eps, f32="pow") * lw["g4_router_scale"] * flat.shape[-1] ** -0.5
+    r = spec.norm(flat, None) * lw["g4_router_scale"] * flat.shape[-1] ** -0.5
     probs = torch.softmax(F.linear(r, lw["g4_router"]), dim=-1, dtype=torch.float32)
     top, idx = probs.topk(spec.experts_per_token, dim=-1)
     top = top / top.sum(dim=-1, keepdim=True) * lw["g4_expert_scale"][idx]
-    h = rms_norm(flat, lw["pre_ff_norm_2"], spec.eps, f32="pow")
+    h = spec.norm(flat, lw["pre_ff_norm_2"])
     return experts(h, top, idx, lw["g4_experts_gate_up"], lw["g4_experts_down"], act).view(x.shape)
 
 
@@ -577,9 +582,7 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         emb = torch.cat((freqs, freqs), dim=-1)
         ropes.append(((emb.cos() * scale).to(x.dtype)[:, None], (emb.sin() * scale).to(x.dtype)[:, None]))
 
-    def norm(h: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
-        return rms_norm(h, weight, spec.eps, spec.gemma_norm, spec.norm_f32)
-
+    norm = spec.norm
     act, q_scale = ACTIVATIONS[spec.act], None
     if spec.altup:  # Gemma 3n: its per-layer inputs, the AltUp copies of the embeddings
         per_layer = gemma3n.per_layer_inputs(w.extra, ids, x, spec.layers, spec.per_layer_dim, spec.per_layer_vocab,
@@ -656,8 +659,7 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
     cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
     rope = spec.rope_layers is None or spec.rope_layers[i]
 
-    def norm(x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
-        return rms_norm(x, weight, spec.eps, spec.gemma_norm, spec.norm_f32)
+    norm = spec.norm
 
     def positional(x: torch.Tensor) -> torch.Tensor:  # RoPE, then Llama 4's L2 norm of its RoPE layers
         if not rope:
@@ -724,7 +726,7 @@ def latent_qkv(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.
     if lw["q"] is not None:
         q = F.linear(h, lw["q"])
     else:
-        q = F.linear(rms_norm(F.linear(h, lw["q_a"], lw["q_a_bias"]), lw["q_a_norm"], spec.eps), lw["q_b"])
+        q = F.linear(spec.norm(F.linear(h, lw["q_a"], lw["q_a_bias"]), lw["q_a_norm"]), lw["q_b"])
     q_pass, q_rot = q.view(R, S, spec.heads, nope + rd).transpose(1, 2).split([nope, rd], dim=-1)
     latent = F.linear(h, lw["kv_a"], lw["kv_a_bias"])
     k_pass, k_rot = latent.split([latent.shape[-1] - rd, rd], dim=-1)
@@ -735,7 +737,7 @@ def latent_qkv(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.
                         for x in (q_rot, k_rot))
     else:
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
-    kv = F.linear(rms_norm(k_pass, lw["kv_a_norm"], spec.eps), lw["kv_b"]).view(R, S, spec.heads, nope + dv)
+    kv = F.linear(spec.norm(k_pass, lw["kv_a_norm"]), lw["kv_b"]).view(R, S, spec.heads, nope + dv)
     k_nope, v = kv.transpose(1, 2).split([nope, dv], dim=-1)
     k = torch.cat([k_nope, k_rot.expand(-1, spec.heads, -1, -1)], dim=-1)
     return torch.cat([q_pass, q_rot], dim=-1), k, v
