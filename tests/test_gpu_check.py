@@ -156,6 +156,28 @@ def test_the_bandwidth_floor_beside_each_decode_figure():
     assert 55_000 < smollm2 < 56_000
 
 
+def test_the_table_holds_the_stages_of_earlier_runs_into_the_folder(tmp_path):
+    """gpu_session.sh calls gpu_check once per stage into one folder: gpu_table.md lists every stage of
+    gpu_check.jsonl, not the last call's alone (the H100 session's table held only its last stage). A row an older
+    gpu_check wrote, without the fields this one reads, is shown as its JSON; the machine rows are left out."""
+    from scripts.benchmarks.gpu_check import earlier_rows, table
+
+    assert earlier_rows(tmp_path) == []
+    rows = [{"stage": "machine", "shape": "-", "time": "t0", "device": "cuda"},
+            {"stage": "ref_http", "shape": "1.7b", "time": "t1", "http_path_ms": 20.0, "http_path_p90_ms": 22.0,
+             "server_parse_ms": 1.0, "server_wait_ms": 2.0, "client_codec_ms": 3.0, "rest_ms": 4.0,
+             "server_forward_ms": 10.0, "rows": 64, "prompt": 40, "completion": 256},
+            {"stage": "machine", "shape": "-", "time": "t2", "device": "cuda"},
+            {"stage": "generation", "shape": "1.7b", "time": "t3", "tokens_per_s": 123.0}]  # an older row's fields
+    (tmp_path / "gpu_check.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = earlier_rows(tmp_path)
+    assert [r["time"] for r in got] == ["t1", "t3"]
+    lines = table(got).splitlines()
+    assert len(lines) == 4
+    assert lines[2].startswith("| 1.7b | ref_http | HTTP path 20.0 ms (p90 22.0;") and "64 x (40 + 256)" in lines[2]
+    assert lines[3] == '| 1.7b | generation | {"tokens_per_s": 123.0} |'
+
+
 def test_engine_names_map_to_rollout_overrides():
     from scripts.benchmarks.gpu_check import engine_overrides
 

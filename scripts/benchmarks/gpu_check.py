@@ -42,7 +42,8 @@ per shape:
                  (issue 23: the reward model's cost on the step; compare with step_256)
 
 Each stage's JSON is appended to OUT/gpu_check.jsonl as soon as it finishes (a run cut short keeps what it
-measured); OUT/gpu_table.md is the table of the whole run. ``--tiny``: a 2-layer model and small batches.
+measured); OUT/gpu_table.md is the table of every stage in that file (earlier runs into OUT included: gpu_session.sh
+calls gpu_check once per stage). ``--tiny``: a 2-layer model and small batches.
 """
 
 from __future__ import annotations
@@ -625,78 +626,97 @@ def stage_decode_profile(folder: str, device: str, dtype: str, spec: dict, engin
     return out
 
 
+def earlier_rows(out: Path) -> list[dict]:
+    """The stages an earlier run recorded in ``out`` (gpu_session.sh calls gpu_check once per stage into one folder):
+    gpu_table.md shows them with this run's, as gpu_check.jsonl holds them."""
+    path = out / "gpu_check.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("stage") != "machine"]
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| shape | stage | result |", "|---|---|---|"]
     for r in rows:
-        if r["stage"] == "generation":
-            res = f"{r['tokens_per_s']:.0f} tokens/s ({r['engine']}, {r['rows']} rows x {r['new_tokens']})"
-            if "floor_tokens_per_s" in r:
-                res += f", {r['share_of_floor']:.0%} of the bandwidth floor {r['floor_tokens_per_s']:.0f} tokens/s"
-            if r["mode"] is not None:
-                res += f"; warm-up {r['warmup_seconds']:.1f} s, mode {r['mode']}"
-            if r["greedy_same_tokens"] is not None:
-                res += (f", {r['greedy_same_tokens']:.1f} of {r['greedy_tokens']} greedy tokens equal the first "
-                        f"engine's")
-            if "logprob_gap_mean" in r:
-                res += f", log-prob gap to the trainer {r['logprob_gap_mean']:.2g} mean, {r['logprob_gap_max']:.2g} max"
-        elif r["stage"] == "eos_generation":
-            d, a, b = r["eos_distribution"], r["ignored"], r["forced"]
-            res = (f"{r['engine']} ({r['mode']}), {r['rows']} rows x up to {r['new_tokens']}: EOS ignored "
-                   f"{a['ms_per_token']:.3f} ms a token ({a['tokens_per_s']:.0f} tokens/s), EOS at recorded lengths "
-                   f"(mean {d['mean']:.0f}, median {d['p50']}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap) "
-                   f"{b['ms_per_token']:.3f} ms a token ({b['tokens_per_s']:.0f} tokens/s, "
-                   f"{b.get('rollout/compactions', 0):.0f} compactions): {r['per_token_forced_over_ignored']:.2f}x "
-                   f"(the bandwidth floor's own: {r['floor_per_token_forced_over_ignored']:.2f}x)")
-        elif r["stage"].startswith("step"):
-            md, parts = r["median"], r["memory_parts"]
-            res = (f"{md['time/step']:.2f} s/step ({r['engine']}; generation {md.get('time/generation', 0):.2f}, "
-                   f"reference "
-                   f"{md.get('time/reference', 0):.2f}, train {md.get('time/train', 0):.2f}, sync "
-                   f"{md.get('time/weight_sync', 0):.2f}); peak {r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_kind']}: "
-                   + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items())
-                   + ("" if r.get("kv_cache_in_peak", True) else
-                      f"; the KV cache, {r['kv_cache_bytes'] / 2**30:.2f}, was freed before the passes that set it")
-                   + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
-            phases = r.get("phase_peaks") or {}
-            if phases:  # CUDA: which phase of a step sets the peak (the most over the steps)
-                res += "; phase peaks " + ", ".join(f"{k[7:-4]} {v:.2f}" for k, v in sorted(phases.items())) + " GiB"
-            if r.get("overrides"):
-                res += "; " + " ".join(r["overrides"])
-            if r.get("eos_distribution"):
-                d = r["eos_distribution"]
-                res += f"; EOS at recorded lengths (mean {d['mean']:.0f}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap)"
-            if "reward/rm/latency" in md:
-                res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
-                        f"{md.get('reward/model_time_frac', 0):.2f} of the step")
-        elif r["stage"] == "real_model":
-            res = (f"{Path(r['model']).name}: held-out accuracy {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
-                   f"({r['held_out']} problems, {r['fixed']} fixed / {r['broken']} broken) in {r['steps']} steps, "
-                   f"{r['train_wall_s']:.0f} s of training, {r['step_median_s']:.2f} s a step (median)")
-        elif r["stage"] == "ref_http":
-            res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}; server parse "
-                   f"{r['server_parse_ms']:.1f}, wait {r['server_wait_ms']:.1f}, client codec {r['client_codec_ms']:.1f}, "
-                   f"rest {r['rest_ms']:.1f}) against a {r['server_forward_ms']:.1f} ms forward, {r['rows']} x "
-                   f"({r['prompt']} + {r['completion']})")
-        elif r["stage"] == "decode_profile":
-            res = f"{r['rows']} rows: " + "; ".join(
-                f"{name} {e['wall_ms_per_token']:.2f} ms a token ({e['kernels_per_token']:.0f} kernels, "
-                f"{e['device_ms_per_token']:.2f} ms of device time, {e['sync_ops_per_token']:.2f} host syncs; "
-                f"costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}" for t in e["top"][:3])
-                + "; costliest host ops " + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}"
-                                                      for t in e["host_top"][:3]) + ")"
-                for name, e in r["engines"].items())
-            if "graphs_ms_per_token" in r:
-                res += f"; static:graphs {r['graphs_ms_per_token']:.2f} ms a token"
-        elif r["stage"] == "train_profile":
-            res = f"{r['rows']} rows, {r['tokens']} tokens: " + "; ".join(
-                f"{name} {ph['wall_ms']:.0f} ms ({ph['device_ms']:.0f} ms of device time, {ph['kernels']:.0f} kernels, "
-                f"{ph['sync_ops']:.0f} host syncs" + (f", MFU {ph['mfu']:.0%}" if ph.get("mfu") is not None else "")
-                + "; costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms']:.1f}" for t in ph["top"][:3]) + ")"
-                for name, ph in r["phases"].items())
-        else:
+        try:
+            res = row_text(r)
+        except KeyError:  # a row of an older gpu_check in the same folder: its fields as they are
             res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
         lines.append(f"| {r['shape']} | {r['stage']} | {res} |")
     return "\n".join(lines) + "\n"
+
+
+def row_text(r: dict) -> str:
+    """One stage's result, in words."""
+    if r["stage"] == "generation":
+        res = f"{r['tokens_per_s']:.0f} tokens/s ({r['engine']}, {r['rows']} rows x {r['new_tokens']})"
+        if "floor_tokens_per_s" in r:
+            res += f", {r['share_of_floor']:.0%} of the bandwidth floor {r['floor_tokens_per_s']:.0f} tokens/s"
+        if r["mode"] is not None:
+            res += f"; warm-up {r['warmup_seconds']:.1f} s, mode {r['mode']}"
+        if r["greedy_same_tokens"] is not None:
+            res += (f", {r['greedy_same_tokens']:.1f} of {r['greedy_tokens']} greedy tokens equal the first "
+                    f"engine's")
+        if "logprob_gap_mean" in r:
+            res += f", log-prob gap to the trainer {r['logprob_gap_mean']:.2g} mean, {r['logprob_gap_max']:.2g} max"
+    elif r["stage"] == "eos_generation":
+        d, a, b = r["eos_distribution"], r["ignored"], r["forced"]
+        res = (f"{r['engine']} ({r['mode']}), {r['rows']} rows x up to {r['new_tokens']}: EOS ignored "
+               f"{a['ms_per_token']:.3f} ms a token ({a['tokens_per_s']:.0f} tokens/s), EOS at recorded lengths "
+               f"(mean {d['mean']:.0f}, median {d['p50']}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap) "
+               f"{b['ms_per_token']:.3f} ms a token ({b['tokens_per_s']:.0f} tokens/s, "
+               f"{b.get('rollout/compactions', 0):.0f} compactions): {r['per_token_forced_over_ignored']:.2f}x "
+               f"(the bandwidth floor's own: {r['floor_per_token_forced_over_ignored']:.2f}x)")
+    elif r["stage"].startswith("step"):
+        md, parts = r["median"], r["memory_parts"]
+        res = (f"{md['time/step']:.2f} s/step ({r['engine']}; generation {md.get('time/generation', 0):.2f}, "
+               f"reference "
+               f"{md.get('time/reference', 0):.2f}, train {md.get('time/train', 0):.2f}, sync "
+               f"{md.get('time/weight_sync', 0):.2f}); peak {r['peak_bytes'] / 2**30:.2f} GiB ({r['peak_kind']}: "
+               + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items())
+               + ("" if r.get("kv_cache_in_peak", True) else
+                  f"; the KV cache, {r['kv_cache_bytes'] / 2**30:.2f}, was freed before the passes that set it")
+               + f"); slowest step {r['max_over_median']:.2f}x the median, {len(r['outliers'])} outliers")
+        phases = r.get("phase_peaks") or {}
+        if phases:  # CUDA: which phase of a step sets the peak (the most over the steps)
+            res += "; phase peaks " + ", ".join(f"{k[7:-4]} {v:.2f}" for k, v in sorted(phases.items())) + " GiB"
+        if r.get("overrides"):
+            res += "; " + " ".join(r["overrides"])
+        if r.get("eos_distribution"):
+            d = r["eos_distribution"]
+            res += f"; EOS at recorded lengths (mean {d['mean']:.0f}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap)"
+        if "reward/rm/latency" in md:
+            res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
+                    f"{md.get('reward/model_time_frac', 0):.2f} of the step")
+    elif r["stage"] == "real_model":
+        res = (f"{Path(r['model']).name}: held-out accuracy {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
+               f"({r['held_out']} problems, {r['fixed']} fixed / {r['broken']} broken) in {r['steps']} steps, "
+               f"{r['train_wall_s']:.0f} s of training, {r['step_median_s']:.2f} s a step (median)")
+    elif r["stage"] == "ref_http":
+        res = (f"HTTP path {r['http_path_ms']:.1f} ms (p90 {r['http_path_p90_ms']:.1f}; server parse "
+               f"{r['server_parse_ms']:.1f}, wait {r['server_wait_ms']:.1f}, client codec {r['client_codec_ms']:.1f}, "
+               f"rest {r['rest_ms']:.1f}) against a {r['server_forward_ms']:.1f} ms forward, {r['rows']} x "
+               f"({r['prompt']} + {r['completion']})")
+    elif r["stage"] == "decode_profile":
+        res = f"{r['rows']} rows: " + "; ".join(
+            f"{name} {e['wall_ms_per_token']:.2f} ms a token ({e['kernels_per_token']:.0f} kernels, "
+            f"{e['device_ms_per_token']:.2f} ms of device time, {e['sync_ops_per_token']:.2f} host syncs; "
+            f"costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}" for t in e["top"][:3])
+            + "; costliest host ops " + ", ".join(f"{t['name'][:40]} {t['ms_per_token']:.3f}"
+                                                  for t in e["host_top"][:3]) + ")"
+            for name, e in r["engines"].items())
+        if "graphs_ms_per_token" in r:
+            res += f"; static:graphs {r['graphs_ms_per_token']:.2f} ms a token"
+    elif r["stage"] == "train_profile":
+        res = f"{r['rows']} rows, {r['tokens']} tokens: " + "; ".join(
+            f"{name} {ph['wall_ms']:.0f} ms ({ph['device_ms']:.0f} ms of device time, {ph['kernels']:.0f} kernels, "
+            f"{ph['sync_ops']:.0f} host syncs" + (f", MFU {ph['mfu']:.0%}" if ph.get("mfu") is not None else "")
+            + "; costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms']:.1f}" for t in ph["top"][:3]) + ")"
+            for name, ph in r["phases"].items())
+    else:
+        res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
+    return res
 
 
 def main(argv=None) -> int:
@@ -750,9 +770,9 @@ def main(argv=None) -> int:
     # the trainer's host threads (one on CUDA) for every stage, the engines' too: until 2026-11-27 the generation
     # stages ran with torch's default (a thread a core) and the step stages with the trainer's
     threads = dist.host_threads(args.device.startswith("cuda"))
+    rows = earlier_rows(out)
     record(out, "machine", "-", {"device": args.device, "name": gpu, "commit": commit, "torch": torch.__version__,
                                  "dtype": dtype, "optimizer_states": states, "tiny": args.tiny, "host_threads": threads})
-    rows = []
     shapes = [("model", args.model)] if args.model else [(s, None) for s in (["tiny"] if args.tiny else args.shapes.split(","))]
     for name, folder in shapes:
         if folder is None:

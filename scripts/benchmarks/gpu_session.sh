@@ -21,6 +21,7 @@ N=0
 stage() { local l; l=$(left); N=$((N + 1)); [ "$N" -gt "${SKIP:-0}" ] || { echo "=== stage $N skipped (SKIP)"; return; }
   echo "=== stage $N [$(( $(date +%s) - T0 ))s, ${l}s left] $*"; [ "$l" -gt 20 ] || { echo "skipped: no time"; return; }
   timeout -k 5 "$l" "$@"; echo "=== rc $? after $(( $(date +%s) - T0 ))s"; }
+GPU_TESTS="logprob_gap or gemma2-graphs or qwen3_5-graphs or gemma4-graphs or gemma3n-graphs or llama4-graphs or mistral4-graphs"
 G="$PY scripts/benchmarks/gpu_check.py --out $GC --device $DEV --shapes $SHAPE ${TINY:+--tiny} --optimizer-states ${STATES:-bf16}"
 B="$PY scripts/benchmarks/bench.py --model $GC/random-$SHAPE --device $DEV --dtype ${DTYPE:-bf16} --algo grpo
    --prompts ${P:-8} --group ${GRP:-8} --max-new ${NEW:-256} --micro-batch ${MB:-16} --steps 3 --warmup 1
@@ -32,6 +33,11 @@ random_smollm2(Path('$GC/random-$SHAPE'), SHAPES['$SHAPE'], '$DEV', torch.bfloat
 # item 2: where our training passes' 1.53 s goes against TRL's 0.78 s (H100), kernel by kernel on both sides, then
 # ours phase by phase with MFU
 stage $B --vs trl --profile --out $BE/prof
+# second (about a minute; `auto` picks the static engine on CUDA for the families added since the H100 session):
+# every family's bf16 sampler against the trainer (Gemma 2's: the H100's one failure, fixed in 24115da) and the
+# graphed steps of the new families (ids are [KIND-MODE]; tests/test_gpu_session.py checks each -k term selects one)
+stage $PY -m pytest -p no:cacheprovider -q -m gpu tests/test_static_engine.py -k "$GPU_TESTS"
+# item 2 again: our step's phases under the profiler, MFU per phase
 stage $G --stages train_profile --step-engine static:$SM
 # the same step with the policy's passes in one forward per row (no shared prompt: TRL's shape), and the step
 # metrics' memory/*_device_allocs say whether the passes run on a cache the offload emptied
@@ -47,8 +53,6 @@ stage $G --stages decode_profile --engines hf,generate
 # item 1: graphs kept across the training passes (no recapture: offload off) against the default, step and peak
 stage $B --out $BE/keep --set rollout.static.offload=false
 stage $B --out $BE/eos-keep --eos-lengths reasoning --set rollout.static.offload=false
-# the Gemma 2 fix of 24115da on the GPU (the H100's one failure), then the gpu suite's other checks
-stage $PY -m pytest -p no:cacheprovider -q -m gpu tests/test_static_engine.py -k "gemma2 or logprob_gap or [graphs-qwen3_5] or [graphs-gemma4] or [graphs-gemma3n] or [graphs-llama4] or [graphs-mistral4]"
 # item 4 on both sides: TRL with EOS at the same recorded lengths (cut by the time limit on 2026-11-27)
 stage $B --vs trl --eos-lengths reasoning --out $BE/eos
 stage $G --stages eos_generation --engines static:$SM
