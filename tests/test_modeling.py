@@ -168,3 +168,40 @@ def test_a_multimodal_checkpoints_vision_side_stays_as_it_was_under_zero_2(singl
     assert vision and all(torch.equal(before[n], after[n]) for n in vision)
     assert any(not torch.equal(before[n], after[n]) for n in before if "language_model" in n)
     tr.close()
+
+
+def gemma3n_folder(path: Path, per_layer_vocab: int) -> Path:
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    Gemma3nForCausalLM(Gemma3nTextConfig(
+        vocab_size=64, vocab_size_per_layer_input=per_layer_vocab, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, hidden_size_per_layer_input=4,
+        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, laurel_rank=4,
+        altup_num_inputs=2, activation_sparsity_pattern=[0.0, 0.0], sliding_window=8)).save_pretrained(path)
+    return path
+
+
+def test_gemma3n_stops_at_start_under_a_transformers_whose_forward_fails_on_its_media_tokens(tmp_path, monkeypatch):
+    """transformers 5.17-5.20 look every token id up in Gemma 3n's per-layer embedding, which holds only the first
+    vocab_size_per_layer_input ids (262,144 of 262,400: the rest are audio and image tokens): a sampled id past them
+    fails in the trainer's forward (checked with transformers 5.17: IndexError on CPU). 5.21 maps them to row 0, as
+    the static engine does. Under an older version such a model stops at load, naming the fix."""
+    import transformers
+    from packaging.version import Version
+
+    installed = Version(transformers.__version__)
+    short = gemma3n_folder(tmp_path / "short", per_layer_vocab=48)
+    monkeypatch.setattr(transformers, "__version__", "5.20.0")
+    with pytest.raises(ConfigError, match=r"gemma3n_text with transformers 5\.20\.0: .*vocab_size_per_layer_input.*"
+                                          r"install transformers>=5\.21"):
+        load_model(ModelConfig(dtype="fp32"), str(short))
+    # a per-layer table over the whole vocabulary cannot be read past: nothing to stop
+    assert load_model(ModelConfig(dtype="fp32"), str(gemma3n_folder(tmp_path / "whole", per_layer_vocab=64)))
+    monkeypatch.setattr(transformers, "__version__", "5.21.0")
+    model = load_model(ModelConfig(dtype="fp32"), str(short)).eval()
+    past = torch.tensor([[1, 50, 63]])  # ids past the per-layer table
+    if installed >= Version("5.21"):
+        assert torch.isfinite(model(input_ids=past).logits).all()
+    else:  # the defect itself, where the installed transformers has it
+        with pytest.raises(IndexError):
+            model(input_ids=past)

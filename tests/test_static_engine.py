@@ -369,6 +369,54 @@ def test_gemma_specs_read_their_configs():
     assert float(w.embed_scale) == pytest.approx(32 ** 0.5, rel=1e-6)
 
 
+@pytest.mark.parametrize("types, shared", [(["sliding_attention", "full_attention"] * 2, 2),
+                                           ((["sliding_attention"] * 2 + ["full_attention"]) * 2, 2),
+                                           (["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 3, 3),
+                                           (["sliding_attention", "full_attention"] * 3, 0)])
+def test_kv_sharing_from_the_shared_layer_count_is_transformers_own(types, shared):
+    """Gemma 3n's and 4's KV sharing comes from ``num_kv_shared_layers`` and the layer types, as transformers'
+    attention reads it up to 5.17, whose config has no ``kv_sharing_modes`` (the engine read that property of 5.24
+    and stopped with an AttributeError under 5.17, the GPU machine's and vLLM 0.32's transformers). The same layers
+    as transformers' attention layers share, in either version: a shared layer reads the last unshared one of its
+    type."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma4TextConfig
+
+    cfg = Gemma4TextConfig(**{**GEMMA4, "num_hidden_layers": len(types), "layer_types": types,
+                              "num_kv_shared_layers": shared})
+    attn = [layer.self_attn for layer in Gemma4ForCausalLM(cfg).model.layers]  # what each version's layers do
+    store = {t: i for i, (t, a) in enumerate(zip(types, attn)) if a.store_full_length_kv}
+    want = tuple(store[t] if a.is_kv_shared_layer else i for i, (t, a) in enumerate(zip(types, attn)))
+    assert static.kv_sharing(cfg)["kv_source"] == want
+    older = SimpleNamespace(layer_types=types, num_hidden_layers=len(types), num_kv_shared_layers=shared)
+    assert static.kv_sharing(older)["kv_source"] == want
+    assert (want == tuple(range(len(types)))) == (shared == 0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_delta_rule_gets_as_many_query_and_key_heads_as_value_heads(kind, monkeypatch):
+    """transformers' gated delta rules repeat the query and key heads to the value heads themselves from 5.24 on;
+    up to 5.17 the layer repeated them and the rules took equal heads (with 2 key and 4 value heads they failed in
+    the engine: 'size of tensor a (2) must match ... (4)'). The engine repeats them, so either rule gets equal heads:
+    the forward equals transformers' with rules that check it."""
+    from grpo.rollout import delta_net
+
+    rules = delta_net._rules()
+    seen = []
+
+    def equal_heads(rule):
+        def run(q, k, v, **kw):
+            seen.append((q.shape[2], k.shape[2], v.shape[2]))
+            assert q.shape[2] == k.shape[2] == v.shape[2]
+            return rule(q, k, v, **kw)
+        return run
+
+    monkeypatch.setattr(delta_net, "_rules", lambda: tuple(equal_heads(r) for r in rules))
+    test_forward_equals_transformers_at_prefill_and_every_decode_step(kind)
+    assert seen and all(h == seen[0] for h in seen) and seen[0][2] > static.model_spec(build(kind)).delta.k_heads
+
+
 def test_nope_layers_and_the_query_scale_are_read():
     assert static.model_spec(build("smollm3")).rope_layers == (True, False)
     assert static.model_spec(build("ministral3")).q_scale == (0.5, 4)

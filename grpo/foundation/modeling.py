@@ -243,6 +243,7 @@ def prepare_model(model: PreTrainedModel, cfg: ModelConfig, apply_freeze: bool =
     checkpoint's vision side frozen (freeze_unreached), frozen bottom layers (unless ``apply_freeze`` is off),
     gradient checkpointing."""
     keep_attention_softcap(model, cfg.attn_implementation)
+    check_transformers_fixes(model)
     freeze_unreached(model)
     if cfg.freeze_bottom_layers and apply_freeze:
         freeze_bottom_layers(model, cfg.freeze_bottom_layers)
@@ -271,6 +272,30 @@ def keep_attention_softcap(model: PreTrainedModel, requested: Optional[str]) -> 
                           f"model caps them (attn_logit_softcapping={cap}); use eager, flex_attention or "
                           "flash_attention_2, or leave it unset (eager)")
     model.set_attn_implementation("eager")
+
+
+# model types whose forward in older transformers fails on some inputs training produces: (the first version with the
+# fix, when it applies to a config, what goes wrong)
+TRANSFORMERS_FIXES = {
+    "gemma3n_text": ("5.21", lambda c: c.vocab_size > c.vocab_size_per_layer_input,
+                     "its forward looks every token id up in the per-layer embedding, which holds only the first "
+                     "vocab_size_per_layer_input ids: a sampled id past them (Gemma 3n's audio and image tokens) is an "
+                     "index error on CPU and a device-side assert on CUDA, in the middle of a run"),
+}
+
+
+def check_transformers_fixes(model: PreTrainedModel) -> None:
+    """Stops at start, with the fix, where the installed transformers has a defect the run would meet later
+    (TRANSFORMERS_FIXES)."""
+    import transformers
+    from packaging.version import Version
+
+    text = model.config.get_text_config()
+    fix = TRANSFORMERS_FIXES.get(getattr(text, "model_type", None))
+    if fix is None or Version(transformers.__version__) >= Version(fix[0]) or not fix[1](text):
+        return
+    raise ConfigError(f"{text.model_type} with transformers {transformers.__version__}: {fix[2]}; install "
+                      f"transformers>={fix[0]} (pip install -U transformers)")
 
 
 def freeze_unreached(model: PreTrainedModel) -> list[str]:

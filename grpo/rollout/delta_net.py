@@ -106,8 +106,12 @@ def layer(d: DeltaSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor, 
     beta = b.sigmoid()
     g = -lw["lin_A_log"].float().exp() * F.softplus(a.float() + lw["lin_dt_bias"])
     chunked, recurrent = _rules()
+    q, k = (x.reshape(R, S, d.k_heads, d.k_dim) for x in (q, k))
+    if d.v_heads != d.k_heads:  # each key head serves v_heads / k_heads consecutive value heads: repeated here, as
+        # transformers' layer did up to 5.17 (its rules then wanted equal heads; 5.24's repeat them themselves)
+        q, k = (x.repeat_interleave(d.v_heads // d.k_heads, dim=2) for x in (q, k))
     out, last = (recurrent if S == 1 else chunked)(
-        q.reshape(R, S, d.k_heads, d.k_dim), k.reshape(R, S, d.k_heads, d.k_dim), v.reshape(R, S, d.v_heads, d.v_dim),
-        g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        q, k, v.reshape(R, S, d.v_heads, d.v_dim), g=g, beta=beta, initial_state=state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True)
     state.copy_(last)
     return F.linear(gated_rms_norm(out, z, lw["lin_norm"], eps).reshape(R, S, -1), lw["lin_out"])

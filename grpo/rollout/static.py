@@ -286,10 +286,15 @@ def llama4_fields(cfg) -> dict:
 
 
 def kv_sharing(cfg) -> dict:
-    """Gemma 3n's and 4's KV sharing: a "reuse" layer reads the KV of the "store" layer of its type."""
-    types, modes = cfg.layer_types, cfg.kv_sharing_modes
-    store = {types[i]: i for i, m in enumerate(modes) if m == "store"}
-    return dict(kv_source=tuple(store[t] if m == "reuse" else i for i, (t, m) in enumerate(zip(types, modes))))
+    """Gemma 3n's and 4's KV sharing: the last ``num_kv_shared_layers`` layers read the KV of the last earlier layer
+    of their type. Computed from those two fields, as transformers' attention did up to 5.17 (5.24's config derives
+    the same from them as ``kv_sharing_modes``, which 5.17's has not)."""
+    types, n = cfg.layer_types, cfg.num_hidden_layers
+    first = n - (getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    if first <= 0:  # transformers shares nothing then (3n) or has no layer to read from (4)
+        raise ValueError(f"num_kv_shared_layers={cfg.num_kv_shared_layers} of {n} layers: no layer keeps its own KV")
+    store = {t: i for i, t in enumerate(types[:first])}  # the last one of each type
+    return dict(kv_source=tuple(i if i < first else store[types[i]] for i in range(n)))
 
 
 def gemma4_fields(cfg) -> dict:
