@@ -176,6 +176,11 @@ def test_the_table_holds_the_stages_of_earlier_runs_into_the_folder(tmp_path):
     assert len(lines) == 4
     assert lines[2].startswith("| 1.7b | ref_http | HTTP path 20.0 ms (p90 22.0;") and "64 x (40 + 256)" in lines[2]
     assert lines[3] == '| 1.7b | generation | {"tokens_per_s": 123.0} |'
+    # a step with the audit on (issue 45's figure): its seconds and share of the step
+    step = {"stage": "step_256", "shape": "1.7b", "engine": "static", "peak_bytes": 2 ** 30, "peak_kind": "cuda",
+            "memory_parts": {"weights": 2 ** 29}, "max_over_median": 1.1, "outliers": [],
+            "median": {"time/step": 4.0, "time/generation": 2.0, "time/audit": 0.2}}
+    assert table([step]).endswith("; audit 0.200 s a step, 5.0% of it |\n")
 
 
 def test_engine_names_map_to_rollout_overrides():

@@ -686,6 +686,8 @@ def row_text(r: dict) -> str:
         if r.get("eos_distribution"):
             d = r["eos_distribution"]
             res += f"; EOS at recorded lengths (mean {d['mean']:.0f}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap)"
+        if "time/audit" in md:  # issue 45: the audit's share of a step
+            res += f"; audit {md['time/audit']:.3f} s a step, {md['time/audit'] / md['time/step']:.1%} of it"
         if "reward/rm/latency" in md:
             res += (f"; reward model {md['reward/rm/latency']:.3f} s a step, "
                     f"{md.get('reward/model_time_frac', 0):.2f} of the step")
