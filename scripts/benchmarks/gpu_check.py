@@ -642,7 +642,7 @@ def table(rows: list[dict]) -> str:
         try:
             res = row_text(r)
         except KeyError:  # a row of an older gpu_check in the same folder: its fields as they are
-            res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
+            res = fields(r)
         lines.append(f"| {r['shape']} | {r['stage']} | {res} |")
     return "\n".join(lines) + "\n"
 
@@ -717,8 +717,13 @@ def row_text(r: dict) -> str:
             + "; costliest kernels " + ", ".join(f"{t['name'][:40]} {t['ms']:.1f}" for t in ph["top"][:3]) + ")"
             for name, ph in r["phases"].items())
     else:
-        res = json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
+        res = fields(r)
     return res
+
+
+def fields(r: dict) -> str:
+    """A row's result fields as JSON (a stage the table does not word)."""
+    return json.dumps({k: v for k, v in r.items() if k not in ("stage", "shape", "time")})
 
 
 def main(argv=None) -> int:
