@@ -140,7 +140,7 @@ def _jobs(tests: Any, entry_point: Optional[str], fmt: str) -> list[tuple[dict, 
             if "def check(" in tests:
                 return [({"kind": "assert", "test": tests, "entry_point": entry_point}, None, None)]
             tests = split_asserts(tests)
-        return [({"kind": "assert", "test": str(t)}, None, None) for t in tests]
+        return [({"kind": "assert", "test": str(t), "entry_point": entry_point}, None, None) for t in tests]
     if fmt == "stdio":
         pairs = (list(zip(tests["inputs"], tests["outputs"])) if isinstance(tests, dict)
                  else [(t["input"], t["output"]) for t in tests])

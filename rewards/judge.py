@@ -20,7 +20,6 @@ import builtins
 import importlib
 import io
 import pickle
-import sys
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Optional
@@ -259,24 +258,39 @@ class Connection:
             raise Gone("the program broke the protocol (an answer to another call)")
         return self.value(parts[1:])
 
-    def namespace(self, names: Any) -> dict[str, Any]:
-        """The program's top-level names for the test: values, handles and standard-library modules."""
+    def namespace(self, names: Any, entry_point: Optional[str] = None) -> dict[str, Any]:
+        """The program's top-level names for the test: values, handles and standard-library modules. A name
+        that shadows a builtin is left out (the test's ``abs`` or ``set`` is always the real one), unless it
+        is the row's entry point; a module is imported here only when it is one of :data:`TEST_MODULES`
+        (nothing is imported on the program's word: ``venv.__main__`` would run on import)."""
         ns: dict[str, Any] = {}
         for item in names if isinstance(names, list) else []:
             if not (isinstance(item, tuple) and item and isinstance(item[0], str)):
                 continue
+            if item[0] in _BUILTIN_NAMES and item[0] != entry_point:
+                continue
             if len(item) == 3 and item[1] == "module":
-                if isinstance(item[2], str) and item[2].split(".")[0] in sys.stdlib_module_names:
-                    try:
-                        ns[item[0]] = importlib.import_module(item[2])
-                    except ImportError:
-                        pass
+                if item[2] in TEST_MODULES:
+                    ns[item[0]] = importlib.import_module(item[2])
+                continue
+            if item[0] in TEST_MODULES:  # not a module, under a module's name: the test must not use it as one
                 continue
             try:
                 ns[item[0]] = self.value(item[1:])
             except (Gone, RemoteError):
                 continue
         return ns
+
+
+_BUILTIN_NAMES = frozenset(vars(builtins))
+
+# The modules a program's imports make visible to a test (MBPP's tests call ``math.isclose`` on the program's
+# ``import math``): standard-library modules whose import does nothing but define names. Others are left out.
+TEST_MODULES = frozenset({
+    "abc", "array", "bisect", "calendar", "cmath", "collections", "collections.abc", "copy", "dataclasses",
+    "datetime", "decimal", "enum", "fractions", "functools", "hashlib", "heapq", "io", "itertools", "json",
+    "math", "numbers", "operator", "os", "os.path", "queue", "random", "re", "statistics", "string", "struct",
+    "sys", "textwrap", "time", "types", "typing", "unicodedata"})
 
 
 def judge(program: str, job: dict, limits: Any) -> str:
@@ -312,7 +326,7 @@ def _judge(conn: Connection, job: dict) -> Optional[str]:
             return "memory" if len(hello) > 1 and hello[1] == "MemoryError" else "runtime_error"
         if hello[0] != "ready" or len(hello) != 2:
             return "runtime_error"
-        ns = conn.namespace(hello[1])
+        ns = conn.namespace(hello[1], job.get("fn_name") or job.get("entry_point"))
         if job["kind"] == "call":
             fn = ns.get(job["fn_name"])
             if not isinstance(fn, Handle):
@@ -336,5 +350,7 @@ def _judge(conn: Connection, job: dict) -> Optional[str]:
         return {"MemoryError": "memory", "AssertionError": "wrong"}.get(e.kind, "runtime_error")
     except Gone:
         return None
-    except Exception:  # noqa: BLE001 - the test's own error with this program (a NameError: a missing function)
-        return "runtime_error"
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - the test's own error with this program (a NameError: a missing
+        return "runtime_error"  # function), a SystemExit included: nothing a test raises ends the reward process

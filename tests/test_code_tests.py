@@ -235,3 +235,60 @@ def test_what_crosses_to_the_judge_classes_values_modules_and_exceptions():
              "assert Solution(1) != Solution(1)"]  # objects stay in the sandbox: each equals only itself
     assert run_tests(program, tests, limits=FAST) == ["passed"] * len(tests)
     assert run_tests(program, [{"args": [3], "result": [3, {3: [3]}]}], "pair", limits=FAST) == ["passed"]
+
+
+# --------------------------------------------------------------------------- issue 58, items 1 and 2
+
+# HumanEval/2's check and MBPP task 2's tests, each with a wrong solution that shadows the builtin its tests use
+TRUNCATE_CHECK = ("def check(candidate):\n    assert candidate(3.5) == 0.5\n"
+                  "    assert abs(candidate(1.33) - 0.33) < 1e-6\n    assert abs(candidate(123.456) - 0.456) < 1e-6\n")
+TRUNCATE_WRONG = "def truncate_number(number):\n    return 0.5\n"
+SIMILAR_TESTS = ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+                 "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+                 "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))"]
+SIMILAR_OK = "def similar_elements(test_tup1, test_tup2):\n    return tuple(set(test_tup1) & set(test_tup2))\n"
+SIMILAR_WRONG = "def similar_elements(test_tup1, test_tup2):\n    return ()\n"
+
+
+def test_a_builtin_the_program_shadows_is_not_the_tests_builtin():
+    """Issue 58 item 1: the test ran with every top-level name of the program, so `def abs(x): return 0` passed
+    HumanEval's float checks and `set = lambda *a: 0` MBPP's set comparisons. A test's builtins are the real
+    ones; the row's own function may still be named like a builtin."""
+    shadow_abs = "def abs(x):\n    return 0\n"
+    assert run_tests(TRUNCATE_WRONG, TRUNCATE_CHECK, "truncate_number", limits=FAST) == ["wrong"]
+    assert run_tests(shadow_abs + TRUNCATE_WRONG, TRUNCATE_CHECK, "truncate_number", limits=FAST) == ["wrong"]
+    right = "def truncate_number(number):\n    return number % 1.0\n"
+    assert run_tests(shadow_abs + right, TRUNCATE_CHECK, "truncate_number", limits=FAST) == ["passed"]
+
+    shadow_set = "set = lambda *a: 0\n"
+    assert run_tests(SIMILAR_WRONG, SIMILAR_TESTS, limits=FAST) == ["wrong"] * 3
+    assert run_tests(shadow_set + SIMILAR_WRONG, SIMILAR_TESTS, limits=FAST) == ["wrong"] * 3
+    assert run_tests(SIMILAR_OK, SIMILAR_TESTS, limits=FAST) == ["passed"] * 3
+    # a module's name bound to something else is not that module for the test
+    fake_math = "class math:\n    isclose = staticmethod(lambda *a, **k: True)\ndef f(x):\n    return 0.0\n"
+    assert run_tests(fake_math, ["import math\nassert math.isclose(f(2.0), 4.0)"], limits=FAST) == ["wrong"]
+    assert run_tests(fake_math, ["assert math.isclose(f(2.0), 4.0)"], limits=FAST) == ["runtime_error"]
+    # the row's function itself may have a builtin's name
+    own_sum = "def sum(xs):\n    return 6\n"
+    assert run_tests(own_sum, [{"args": [[1, 2, 3]], "result": 6}], "sum", limits=FAST) == ["passed"]
+    assert run_tests(own_sum, ["assert sum([1, 2, 3]) == 6"], "sum", limits=FAST) == ["passed"]
+
+
+@pytest.mark.parametrize("module", ["venv.__main__", "this", "unittest.__main__"])
+def test_the_judge_imports_nothing_on_the_programs_word(module, capsys):
+    """Issue 58 item 2: a program holding ``types.ModuleType("venv.__main__")`` made the judge import it, which ran
+    ``python -m venv`` on the trainer's argv and raised SystemExit(0) out of the reward process. Only the plain
+    modules of TEST_MODULES are imported here; the program's other modules are left out of the test."""
+    before = set(__import__("sys").modules)
+    program = f"import types\nm = types.ModuleType({module!r})\ndef add(a, b):\n    return a + b\n"
+    assert run_tests(program, ASSERTS, "add", limits=FAST) == ["passed"] * 4
+    assert run_tests(program, ["assert m is not None"], "add", limits=FAST) == ["runtime_error"]
+    assert module not in set(__import__("sys").modules) - before
+    assert "Zen of Python" not in capsys.readouterr().out
+
+
+def test_nothing_a_test_raises_leaves_the_judge():
+    """Issue 58 item 2: BaseException is contained around a test (a SystemExit in a test is its error)."""
+    program = "def add(a, b):\n    return a + b\n"
+    for raising in ("raise SystemExit(0)", "import sys\nsys.exit(3)", "raise GeneratorExit()"):
+        assert run_tests(program, [raising], "add", limits=FAST) == ["runtime_error"], raising
