@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,6 +233,56 @@ def test_one_server_holds_the_reference_and_the_teacher(tmp_path):
                      (tmp_path / "bad.log").read_text())
 
 
+def test_a_teacher_that_is_the_reference_or_the_policy_is_refused(tmp_path):
+    """Issue 58 item 3: teacher.url at the run's reference server started without --teacher-model quietly answered
+    with the reference (advantage, loss and grad_norm 0 every step, rc 0). Refused at start naming the flag; so is
+    a teacher that is the policy's starting model or the reference (by folder, or by a server's weights hash)."""
+    import shutil
+
+    from grpo.foundation.modeling import load_tokenizer
+    from grpo.foundation.tiny import BUILTIN_NAME, write_tiny
+    from grpo.reference.handle import make_reference
+    from grpo.reference.launch import ServerProcess, free_port
+    from grpo.reference.teacher import make_teacher
+    from tests.patience import SERVER_S
+
+    ref = write_tiny(tmp_path / "ref", seed=3)
+    copy = Path(shutil.copytree(ref, tmp_path / "ref-copy"))
+    tok, cpu = load_tokenizer(BUILTIN_NAME), torch.device("cpu")
+    # in the trainer's process: the policy's own model, or the reference's folder
+    with pytest.raises(ConfigError, match=r"teacher.model='builtin:tiny-char' serves the teacher 'builtin:tiny-char', "
+                                          r"and it is the policy's starting model \(model.name_or_path="):
+        make_teacher(config("grpo", **{"teacher.model": BUILTIN_NAME}), cpu, tok, len(tok))
+    cfg = config("grpo", **{"teacher.model": str(ref), "ref.model": str(ref)})
+    with pytest.raises(ConfigError, match=r"and it is the run's reference .* the distillation term would be 0"):
+        make_teacher(cfg, cpu, tok, len(tok), reference=make_reference(cfg, True, cpu, tok, len(tok)))
+    servers = [ServerProcess(["--model", str(folder)], port=free_port(), log_path=tmp_path / f"{folder.name}.log",
+                             env={"OMP_NUM_THREADS": "1"}) for folder in (ref, copy)]
+    for srv in servers:
+        srv.start(timeout=SERVER_S)
+    try:
+        plain, twin = (srv.url for srv in servers)
+        cfg = config("grpo", **{"ref.url": plain, "teacher.url": plain})
+        reference = make_reference(cfg, True, cpu, tok, len(tok))
+        with pytest.raises(ConfigError, match=rf"teacher.url='{plain}' is the reference server \(ref.url\), and it "
+                                              r"holds no teacher: it was started without --teacher-model"):
+            make_teacher(cfg, cpu, tok, len(tok), reference=reference)
+        # another server on the same weights (another folder): the same hash
+        cfg = config("grpo", **{"ref.url": plain, "teacher.url": twin})
+        with pytest.raises(ConfigError, match=r"its weights are the reference's \(ref.url=.* serves the same weights"):
+            make_teacher(cfg, cpu, tok, len(tok), reference=reference)
+        # the teacher's server holds the policy's starting model
+        cfg = config("grpo", **{"model.name_or_path": str(ref), "teacher.url": plain})
+        with pytest.raises(ConfigError, match=r"and it is the policy's starting model"):
+            make_teacher(cfg, cpu, tok, len(tok))
+        # a server on the teacher alone, without a reference or with the in-process one: taken
+        cfg = config("grpo", **{"teacher.url": twin})
+        assert make_teacher(cfg, cpu, tok, len(tok), reference=make_reference(cfg, True, cpu, tok, len(tok))).remote
+    finally:
+        for srv in servers:
+            assert srv.stop() == 0
+
+
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
     from grpo.foundation.modeling import load_tokenizer
     from grpo.foundation.tiny import BUILTIN_NAME
@@ -340,14 +391,16 @@ def test_a_teacher_server_that_is_gone_is_named_as_the_teacher(tmp_path):
     from grpo.reference.teacher import make_teacher
     from tests.patience import SERVER_S
 
+    from grpo.foundation.tiny import write_tiny
+
     tok = load_tokenizer(BUILTIN_NAME)
     quick = {"ref.startup_wait": 0, "ref.retry_window": 0, "ref.connect_timeout": 1}
     port = free_port()
     with pytest.raises(ReferenceServerError, match=rf"the teacher's server \(teacher.url='http://127.0.0.1:{port}'"):
         make_teacher(config("grpo", **{"teacher.url": f"http://127.0.0.1:{port}", **quick}), torch.device("cpu"), tok,
                      len(tok))
-    srv = ServerProcess(["--model", BUILTIN_NAME], port=port, log_path=tmp_path / "srv.log",
-                        env={"OMP_NUM_THREADS": "1"})
+    srv = ServerProcess(["--model", str(write_tiny(tmp_path / "teacher", seed=5))], port=port,
+                        log_path=tmp_path / "srv.log", env={"OMP_NUM_THREADS": "1"})
     srv.start(timeout=SERVER_S)
     try:
         teacher = make_teacher(config("grpo", **{"teacher.url": srv.url, **quick}), torch.device("cpu"), tok, len(tok))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -111,11 +112,66 @@ def refuse(cfg: Config, problem: str) -> None:
                       f"same family (the same tokenizer)")
 
 
+def _same_model(a: str, b: str) -> bool:
+    """Two model names or folders that name the same model (a folder by its resolved path)."""
+    if a == b:
+        return True
+    pa, pb = Path(a), Path(b)
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def _origin(cfg: Config) -> str:
+    return f"teacher.url={cfg.teacher.url!r}" if cfg.teacher.url else f"teacher.model={cfg.teacher.model!r}"
+
+
+def check_not_the_student(cfg: Config, source: str, weights_hash: Optional[str],
+                          reference: Optional[ReferenceHandle]) -> None:
+    """A teacher that is the policy's starting model or the run's reference teaches nothing: the student starts at
+    the teacher (or the reference's KL term pulls it back there) and the term is 0 from the first step.
+    ConfigError naming the two. ``source``: the teacher's model (a server's as it reports it); ``weights_hash``:
+    a server's hash of the teacher's weights, compared with a reference server's."""
+    problem = None
+    if _same_model(source, cfg.model.name_or_path):
+        problem = f"it is the policy's starting model (model.name_or_path={cfg.model.name_or_path!r})"
+    elif reference is not None:
+        theirs = reference.weights_hash()  # collective with a server; None in-process
+        if weights_hash is not None and theirs == weights_hash:
+            problem = (f"its weights are the reference's (ref.url={cfg.ref.url!r} serves the same weights, hash "
+                       f"{theirs})")
+        elif _same_model(source, reference.source):
+            problem = f"it is the run's reference ({reference.source!r})"
+    if problem:
+        raise ConfigError(f"{_origin(cfg)} serves the teacher {source!r}, and {problem}: its log-probs would be the "
+                          f"student's own or the reference's, so the distillation term would be 0 on every token. Name "
+                          f"a stronger model of the same family as the teacher")
+
+
+def check_served_teacher(cfg: Config, impl, reference: Optional[ReferenceHandle]) -> None:
+    """A ``ref_client.py`` server at teacher.url answers as the teacher with its teacher, or with its model when it
+    holds none: right for a server started on the teacher alone, silently the reference when teacher.url is the
+    run's reference server started without ``--teacher-model``. Refused then, and when the model that answers is
+    the policy's start or the reference (:func:`check_not_the_student`)."""
+    info = getattr(impl, "server_info", None)
+    if not isinstance(info, dict):
+        return  # not a ref_client.py server (teacher.api: openai)
+    teacher = info.get("teacher")
+    if not teacher and cfg.ref.url and cfg.ref.url.rstrip("/") == cfg.teacher.url.rstrip("/"):
+        raise ConfigError(f"teacher.url={cfg.teacher.url!r} is the reference server (ref.url), and it holds no "
+                          f"teacher: it was started without --teacher-model, so it would answer the teacher's requests "
+                          f"with the reference ({info.get('model')!r}) and the distillation term would be 0. Restart it "
+                          f"with `python ref_client.py --config <this run's config> --teacher-model TEACHER`, or point "
+                          f"teacher.url at a server started on the teacher (ref.model=TEACHER)")
+    served = teacher or info
+    check_not_the_student(cfg, str(served.get("model", "")), served.get("weights_hash"), reference)
+
+
 def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: Optional[int] = None,
                  load: Optional[Loader] = None, synced: bool = False,
-                 policy: Optional[torch.nn.Module] = None) -> Optional[ReferenceHandle]:
+                 policy: Optional[torch.nn.Module] = None,
+                 reference: Optional[ReferenceHandle] = None) -> Optional[ReferenceHandle]:
     """The teacher's handle (None when no teacher is named or its term is off). ``policy``: the trainer's model,
-    which holds ``teacher.adapter`` beside its own adapter (LoRA)."""
+    which holds ``teacher.adapter`` beside its own adapter (LoRA). ``reference``: the run's reference handle (or
+    None), which the teacher must not be (collective with a server: called on every rank)."""
     if not distilling(cfg):
         return None
     if cfg.teacher.adapter:
@@ -130,8 +186,10 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
                                  cfg.teacher.top_k)
         except ReferenceServerError as e:  # not there at start
             raise teacher_error(cfg.teacher.url, e) from None
-    if cfg.teacher.model and tokenizer is not None:
-        check_same_tokenizer(cfg, tokenizer)  # before the teacher's weights are loaded
+    if cfg.teacher.model:  # before the teacher's weights are loaded
+        check_not_the_student(cfg, cfg.teacher.model, None, reference)
+        if tokenizer is not None:
+            check_same_tokenizer(cfg, tokenizer)
     try:
         if cfg.teacher.url:  # a ref_client.py server: its teacher when it holds one beside its reference
             from grpo.reference.http import HTTPReference
@@ -146,6 +204,8 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
                           f"{cfg.model.name_or_path!r}: {e}") from e
     except ReferenceServerError as e:  # not there at start
         raise teacher_error(cfg.teacher.url, e) from None
+    if cfg.teacher.url:
+        check_served_teacher(cfg, handle.impl, reference)
     model = getattr(handle.impl, "model", None)
     if model is not None and vocab_size is not None and model.config.get_text_config().vocab_size != vocab_size:
         refuse(cfg, f"its vocabulary size {model.config.get_text_config().vocab_size} is not the policy's {vocab_size}")

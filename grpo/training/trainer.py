@@ -87,7 +87,7 @@ class Trainer:
         self.reference = make_reference(cfg, self.algo.needs_reference, self.device, self.tokenizer, vocab_size=vocab,
                                         policy=self.model, synced=zero3 is not None, load=load)
         self.teacher = make_teacher(cfg, self.device, self.tokenizer, vocab, load=load, synced=zero3 is not None,
-                                    policy=self.model)  # on-policy distillation's (grpo/reference/teacher.py); or None
+                                    policy=self.model, reference=self.reference)  # on-policy distillation's (grpo/reference/teacher.py); or None
         self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
             self.rollout.on_generated = self._early_reference
