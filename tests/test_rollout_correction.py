@@ -182,6 +182,11 @@ def test_grpo_loss_and_the_steps_metrics_with_a_correction_by_hand():
                                                        r"rollout_correction=\{level: token, mode: truncate, high: 2.0\}"),
     ("grpo", {RC: "{high: 2.0, low: 2.0}"}, r"algo.rollout_correction.low=2.0 must be < algo.rollout_correction.high"),
     ("grpo", {RC: "{level: batch}"}, r"algo.rollout_correction.level='batch' is invalid"),
+    # issue 58 item 4: mask mode outside low < 1 < high masks every on-policy token (masked_frac 1, grad_norm 0)
+    ("grpo", {RC: "{mode: mask, high: 0.2}"}, r"algo.rollout_correction.high=0.2 with mode=mask would mask every "
+                                              r"on-policy token .* needs low < 1 < high"),
+    ("grpo", {RC: "{mode: mask, high: 1.0}"}, r"algo.rollout_correction.high=1.0 with mode=mask"),
+    ("grpo", {RC: "{mode: mask, high: 3.0, low: 1.5}"}, r"algo.rollout_correction.low=1.5 with mode=mask"),
     ("grpo", {RC: "{high: 0}"}, r"algo.rollout_correction.high=0.0 is invalid: it must be > 0"),
     ("gspo", {RC: "{high: 2.0}"}, r"algo.rollout_correction weights each token's policy-gradient term, and gspo has a "
                                   r"sequence-level loss"),
@@ -192,6 +197,18 @@ def test_grpo_loss_and_the_steps_metrics_with_a_correction_by_hand():
 def test_config_errors(algo, overrides, match):
     with pytest.raises(ConfigError, match=match):
         config(algo, **overrides)
+
+
+def test_truncate_bounds_that_exclude_1_are_warned_about():
+    """Issue 58 item 4: truncate with high < 1 clamps every on-policy token's weight: valid, warned at start."""
+    from grpo.foundation.config import config_warnings
+
+    assert config_warnings(config("grpo", **{RC: "{mode: mask, high: 2.0, low: 0.5}"})) == []
+    assert config_warnings(config("grpo", **{RC: "{high: 2.0}"})) == []
+    (warning,) = config_warnings(config("grpo", **{RC: "{high: 0.5}"}))
+    assert "algo.rollout_correction.high=0.5 < 1 with mode=truncate" in warning and "clamped to 0.5" in warning
+    (warning,) = config_warnings(config("grpo", **{RC: "{high: 3.0, low: 1.5}"}))
+    assert "algo.rollout_correction.low=1.5 > 1 with mode=truncate" in warning
 
 
 def test_two_steps_on_the_hf_engine_log_the_mismatch(single_rank_env, tmp_path):

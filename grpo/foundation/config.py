@@ -717,6 +717,11 @@ def validate(cfg: Config) -> None:
         if rc.low is not None and rc.low >= rc.high:
             raise ConfigError(f"algo.rollout_correction.low={rc.low!r} must be < algo.rollout_correction.high="
                               f"{rc.high!r}")
+        if rc.mode == "mask" and (rc.high <= 1 or (rc.low is not None and rc.low >= 1)):
+            bad = f"high={rc.high!r}" if rc.high <= 1 else f"low={rc.low!r}"
+            raise ConfigError(f"algo.rollout_correction.{bad} with mode=mask would mask every on-policy token (their "
+                              f"ratio is 1): mask mode keeps the ratio inside [low, high], which needs low < 1 < high "
+                              f"(e.g. {{mode: mask, high: 2.0, low: 0.5}})")
         if cfg.env.name:
             raise ConfigError(f"algo.rollout_correction is not supported with multi-turn rollouts (env.name="
                               f"{cfg.env.name!r}): set algo.rollout_correction=null")
@@ -859,6 +864,12 @@ def config_warnings(cfg: Config) -> list[str]:
                    if getattr(cfg.rollout.vllm, f.name) != getattr(VllmConfig(), f.name)]
         out.append(f"rollout.vllm.{', rollout.vllm.'.join(changed)} ignored: rollout.engine={cfg.rollout.engine!r}, "
                    f"not 'vllm'")
+    rc = cfg.algo.rollout_correction
+    if rc is not None and rc.mode == "truncate" and (rc.high < 1 or (rc.low is not None and rc.low > 1)):
+        bad = f"high={rc.high!r} < 1" if rc.high < 1 else f"low={rc.low!r} > 1"
+        out.append(f"algo.rollout_correction.{bad} with mode=truncate: every on-policy token's weight (ratio 1) is "
+                   f"clamped to {rc.high if rc.high < 1 else rc.low!r}, a rescaled gradient, not a correction; the "
+                   f"bounds usually hold 1 (low <= 1 <= high)")
     if cfg.ref.sync_every > cfg.train.max_steps:
         out.append(f"ref.sync_every={cfg.ref.sync_every} > train.max_steps={cfg.train.max_steps}: the reference is "
                    f"never synced in this run")
