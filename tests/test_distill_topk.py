@@ -111,6 +111,12 @@ def test_the_divergence_joins_the_loss_and_leaves_the_advantages():
                 for i in range(len(mask)) for j in range(W) if mask[i][j])
     term = 0.7 * total / sum(map(sum, mask))
     assert out.loss.item() == pytest.approx(plain.item() + term, rel=1e-6)
+    # TRL 1.16's server distillation reduces with `batchmean` and the completion mask (_reduce_divergence_loss:
+    # jsd[mask].sum() / mask.sum()): the token mean, so with token-mean aggregation the same term (issue 58 item 18)
+    jsd = rl_math.topk_divergence(s, t.float().double(), 0.5, True)
+    keep = batch.mask.bool()
+    trl = jsd[keep].sum() / keep.sum().clamp_min(1)
+    assert 0.7 * trl.item() == pytest.approx(term, rel=1e-12)
     share = out.stats["distill/share"]
     assert (share[0] / share[1]).item() == pytest.approx(abs(term) / (abs(term) + abs(plain.item())), rel=1e-6)
     out.loss.backward()

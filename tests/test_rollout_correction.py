@@ -116,24 +116,45 @@ def test_truncate_equals_verls_truncated_importance_weights(level):
     torch.testing.assert_close(ours[m], verl[m], rtol=1e-15, atol=0)
 
 
+VERL_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+
+
+def verl_k1_keep(old, samp, mask, option, lower, upper):
+    """verl's compute_rollout_rejection_mask (verl/trainer/ppo/rollout_corr_helper.py) with one k1 option and
+    rollout_rs_threshold "lower_upper": log_ratio = old - rollout, clamped to +-20; token_k1 = -log_ratio (the
+    log of sampler / old); seq_sum_k1 and seq_mean_k1 its masked sum and mean over the completion; a token (or
+    every token of a sequence) is kept where log(lower) <= statistic <= log(upper)."""
+    k1 = -((old - samp).clamp(-20.0, 20.0)) * mask
+    if option == "token_k1":
+        stat = k1
+    elif option == "seq_sum_k1":
+        stat = k1.sum(-1, keepdim=True).expand_as(k1)
+    else:
+        stat = (k1.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(k1)
+    return ((stat >= math.log(lower)) & (stat <= math.log(upper))).double() * mask
+
+
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
-def test_mask_keeps_what_verls_rejection_keeps(level):
-    """verl's compute_rollout_rejection_mask (rollout_rs=level, threshold C, lower defaulting to 1/C) keeps the tokens
-    whose weight lies in [1/C, C] and gives them weight 1 (rejection only); ours {level, mode: mask, high: C, low: 1/C}
-    keeps the same tokens and weights them by the ratio: at the token and sequence levels that is verl's truncated
-    importance weight (rollout_is at the same level, threshold C) times its rejection mask, exactly. verl has no
-    geometric importance weight: there the kept set is the same."""
+def test_mask_keeps_what_verls_k1_rejection_keeps(level):
+    """verl's k1 rejection options (token_k1, seq_sum_k1, seq_mean_k1) bound sampler / old, ours old / sampler: ours
+    {level, mode: mask, low: L, high: H} keeps exactly what verl's option at that level keeps with rollout_rs_threshold
+    "1/H_1/L" (issue 58 item 19: asymmetric bounds show the mapping), and weights the kept tokens by the ratio: at the
+    token and sequence levels that is verl's truncated importance weight (rollout_is at the same level, threshold H)
+    times its rejection mask, exactly. verl has no geometric importance weight: there the kept set is the same. Mask
+    mode at the token level is IcePop (Ring-1T: low 1/beta, high beta)."""
     batch = make_batch(LENGTHS, REWARDS, G, W)
     samp = sampler_logp(batch, spread=2.4)
-    C = 1.7
-    w = verl_weights(batch.old_logp, samp, batch.mask, level)
-    keep = ((w >= 1 / C) & (w <= C)).double() * batch.mask
-    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, "mask", C, 1 / C)
+    high, low = 1.7, 0.8
+    keep = verl_k1_keep(batch.old_logp, samp, batch.mask, VERL_RS[level], 1 / high, 1 / low)
+    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, "mask", high, low)
     m = batch.mask.bool()
     assert torch.equal(ours[m] != 0, keep[m].bool())
     assert keep[m].any() and (keep[m] == 0).any()  # the bounds bite
+    # the bounds taken as verl's own (not inverted) keep another set: the mapping matters
+    assert not torch.equal(verl_k1_keep(batch.old_logp, samp, batch.mask, VERL_RS[level], low, high)[m], keep[m])
     if level != "geometric":
-        torch.testing.assert_close(ours[m], (w.clamp(max=C) * keep)[m], rtol=1e-15, atol=0)
+        w = verl_weights(batch.old_logp, samp, batch.mask, level)
+        torch.testing.assert_close(ours[m], (w.clamp(max=high) * keep)[m], rtol=1e-15, atol=0)
 
 
 def test_grpo_loss_and_the_steps_metrics_with_a_correction_by_hand():
