@@ -13,6 +13,7 @@ reference client's (grpo/reference/http.py; ``ref.*`` apply).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Optional
@@ -105,15 +106,47 @@ class OpenAITeacher(HTTPReference):
         return out
 
     def _take(self, out: Scores, i: int, t: int, token: int, step: dict, top_k: int) -> None:
-        """Row ``i``'s completion position ``t`` from one prompt_logprobs entry {token id: {logprob, rank}}."""
+        """Row ``i``'s completion position ``t`` from one prompt_logprobs entry {token id: {logprob, rank}}: the
+        sampled token's log-prob and the tokens of ranks 1..top_k, each exactly once, every log-prob finite and <= 0
+        (anything else is the server's fault, named: a missing rank would leave log-prob 0 on token 0)."""
+        where = f"row {i}, completion position {t}"
+        if not isinstance(step, dict):
+            raise ReferenceServerError(f"the teacher at {self.url} sent {type(step).__name__} as the prompt_logprobs of "
+                                       f"{where}: expected an object of token ids")
         entry = step.get(str(token))
-        if entry is None:
+        if not isinstance(entry, dict):
             raise ReferenceServerError(f"the teacher at {self.url} sent no log-prob for token {token} of row {i}")
-        out.logprobs[i, t] = float(entry["logprob"])
+        out.logprobs[i, t] = self._logprob(entry.get("logprob"), f"token {token} at {where}")
+        seen: dict[int, str] = {}
         for tok, e in step.items():
-            rank = e.get("rank")
-            if rank is not None and 1 <= rank <= top_k:
-                if self.vocab_size is not None and not 0 <= int(tok) < self.vocab_size:
-                    raise ReferenceServerError(f"the teacher at {self.url} sent token id {tok}, outside the policy's "
-                                               f"vocabulary [0, {self.vocab_size})")
-                out.topk_logprobs[i, t, rank - 1], out.topk_ids[i, t, rank - 1] = float(e["logprob"]), int(tok)
+            rank = e.get("rank") if isinstance(e, dict) else None
+            if not (isinstance(rank, int) and 1 <= rank <= top_k):
+                continue
+            if rank in seen:
+                raise ReferenceServerError(f"the teacher at {self.url} sent rank {rank} twice at {where} (tokens "
+                                           f"{seen[rank]} and {tok})")
+            seen[rank] = tok
+            try:
+                tid = int(tok)
+            except ValueError:
+                raise ReferenceServerError(f"the teacher at {self.url} sent token id {tok!r} at {where}") from None
+            if not 0 <= tid < (self.vocab_size if self.vocab_size is not None else 2**63):
+                raise ReferenceServerError(f"the teacher at {self.url} sent token id {tok}, outside the policy's "
+                                           f"vocabulary [0, {self.vocab_size})")
+            out.topk_logprobs[i, t, rank - 1] = self._logprob(e.get("logprob"), f"rank {rank} at {where}")
+            out.topk_ids[i, t, rank - 1] = tid
+        missing = [r for r in range(1, top_k + 1) if r not in seen]
+        if missing:
+            raise ReferenceServerError(f"the teacher at {self.url} sent no token of rank {missing} at {where} (asked "
+                                       f"for prompt_logprobs={top_k}): its answer is incomplete")
+
+    def _logprob(self, value, what: str) -> float:
+        """A log-prob from the answer: a finite number <= 0 (1e-4 of rounding above 0 allowed)."""
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            v = math.nan
+        if not math.isfinite(v) or v > 1e-4:
+            raise ReferenceServerError(f"the teacher at {self.url} sent log-prob {value!r} for {what}: a log-prob is a "
+                                       f"finite number <= 0")
+        return min(v, 0.0)
