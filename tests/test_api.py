@@ -57,6 +57,38 @@ def test_two_runs_in_one_process_with_python_rewards_and_rows(tmp_path):
     assert "reward/lambda/mean" in second.metrics
 
 
+def test_a_run_that_fails_while_building_leaves_no_worker_behind(tmp_path):
+    """Issue 58 item 8: a train() call that failed inside Trainer.__init__ (here the teacher, refused after the reward
+    pool started) left its reward workers running: 2 more processes per failed call in a notebook."""
+    import time
+
+    import psutil
+
+    from grpo import train
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    for attempt in range(2):
+        with pytest.raises(ConfigError, match=r"it is the policy's starting model"):
+            train("configs/demo.yaml", rewards=[first_digit], dataset=ROWS, teacher={"model": "builtin:tiny-char"},
+                  train={**SMALL, "output_dir": str(tmp_path / f"run{attempt}")}, rollout=ROLLOUT, logging=QUIET,
+                  reward_pool={"num_workers": 2})
+    deadline = time.monotonic() + 10
+    # multiprocessing's helpers, one each per process and kept (the workers are the forkserver's children)
+    helpers = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+    def started_here(p):
+        try:
+            helper = p.ppid() == me.pid and any(h in " ".join(p.cmdline()) for h in helpers)
+            return p.pid not in before and p.status() != psutil.STATUS_ZOMBIE and not helper
+        except psutil.Error:  # it ended meanwhile
+            return False
+
+    while (left := [p for p in me.children(recursive=True) if started_here(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+
+
 def test_bad_input_is_refused_with_the_fix():
     from grpo import make_config, train
 

@@ -49,6 +49,20 @@ from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_wh
 
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, parts: Optional[Parts] = None):
+        # what close() stops, None until built: a failure while building stops what was started (the reward
+        # workers, a server client) before it is raised, so a notebook's failed call leaves no process behind
+        self.rollout = self.rewards = self.env = self.evaluator = self.reference = self.teacher = None
+        self.gc_timer: Optional[GcTimer] = None
+        try:
+            self._build(cfg, resume, parts)
+        except BaseException as failure:
+            try:
+                self.close()
+            except Exception as e:  # noqa: BLE001 - the build's own error is the one raised
+                failure.add_note(f"(stopping what was started before the failure also failed: {e!r})")
+            raise
+
+    def _build(self, cfg: Config, resume: bool, parts: Optional[Parts]) -> None:
         self.cfg = cfg
         self.parts = parts = parts or compose(cfg)  # an unknown name fails before any model loads
         freeze_what_came_before()  # the libraries (plug-ins included), once per process: out of the collector's passes
@@ -305,8 +319,10 @@ class Trainer:
             self.close()
 
     def close(self) -> None:
-        """Stop the worker pools, the engine's resources, the reference's and teacher's clients (idempotent)."""
-        self.gc_timer.close()
+        """Stop the worker pools, the engine's resources, the reference's and teacher's clients (idempotent; what
+        was built, when building failed)."""
+        if self.gc_timer is not None:
+            self.gc_timer.close()
         for part in (self.rollout, self.rewards, self.env, self.evaluator, self.reference, self.teacher):
             if part is not None:
                 part.close()
