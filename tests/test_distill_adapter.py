@@ -22,15 +22,16 @@ def config(algo: str, *overrides: str, **keys):
     return load_config(algo=algo, overrides=[*overrides, *(f"{k}={'null' if v is None else v}" for k, v in keys.items())])
 
 
-def teacher_adapter(folder, seed=3):
-    """A saved adapter on builtin:tiny-char's base (other targets and rank than the policy's), with random B."""
+def teacher_adapter(folder, seed=3, base="builtin:tiny-char"):
+    """A saved adapter on ``base`` (builtin:tiny-char's shapes; other targets and rank than the policy's), with
+    random B."""
     from grpo.foundation import lora
     from grpo.foundation.config import LoraConfig
     from grpo.foundation.tiny import build_tiny
 
     model, _ = build_tiny()
     model = lora.apply_lora(model, LoraConfig(r=2, alpha=4, target_modules=["q_proj", "o_proj", "down_proj"]),
-                            "builtin:tiny-char")
+                            base)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -131,3 +132,21 @@ def test_opd_with_lora_distils_from_an_adapter_on_its_own_base(single_rank_env, 
     assert resumed.step == 2 and resumed.teacher.kind == "adapter"
     more = resumed.train()
     assert len(more) == 1 and math.isfinite(more[0]["loss"]) and more[0]["distill/teacher_prob"] > 0
+
+
+def test_an_adapter_trained_on_another_base_is_refused_naming_both(tmp_path):
+    """Issue 58 item 9: a teacher.adapter trained on another base model was loaded without a word (same shapes:
+    its deltas applied to weights they were not trained on). Refused naming both bases, as --resume refuses."""
+    from grpo.foundation.modeling import load_policy, load_tokenizer
+    from grpo.foundation.tiny import write_tiny
+    from grpo.reference.teacher import make_teacher
+
+    other = write_tiny(tmp_path / "other-base", seed=9)
+    folder = teacher_adapter(tmp_path / "teacher", base=str(other))
+    cfg = config("opd", LORA, **{"teacher.adapter": str(folder), "teacher.model": None})
+    policy = load_policy(cfg.model)
+    tok = load_tokenizer(cfg.model.name_or_path)
+    with pytest.raises(ConfigError, match=rf"the adapter was trained on '{other}', and this model's base is "
+                                          r"'builtin:tiny-char' \(model.name_or_path\)"):
+        make_teacher(cfg, torch.device("cpu"), tok, len(tok), policy=policy)
+    assert all(".teacher." not in n for n, _ in policy.named_parameters())  # nothing was added

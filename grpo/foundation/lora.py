@@ -181,6 +181,17 @@ def adapter_active(model, name: str) -> Iterator[None]:
             p.requires_grad_(g)
 
 
+def same_base(saved: str, now: str) -> bool:
+    """An adapter's base (``base_model_name_or_path``) names the model's base: the same name or folder, or a
+    reference folder a sync wrote (``.../reference/step-N``: a run's base after a sync, which cannot be told)."""
+    if saved == now:
+        return True
+    a, b = Path(saved), Path(now)
+    if a.exists() and b.exists() and a.resolve() == b.resolve():
+        return True
+    return a.is_absolute() and a.parent.name == "reference"
+
+
 def add_adapter(model, folder: str | Path, name: str) -> None:
     """Load a saved LoRA adapter (PEFT's format) next to the model's own, under ``name``, inactive and frozen: the
     base's weights are shared, the adapter adds its A and B. Every key of the folder's weights must land on a new
@@ -197,6 +208,13 @@ def add_adapter(model, folder: str | Path, name: str) -> None:
     if peft_cfg.modules_to_save:
         raise ConfigError(f"{folder}: the adapter trains whole modules too (modules_to_save={peft_cfg.modules_to_save}),"
                           f" which cannot be shared with the policy's base; use an adapter without them")
+    theirs = str(peft_cfg.base_model_name_or_path or "")
+    mine = str(getattr(model.peft_config.get(ADAPTER), "base_model_name_or_path", "") or "")
+    if theirs and mine and not same_base(theirs, mine):
+        raise ConfigError(f"{folder}: the adapter was trained on {theirs!r}, and this model's base is {mine!r} "
+                          f"(model.name_or_path): an adapter's weights are changes to its own base's, so on another "
+                          f"base it is another model. Use an adapter trained on {mine!r}, or a whole teacher "
+                          f"(teacher.model)")
     own = dict(model.peft_config)
     grads = [(p, p.requires_grad) for p in model.parameters()]
     with warnings.catch_warnings():

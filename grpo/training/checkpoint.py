@@ -32,7 +32,7 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.config import ConfigError
-from grpo.foundation.lora import has_lora, merged_state_dict, save_adapter, state_dict_for_save
+from grpo.foundation.lora import has_lora, merged_state_dict, same_base, save_adapter, state_dict_for_save
 from grpo.foundation.modeling import ASIDE, LATEST, latest_in
 
 
@@ -285,8 +285,7 @@ def resume_mismatch(model, path: Path) -> Optional[str]:
                  "target_modules": (sorted(saved.get("target_modules") or []), sorted(now.target_modules or [])),
                  "modules_to_save": (sorted(saved.get("modules_to_save") or []), sorted(now.modules_to_save or []))}
         base = str(saved.get("base_model_name_or_path") or "")
-        synced = Path(base).is_absolute() and Path(base).parent.name == "reference"  # its base was synced
-        if base and not synced and base != str(now.base_model_name_or_path):
+        if base and not same_base(base, str(now.base_model_name_or_path)):  # (a synced base passes)
             pairs["model.name_or_path (the adapter's base)"] = (base, now.base_model_name_or_path)
         diffs = [f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in pairs.items() if a != b]
     elif (path / "config.json").is_file():
