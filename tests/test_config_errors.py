@@ -241,6 +241,12 @@ def test_reference_that_starts_late_is_waited_for():
     (["env.name=calculator", "data.source=env", "env.kwargs={max_value: -5}"], ["env.kwargs.max_value=-5 is invalid"]),
     (["data.source=jsonl", "data.path=/no/such/file.jsonl", "rewards=[{fn: math_correct}]"],
      ["data.path='/no/such/file.jsonl': no such file"]),
+    # issue 58 item 12: a missing teacher passed --print-config and failed after the policy loaded, naming
+    # model.name_or_path
+    (["teacher.model=/no/such/teacher"], ["teacher.model='/no/such/teacher' looks like a local folder",
+                                          "does not exist"]),
+    (["teacher.adapter=/no/such/adapter", "model.lora={r: 4}"],
+     ["teacher.adapter='/no/such/adapter': '/no/such/adapter' is not a LoRA adapter folder (it does not exist)"]),
 ])
 def test_what_the_run_refused_late_fails_at_start(capsys, no_model, overrides, needles):
     fails(capsys, overrides, *needles)

@@ -20,6 +20,7 @@ import torch
 
 from grpo.foundation.config import Config, ConfigError, distilling
 from grpo.foundation.logprobs import Packed, Scores
+from grpo.foundation.modeling import check_model_path
 from grpo.reference.handle import ReferenceHandle, make_reference
 from grpo.reference.in_process import AdapterTeacher, Loader
 from grpo.reference.protocol import ReferenceServerError
@@ -187,6 +188,7 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
         except ReferenceServerError as e:  # not there at start
             raise teacher_error(cfg.teacher.url, e) from None
     if cfg.teacher.model:  # before the teacher's weights are loaded
+        check_model_path("teacher.model", cfg.teacher.model)
         check_not_the_student(cfg, cfg.teacher.model, None, reference)
         if tokenizer is not None:
             check_same_tokenizer(cfg, tokenizer)

@@ -92,6 +92,7 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
                               "installed: pip install flash-attn --no-build-isolation (CUDA only), or use sdpa") from e
     if cfg.ref.model and not cfg.ref.url:
         check_model_path("ref.model", cfg.ref.model)
+    check_teacher_paths(cfg)
     for i, spec in enumerate(cfg.rewards):
         if spec.kind == "model" and spec.where == "trainer":
             check_model_path(f"rewards[{i}].model", spec.model)
@@ -113,6 +114,23 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
 
         checkpoint_to_resume(cfg.train.output_dir)
     return parts
+
+
+def check_teacher_paths(cfg: Config) -> None:
+    """teacher.model and teacher.adapter name what exists, before any model loads (the teacher loads after the
+    policy)."""
+    from grpo.foundation.modeling import check_model_path
+
+    if cfg.teacher.model:
+        check_model_path("teacher.model", cfg.teacher.model)
+    if cfg.teacher.adapter:
+        from grpo.foundation.lora import ADAPTER_CONFIG, is_adapter_folder
+
+        if not is_adapter_folder(cfg.teacher.adapter):
+            where = Path(cfg.teacher.adapter).absolute()
+            raise ConfigError(f"teacher.adapter={cfg.teacher.adapter!r}: {str(where)!r} is not a LoRA adapter folder "
+                              f"({'no ' + ADAPTER_CONFIG + ' in it' if where.is_dir() else 'it does not exist'}); give "
+                              f"a LoRA run's checkpoint folder (adapter_config.json + adapter_model.safetensors)")
 
 
 def check_ranks(cfg: Config, world: int) -> None:
