@@ -233,6 +233,21 @@ def _from_pretrained(name: str, kwargs: dict) -> PreTrainedModel:
         raise _load_error(name, e) from e
 
 
+def model_class(config, name: str) -> type:
+    """The Auto class that builds ``config``'s model, as :func:`_from_pretrained` picks it: AutoModelForCausalLM, or
+    AutoModelForImageTextToText for a multimodal checkpoint (a partitioned build makes it from the config alone)."""
+    from transformers import AutoModelForImageTextToText
+
+    autos = (AutoModelForCausalLM, AutoModelForImageTextToText)
+    remote = getattr(config, "auto_map", None) or {}
+    for auto in autos:
+        if type(config) in auto._model_mapping or auto.__name__ in remote:
+            return auto
+    raise ConfigError(f"model.name_or_path={name!r}: its config ({type(config).__name__}) is neither a causal language "
+                      f"model nor an image-text-to-text model of transformers (AutoModelForCausalLM, "
+                      f"AutoModelForImageTextToText): the policy must generate text")
+
+
 def _load_error(name: str, e: Exception) -> ConfigError:
     return ConfigError(f"model.name_or_path={name!r}: cannot load the model ({e}). "
                        f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}.")

@@ -18,7 +18,7 @@ import torch
 
 from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
-from grpo.foundation.modeling import DTYPES, load_model, prepare_model
+from grpo.foundation.modeling import DTYPES, load_model, model_class, prepare_model
 from grpo.foundation.tiny import BUILTIN_NAME
 
 
@@ -116,7 +116,7 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
     """The model of ``source`` (an HF folder) built under ZeRO-3 partitioning; the built-in tiny model is
     built whole (DeepSpeed partitions it when its engine starts)."""
     import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     from grpo.foundation.lora import is_adapter_folder
 
@@ -137,7 +137,8 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
     tied_head = (text.vocab_size, text.hidden_size) if getattr(text, "tie_word_embeddings", False) else None
     init = _init_without_broadcast(tied_head)
     with init(config_dict_or_path=ds_config), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code, **kwargs)
+        model = model_class(config, source).from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code,
+                                                        **kwargs)
     model.tie_weights()  # skipped with the initialisation; tied weights are stored once in the files
     for head in init.deferred:
         if not hasattr(head.weight, "ds_id"):  # not tied after all: partitioned now, filled from the files below
@@ -151,8 +152,11 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
             data_start, header = safetensors_index(path)
             f = files.enter_context(open(path, "rb", buffering=0))
             stored.update({key: (f, data_start, entry) for key, entry in header.items()})
+        renamed = legacy_names(model, stored)
         for key, param in params.items():
             names = [key] if key in stored else expert_pieces(key, tuple(param.ds_shape), stored)
+            if not names and key in renamed:  # a multimodal checkpoint's own layout (language_model.model.*)
+                names = [renamed[key]]
             if names:
                 fill_pieces(param, [stored[n] for n in names], rank)
                 filled.add(key)
@@ -165,6 +169,26 @@ def load_partitioned(cfg: Config, source: str, ds_config: dict) -> torch.nn.Modu
         pass
     model.eval()
     return prepare_model(model, m)
+
+
+def legacy_names(model: torch.nn.Module, stored: dict) -> dict[str, str]:
+    """{the model's name: the checkpoint's key} for the keys transformers renames at load (its conversion mapping's
+    renamings: an image-text-to-text checkpoint is saved as ``language_model.model.*``, ``vision_tower.*``, and
+    built as ``model.language_model.*``, ...); empty where this transformers has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    out = {}
+    for key in stored:
+        name = rename_source_key(key, renamings, [])[0]
+        if name != key:
+            out.setdefault(name, key)
+    return out
 
 
 def _init_without_broadcast(tied_head: tuple[int, int] | None = None):
