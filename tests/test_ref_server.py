@@ -195,6 +195,9 @@ def _bad_bodies(p):
         ("rows disagree", encode({**good, "prompt_lens": plen[:-1]}, header), 400, "completion_lens"),
         ("out-of-vocabulary id", encode({**good, "input_ids": oov}, header), 400, "input_ids"),
         ("bad temperature", encode(good, {"temperature": -1}), 400, "temperature"),
+        # issue 58 item 13: explicit nulls answered 500, which clients retry as a server fault
+        ("null top_k", encode(good, {**header, "top_k": None}), 400, "top_k"),
+        ("null pad_id", encode(good, {**header, "pad_id": None}), 400, "pad_id"),
         ("lengths that wrap int64", encode({"input_ids": ids[:2], "prompt_lens": torch.tensor([2**62, 2**62, 1, 1]),
                                             "completion_lens": torch.tensor([2**62, 2**62, 0, 0])}, header), 400, "prompt_lens"),
         ("deeply nested header", st_save(good, metadata={"header": "[" * 10_000 + "]" * 10_000}), 400, "header"),

@@ -93,6 +93,8 @@ def test_response_round_trip_fills_zeros_beyond_lengths():
         (lambda t, h: h.update(top_k=65), "top_k", "64 tokens per position at most"),
         (lambda t, h: h.update(top_k=-1), "top_k", ">= 0"),
         (lambda t, h: h.update(top_k=2.5), "top_k", "integer"),
+        (lambda t, h: h.update(top_k=None), "top_k", "got null; leave the field out for its default (0)"),
+        (lambda t, h: h.update(pad_id=None), "pad_id", "got null; leave the field out for its default (0)"),
         (lambda t, h: h.update(model="critic"), "model", "'critic' is not one of ['reference', 'teacher']"),
         (lambda t, h: h.update(colour="blue"), "colour", "unknown header field"),
     ],
@@ -263,3 +265,10 @@ def test_top_k_round_trip_and_answers_checked_against_the_question():
         decode_scores(body, lengths, 5, top_k=3)
     with pytest.raises(WireError, match="topk_logprobs"):
         decode_scores(encode_flat_response(flatten_rows(lp, lengths), None, {}), lengths, 5, top_k=4)
+
+
+def test_a_null_rows_per_pass_is_its_default():
+    """rows_per_pass's default is null (no cap): null is that default, not an error."""
+    tensors, header = _request()
+    header["rows_per_pass"] = None
+    assert parse_request(encode(tensors, header), VOCAB, 16384).rows_per_pass is None

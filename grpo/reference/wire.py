@@ -209,8 +209,11 @@ def encode_request(packed: Packed, temperature: float, with_entropy: bool = Fals
 
 
 def _int_field(header: dict, name: str, default: Optional[int], minimum: int) -> Optional[int]:
+    """An integer field >= ``minimum``; absent: ``default``. null is absent only where the default is null."""
     v = header.get(name, default)
     if v is None:
+        if default is not None:
+            raise WireError(name, f"must be an integer, got null; leave the field out for its default ({default})")
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise WireError(name, f"must be an integer, got {v!r}")
