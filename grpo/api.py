@@ -76,6 +76,9 @@ def train(config: ConfigLike = None, *, algo: Optional[str] = None, rewards: Opt
     if rewards is not None:
         sections["rewards"] = reward_entries(rewards)
     cfg = make_config(config, algo=algo, overrides=overrides, **sections)
+    if eval_dataset is not None and not cfg.eval.every:
+        raise ConfigError("eval_dataset is given and eval.every=0, so it would never be evaluated: pass "
+                          "eval={'every': N} to evaluate it every N steps (and at the start), or leave eval_dataset out")
     if dataset is not None or eval_dataset is not None:
         data = _data_section(sections.get("data"), Path(cfg.train.output_dir), dataset, eval_dataset)
         cfg = make_config(config, algo=algo, overrides=overrides, **{**sections, "data": data})

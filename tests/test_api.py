@@ -96,6 +96,10 @@ def test_bad_input_is_refused_with_the_fix():
         train(dataset=["59="])
     with pytest.raises(ConfigError, match=r"rewards\[0\]=3: give a function"):
         train(rewards=[3])
+    # issue 58 item 14: held-out rows without eval.every were written and never evaluated, without a word
+    with pytest.raises(ConfigError, match=r"eval_dataset is given and eval.every=0, so it would never be evaluated: "
+                                          r"pass eval=\{'every': N\}"):
+        train("configs/demo.yaml", dataset=ROWS, eval_dataset=ROWS[:4], train={"output_dir": "/nonexistent/never"})
     with pytest.raises(ConfigError, match=r"overrides='train.lr=1': give a list"):
         make_config(overrides="train.lr=1")
     with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr'.*Did you mean 'lr'"):

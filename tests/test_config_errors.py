@@ -16,6 +16,8 @@ import pytest
 
 import train
 from grpo.foundation.config import ConfigError
+
+GSM8K = "tests/data/gsm8k/train_head40.jsonl"  # (the tests run from the checkout's root)
 from grpo.training.configure import load_config
 
 
@@ -383,6 +385,9 @@ def test_maze_draws_are_bounded(monkeypatch):
      "config warning: rollout.vllm.gpu_memory_utilization ignored: rollout.engine='hf', not 'vllm'"),
     (["ref.sync_every=500", "train.max_steps=100"],
      "config warning: ref.sync_every=500 > train.max_steps=100: the reference is never synced in this run"),
+    (["data.source=jsonl", f"data.path={GSM8K}", f"data.eval_path={GSM8K}", "data.columns={prompt: question}",
+      "rewards=[{fn: math_correct}]"],
+     f"config warning: data.eval_path='{GSM8K}' is never evaluated: eval.every=0"),
 ])
 def test_settings_that_do_nothing_here_are_named_once(capsys, overrides, warning):
     """Issue 30, item 30: valid settings that this run ignores are printed before any model loads."""

@@ -864,6 +864,9 @@ def config_warnings(cfg: Config) -> list[str]:
                    if getattr(cfg.rollout.vllm, f.name) != getattr(VllmConfig(), f.name)]
         out.append(f"rollout.vllm.{', rollout.vllm.'.join(changed)} ignored: rollout.engine={cfg.rollout.engine!r}, "
                    f"not 'vllm'")
+    if cfg.data.eval_path and not cfg.eval.every:
+        out.append(f"data.eval_path={cfg.data.eval_path!r} is never evaluated: eval.every=0 (set eval.every=N to "
+                   f"evaluate it every N steps)")
     rc = cfg.algo.rollout_correction
     if rc is not None and rc.mode == "truncate" and (rc.high < 1 or (rc.low is not None and rc.low > 1)):
         bad = f"high={rc.high!r} < 1" if rc.high < 1 else f"low={rc.low!r} > 1"
