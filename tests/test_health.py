@@ -185,3 +185,19 @@ def test_a_second_run_in_the_same_process_trains(single_rank_env, tmp_path):
         assert train.main([*args, f"train.output_dir={tmp_path / run}"]) == 0, run
         assert not dist.is_initialized()
         assert (tmp_path / run / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_an_outside_failure_inside_process_batch_stops_every_rank(tmp_path):
+    """Issue 58 item 15: a reward service failing on one rank inside the algorithm's process_batch hook (remax's greedy
+    scoring, dapo's refill) was not agreed across ranks: the other rank went on into the hook's next collective (or
+    the next phase's) and waited there. Both ranks now stop on the error together (tests/together_worker.py)."""
+    import json
+
+    from tests.conftest import run_deepspeed
+
+    run_deepspeed([str(tmp_path)], 2, "tests/together_worker.py", launcher="torchrun")
+    for name in ("remax", "dapo"):
+        ranks = [json.loads((tmp_path / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["stopped"] == "RewardServiceError: test: the reward service is gone (rank 0 only)", ranks
+        assert ranks[1]["stopped"].startswith("RewardServiceError: another rank's reward service failed"), ranks
+        assert ranks[0]["scorings"] == 2, ranks  # it failed inside the hook, not in the step's own scoring

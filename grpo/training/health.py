@@ -177,6 +177,28 @@ def together(fn: Callable[[], Any]) -> Any:
     return out
 
 
+class AgreedRollout:
+    """The rollout service as the algorithm's hooks see it (``ctx.rollout``): its scoring, the outside service a hook
+    calls (remax's greedy baseline, edge-grpo's rewritten rows), goes through :func:`together`, so one rank's
+    failure is raised on every rank right there, before the hook's next collective (a hook calls these on every
+    rank, as it calls ``generate``). Everything else is the service's own."""
+
+    def __init__(self, service: Any):
+        object.__setattr__(self, "_service", service)
+
+    def score(self, batch: Any) -> None:
+        together(lambda: self._service.score(batch))
+
+    def rewrite(self, batch: Any, rows: list[int], completions: list) -> None:
+        together(lambda: self._service.rewrite(batch, rows, completions))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._service, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._service, name, value)
+
+
 def stop_reached(cfg: Config, step: int, history: list[dict], evaluator: Optional[Any]) -> bool:
     """``train.stop_when``: whether the mean of its metric over the last ``window`` steps of this run reached
     ``at_least``. Decided on rank 0 and shared, so every rank leaves the loop after the same step; a metric

@@ -39,7 +39,8 @@ from grpo.training import resume as checkpoints
 from grpo.training.checkpoint import prune_reference_folders
 from grpo.training.evaluation import Evaluator
 from grpo.training.audit import Audit
-from grpo.training.health import LearningHealth, NonFiniteWatchdog, RewardFailureGuard, stop_reached, together
+from grpo.training.health import (AgreedRollout, LearningHealth, NonFiniteWatchdog, RewardFailureGuard, stop_reached,
+                                  together)
 from grpo.training.metrics import MetricsLogger, SamplerGap, log_samples, step_metrics
 from grpo.training.partitioned import frozen_partitioned
 from grpo.training.passes import PolicyPasses, Step, total_lengths
@@ -129,8 +130,11 @@ class Trainer:
     # ------------------------------------------------------------------ what algorithms see
     def context(self) -> StepContext:
         """The narrow view of the run that algorithm hooks get (step = steps completed so far)."""
-        return StepContext(self.cfg, self.step, generate_more=lambda n=None: self.generate(self._rank_indices(n)),
-                           rollout=self.rollout, reference=self.reference, reset_reference=self.reset_reference,
+        # a further batch inside process_batch (dapo's refill): every rank asks for it together (resample), so an
+        # outside service's failure on one rank is agreed right there, before the hook's next collective
+        more = lambda n=None: together(lambda: self.generate(self._rank_indices(n)))  # noqa: E731
+        return StepContext(self.cfg, self.step, generate_more=more, rollout=AgreedRollout(self.rollout),
+                           reference=self.reference, reset_reference=self.reset_reference,
                            reset_optimizer=lambda: ds.reset_optimizer_state(self.engine))
 
     def reset_reference(self) -> tuple[str, int]:
@@ -218,7 +222,8 @@ class Trainer:
         batch = together(lambda: self.generate(self._rank_indices()))  # generation and the rewards
         ctx = self.context()
         # The one place where algorithms change the batch (shaping, filtering + refill, correction, pruning).
-        batch = self.algo.process_batch(batch, ctx)
+        # (a failure of an outside service inside the hook, remax's greedy scoring, agreed by every rank as above)
+        batch = together(lambda: self.algo.process_batch(batch, ctx))
         step = Step(batch, ctx, ctx.scored or batch, self.rollout.pop_timings(), t_start)
         self.memory.end("generate")
         self.rollout.offload()  # vllm on CUDA: its memory is the training passes' until the next sync
