@@ -62,6 +62,12 @@ SLOTS = 4096  # concurrent runs on one machine, as root: uids uid_base .. uid_ba
 # Address space a process may have beyond memory_mb where the run's cgroup bounds its real memory: each thread
 # reserves its stack (8 MiB by default), so RLIMIT_AS = memory_mb alone allowed ~14 threads in 512 MiB
 THREAD_ROOM_MB = 1024
+# Without a cgroup (a plain user: most clusters), the run's memory is bounded by its processes instead, where a
+# process cap per run holds (RLIMIT_NPROC of its own uid or user namespace): at most NO_CGROUP_TASKS tasks, each
+# process with an address space of memory_mb * NO_CGROUP_FACTOR / NO_CGROUP_TASKS, so all of them together hold
+# at most NO_CGROUP_FACTOR x memory_mb (plus the private /tmp and /dev/shm, tmp_mb each)
+NO_CGROUP_TASKS = 4
+NO_CGROUP_FACTOR = 2
 
 
 class SandboxError(RuntimeError):
@@ -85,6 +91,7 @@ class Limits:
     user: str = "auto"
     uid_base: int = 2_100_000_000
     python: str = ""
+    memory: str = "auto"
 
     @classmethod
     def of(cls, given: Any = None) -> "Limits":
@@ -417,7 +424,8 @@ def capabilities(limits: Any = None) -> dict[str, Any]:
             "own_uid": plan.slots, "drops_user": bool(plan.slots or plan.ids), "userns": plan.userns,
             "unprivileged": bool(plan.slots or plan.ids) or plan.namespaces,
             "processes": ("cgroup" if plan.cgroup and lim.processes else "rlimit" if plan.nproc else None),
-            "cgroup": plan.cgroup is not None, "python": plan.python, "why_not": plan.why_not}
+            "cgroup": plan.cgroup is not None, "memory": memory_bound(plan, lim), "python": plan.python,
+            "why_not": plan.why_not}
 
 
 def describe(limits: Any = None) -> str:
@@ -437,6 +445,16 @@ def describe(limits: Any = None) -> str:
         lacks.append("another user than the trainer's")
     (holds if caps["cgroup"] else lacks).append("a cgroup on the whole run (memory, processes)")
     (holds if caps["processes"] else lacks).append("a process cap (fork bombs)")
+    lim = Limits.of(limits)
+    if caps["memory"] == "processes":
+        address_mb = process_limits(plan_of(lim), lim)[0]
+        tasks = min(lim.processes, NO_CGROUP_TASKS) if lim.processes else NO_CGROUP_TASKS
+        holds.append(f"the run's memory bounded without a cgroup: at most {tasks} processes and threads of "
+                     f"{address_mb} MiB address space each ({tasks * address_mb} MiB = {NO_CGROUP_FACTOR} x "
+                     f"sandbox.memory_mb)")
+    elif lim.memory_mb and not caps["memory"]:
+        lacks.append(f"the run's memory as a whole (each process alone is held to {lim.memory_mb} MiB; "
+                     f"sandbox.memory: required refuses to start so)")
     text = f"sandbox ({caps['python']}): holds {'; '.join(holds) or 'rlimits only'}"
     if lacks:
         text += f"; does NOT hold {'; '.join(lacks)}"
@@ -468,6 +486,35 @@ def check(limits: Any = None) -> None:
         raise SandboxError("sandbox.isolation=required, but this machine refuses the sandbox's PID and mount "
                            f"namespaces ({caps['why_not']}): allow user namespaces or CAP_SYS_ADMIN, or set "
                            "sandbox.isolation: auto to run with rlimits only")
+    if lim.memory == "required" and lim.memory_mb and not caps["memory"]:
+        raise SandboxError(f"sandbox.memory=required, but nothing here bounds a run's memory as a whole: no cgroup "
+                           f"can be made (run the trainer as root, or in a cgroup v2 subtree delegated to its user "
+                           f"with the memory and pids controllers) and no process cap holds per run (a user "
+                           f"namespace on Linux >= 5.14); each process alone is held to sandbox.memory_mb="
+                           f"{lim.memory_mb}. Set sandbox.memory: auto to run so")
+
+
+def memory_bound(plan: Plan, lim: Limits) -> Optional[str]:
+    """How the run's memory is bounded as a whole: "cgroup", "processes" (without a cgroup: a process cap per run
+    and a smaller address space each, :data:`NO_CGROUP_TASKS`), or None (per process only; or no memory limit)."""
+    if not lim.memory_mb:
+        return None
+    if plan.cgroup:
+        return "cgroup"
+    return "processes" if plan.nproc else None
+
+
+def process_limits(plan: Plan, lim: Limits) -> tuple[int, int]:
+    """(RLIMIT_AS in MiB, RLIMIT_NPROC; 0 = none) of the run's processes."""
+    bound = memory_bound(plan, lim)
+    nproc = lim.processes if plan.nproc else 0
+    if bound == "cgroup":
+        return lim.memory_mb + THREAD_ROOM_MB, nproc
+    if bound == "processes":
+        tasks = min(lim.processes, NO_CGROUP_TASKS) if lim.processes else NO_CGROUP_TASKS
+        # in a user namespace its count holds the launcher and the namespace's init too (ours, outside the bound)
+        return lim.memory_mb * NO_CGROUP_FACTOR // tasks, tasks + (2 if plan.userns else 0)
+    return lim.memory_mb, nproc
 
 
 def python_command(lim: Limits) -> list[str]:
@@ -500,7 +547,8 @@ def _prepared(argv: list[str], limits: Any, files: Optional[dict[str, str]]) -> 
     """The run's uid slot, folder (holding ``files``), cgroup and launcher spec; all undone at the end."""
     lim = Limits.of(limits)
     plan = plan_of(lim)
-    if lim.isolation == "required" and not plan.namespaces:
+    if (lim.isolation == "required" and not plan.namespaces) or (lim.memory == "required" and lim.memory_mb
+                                                                   and not memory_bound(plan, lim)):
         check(lim)
     if lim.network == "auto" and plan.network == "allowed":
         _log_once("network", "sandbox: this kernel/container refuses a new network namespace (unshare "
@@ -523,9 +571,9 @@ def _prepared(argv: list[str], limits: Any, files: Optional[dict[str, str]]) -> 
                     os.chown(p, *ids)
             if plan.cgroup:
                 cgroup = _Cgroup(plan.cgroup, lim)
-            address_mb = lim.memory_mb + (THREAD_ROOM_MB if cgroup and lim.memory_mb else 0)
+            address_mb, tasks = process_limits(plan, lim)
             spec = {"memory_mb": address_mb, "cpu_seconds": lim.cpu_seconds, "file_size_mb": lim.file_size_mb,
-                    "open_files": lim.open_files, "nproc": lim.processes if plan.nproc else 0,
+                    "open_files": lim.open_files, "nproc": tasks,
                     "network": plan.network if lim.network != "required" else "required",
                     "uid": ids[0] if ids else None, "gid": ids[1] if ids else None, "work": work,
                     "namespaces": plan.namespaces, "userns": plan.userns, "read_only": list(plan.read_only),

@@ -198,8 +198,21 @@ for t in threads:
 lim = {"timeout": 20, "cpu_seconds": 5, "memory_mb": 256, "processes": 32, "isolation": isolation}
 out = {"caps": sb.capabilities(lim), "describe": sb.describe(lim), "uid": os.getuid()}
 out["hello"] = sb.run_python("print(42)", lim).stdout
-out["forks"] = sb.run_python("import os\nfor i in range(10):\n    if os.fork() == 0:\n        os._exit(0)\n"
-                             "for i in range(10):\n    os.wait()\nprint('forked')", lim).stdout
+# issue 58 item 11: 8 children allocating 80 MiB each: what the run holds at once, without a cgroup
+r = sb.run_python("import os, time\nkids = []\nfor i in range(8):\n    try:\n        pid = os.fork()\n"
+                  "    except OSError:\n        break\n    if pid == 0:\n        try:\n            x = b'1' * (80 << 20)\n"
+                  "        except MemoryError:\n            os._exit(3)\n        time.sleep(2)\n        os._exit(0)\n"
+                  "    kids.append(pid)\nprint(sum(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids))",
+                  lim)
+out["held_80mib"] = r.stdout
+try:
+    sb.check(dict(lim, memory="required"))
+    out["memory_required"] = "started"
+except sb.SandboxError as e:
+    out["memory_required"] = str(e)
+# (each child waited for at once: without a cgroup a run has at most 4 processes at a time, zombies included)
+out["forks"] = sb.run_python("import os\nfor i in range(10):\n    pid = os.fork()\n    if pid == 0:\n"
+                             "        os._exit(0)\n    os.waitpid(pid, 0)\nprint('forked')", lim).stdout
 r = sb.run_python(f"print(open({secret!r}).read())", lim)
 out["secret"] = r.stdout + r.stderr.strip().splitlines()[-1:][0] if r.stderr.strip() else r.stdout
 if out["caps"]["processes"]:
@@ -271,6 +284,50 @@ def test_as_a_plain_user_with_many_threads_runs_are_not_refused(plain_user_dir):
         assert "does NOT hold own PID namespace" not in out["describe"]
     else:
         assert "does NOT hold own PID namespace" in out["describe"]
+
+
+def test_as_a_plain_user_the_runs_memory_is_bounded_as_a_whole_or_said_not_to_be(plain_user_dir):
+    """Issue 58 item 11: as a plain user (no cgroup) a run's memory was bounded per process only: through code_tests
+    a program that forked and allocated held 2,540 MB against memory_mb: 512. Where a process cap holds per run,
+    the run gets at most 4 processes and threads of memory_mb / 2 address space each (2 x memory_mb in all);
+    where none does, the start says so, and sandbox.memory: required refuses to start."""
+    out = as_plain_user(plain_user_dir, "auto")
+    assert out["uid"] != 0 and not out["caps"]["cgroup"], out["caps"]
+    held = int(out["held_80mib"])
+    if out["caps"]["memory"] == "processes":
+        assert held == 3, out  # the program and 3 children: 4 tasks of 128 MiB, 3 x 80 MiB held <= 2 x 256 MiB
+        assert "at most 4 processes and threads of 128 MiB address space each (512 MiB = 2 x sandbox.memory_mb)" in \
+            out["describe"]
+        assert out["memory_required"] == "started"
+    else:
+        assert out["caps"]["memory"] is None and held > 3, out  # what it says it does not hold, it does not
+        assert "does NOT hold" in out["describe"] and "the run's memory as a whole" in out["describe"]
+        assert out["memory_required"].startswith("sandbox.memory=required, but nothing here bounds a run's memory")
+
+
+def test_without_a_cgroup_the_run_holds_at_most_twice_memory_mb(monkeypatch):
+    """Issue 58 item 11, where this machine has a per-run process cap (root: a uid per run) and the cgroup is taken
+    away: 8 children of 200 MiB each are refused past the program and 3 children (4 x 256 MiB at memory_mb 512),
+    one process may still hold 200 MiB, and memory: required starts (a whole-run bound holds)."""
+    if not sandbox.capabilities(LIMITS)["processes"]:
+        pytest.skip("no per-run process cap on this machine: the plain-user test covers the refusal")
+    monkeypatch.setattr(sandbox, "_cgroup_layout", lambda: None)
+    sandbox._plan.cache_clear()
+    try:
+        lim = dict(LIMITS, memory_mb=512, processes=256, memory="required")
+        assert sandbox.capabilities(lim)["memory"] == "processes"
+        sandbox.check(lim)
+        code = ("import os, time\nkids, refused = [], 0\nfor i in range(8):\n    try:\n        pid = os.fork()\n"
+                "    except OSError:\n        refused += 1\n        continue\n    if pid == 0:\n"
+                "        x = b'1' * (200 << 20)\n        time.sleep(1)\n        os._exit(0)\n    kids.append(pid)\n"
+                "print(len(kids), refused, sum(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids))")
+        kids, refused, held = map(int, sandbox.run_python(code, lim).stdout.split())
+        assert (kids, refused, held) == (3, 5, 3)  # 3 x 200 MiB + the program <= 2 x 512 MiB
+        one = sandbox.run_python("x = b'1' * (200 << 20)\nprint(len(x) >> 20)", lim)
+        assert one.stdout == "200\n"
+        assert sandbox.run_python("x = b'1' * (300 << 20)", lim).reason == "memory"
+    finally:
+        sandbox._plan.cache_clear()
 
 
 def test_as_a_plain_user_without_namespaces_it_says_what_does_not_hold(plain_user_dir):
@@ -417,3 +474,25 @@ def test_root_without_cap_sys_admin_runs_with_its_own_uid_and_refuses_network_re
     assert "does NOT hold own PID namespace and private root" in out["describe"]
     assert "Operation not permitted" in out["describe"] and "no network" in out["describe"].split("does NOT")[1]
     assert out["hello"] == "True\n"
+
+
+def test_memory_required_refuses_to_start_without_a_whole_run_bound(monkeypatch, capsys):
+    """Issue 58 item 11: sandbox.memory: required refuses to start where nothing bounds a run's memory as a whole
+    (here: the cgroup taken away and no uid of its own per run, so no process cap either); auto says so at start."""
+    import train
+
+    monkeypatch.setattr(sandbox, "_cgroup_layout", lambda: None)
+    sandbox._plan.cache_clear()
+    try:
+        lim = dict(LIMITS, user="", memory="required")
+        assert sandbox.capabilities(lim)["memory"] is None
+        with pytest.raises(sandbox.SandboxError, match=r"sandbox.memory=required, but nothing here bounds a run's "
+                                                       r"memory as a whole: no cgroup can be made"):
+            sandbox.check(lim)
+        assert ("a cgroup on the whole run (memory, processes); a process cap (fork bombs); the run's memory as a "
+                "whole (each process alone is held to 256 MiB") in sandbox.describe(dict(lim, memory="auto")).split(
+                    "does NOT hold")[1]
+        assert train.main(["sandbox.memory=required", "sandbox.user=", "--print-config"]) == 2
+        assert "config error: sandbox.memory=required, but nothing here bounds" in capsys.readouterr().err
+    finally:
+        sandbox._plan.cache_clear()

@@ -565,8 +565,8 @@ class SandboxConfig:
 
     timeout: float = positive(5.0)  # wall-clock seconds per execution; then the run is killed, every process of it
     cpu_seconds: int = at_least_zero(5)  # RLIMIT_CPU per process (killed past it: reason cpu)
-    memory_mb: int = at_least_zero(512)  # the run's memory, all its processes together (its cgroup, where one can be made), in
-    # MiB; per process RLIMIT_AS = this (+ 1024 for thread stacks where the cgroup holds): reason memory past it
+    memory_mb: int = at_least_zero(512)  # the run's memory, all its processes together, in MiB (see memory below); per
+    # process RLIMIT_AS = this (+ 1024 for thread stacks where a cgroup holds; half of it without one): reason memory
     file_size_mb: int = at_least_zero(16)  # RLIMIT_FSIZE: the largest file it may write, in MiB
     open_files: int = at_least_zero(64)  # RLIMIT_NOFILE: open file descriptors per process
     processes: int = at_least_zero(256)  # processes and threads of one run at once (cgroup pids.max and/or RLIMIT_NPROC of the
@@ -584,6 +584,10 @@ class SandboxConfig:
     uid_base: int = 2_100_000_000  # the first of the per-run uids of user: auto (4096 of them)
     # interpreter for Python code ("" = the trainer's; its folders are mounted read-only in the run's root)
     python: str = ""
+    # the run's memory as a whole: auto: its cgroup where one can be made, else (a plain user) at most 4 processes
+    # and threads of memory_mb / 2 address space each (2 x memory_mb in all) where a process cap holds per run, else
+    # per process only (said at start); required: refuse to start without a whole-run bound
+    memory: Literal["auto", "required"] = "auto"
 
 
 @dataclass

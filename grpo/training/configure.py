@@ -81,7 +81,7 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
         spec = getattr(cfg.eval, key)
         if spec is not None and spec.kind == "fn":
             REWARDS.get(spec.fn, key=f"eval.{key}.fn")
-    if "required" in (cfg.sandbox.network, cfg.sandbox.isolation):  # asked for what the machine may not give
+    if "required" in (cfg.sandbox.network, cfg.sandbox.isolation, cfg.sandbox.memory):  # asked for what the machine may not give
         SERVICES.get("sandbox check")(cfg.sandbox)
     check_model_path("model.name_or_path", cfg.model.name_or_path)
     if cfg.model.attn_implementation == "flash_attention_2":
