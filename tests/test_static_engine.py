@@ -1,4 +1,4 @@
-"""The static engine (grpo/rollout/static.py) against transformers and the hf engine, on tiny models."""
+"""The static engine (grpo/rollout/static/) against transformers and the hf engine, on tiny models."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           Qwen3NextConfig, Qwen3NextForCausalLM,
                           SmolLM3Config, SmolLM3ForCausalLM)
 
+from grpo.foundation.logprobs import partitioned
 from grpo.foundation.modeling import keep_attention_softcap
 from grpo.rollout import static
 from grpo.rollout.engine import SamplingParams
@@ -407,7 +408,7 @@ def test_delta_rule_gets_as_many_query_and_key_heads_as_value_heads(kind, monkey
     up to 5.17 the layer repeated them and the rules took equal heads (with 2 key and 4 value heads they failed in
     the engine: 'size of tensor a (2) must match ... (4)'). The engine repeats them, so either rule gets equal heads:
     the forward equals transformers' with rules that check it."""
-    from grpo.rollout import delta_net
+    from grpo.rollout.static import delta_net
 
     rules = delta_net._rules()
     seen = []
@@ -807,7 +808,7 @@ class ReplayOnCPU:
 def test_graph_bookkeeping_on_cpu(monkeypatch):
     """The graphs path (keys per rows x length bucket, static inputs copied in, outputs reused, compaction between
     buckets, recapture when a weight moved) with a CPU stand-in for torch.cuda.CUDAGraph."""
-    monkeypatch.setattr(static, "capture_graph", lambda run, pool: (lambda g: (g, g.out))(ReplayOnCPU(run)))
+    monkeypatch.setattr(static.engine, "capture_graph", lambda run, pool: (lambda g: (g, g.out))(ReplayOnCPU(run)))
     model = build("qwen2")
     eos = tuple(range(3, 9))
     over = ["rollout.static.check_every=1", "rollout.static.length_bucket=16"]
@@ -836,7 +837,7 @@ def test_graphs_are_captured_once_across_in_place_weight_updates(monkeypatch):
     """Issue 41 (capture once): an optimizer step writes the weights in place, so after sync_weights the graphs
     captured at the first call are replayed, not captured again, and they read the new weights: the next generation
     equals a fresh eager engine's on the updated model."""
-    monkeypatch.setattr(static, "capture_graph", lambda run, pool: (lambda g: (g, g.out))(ReplayOnCPU(run)))
+    monkeypatch.setattr(static.engine, "capture_graph", lambda run, pool: (lambda g: (g, g.out))(ReplayOnCPU(run)))
     model = build("qwen2")
     params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
     graphed = static.StaticEngine(setup_for(model))
@@ -1075,7 +1076,7 @@ def test_trainer_runs_two_steps_with_the_static_engine_and_its_logprobs(single_r
                                           "gemma3_mm": "gemma3", "mistral3_mm": "mistral3", "qwen2_5_vl": "qwen2_5_vl",
                                           "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5_text",
                                           "gemma4": "gemma4_text"}[arch]
-    assert static.partitioned(tr.model) == (zero_stage == 3)
+    assert partitioned(tr.model) == (zero_stage == 3)
     history = tr.train()
     assert len(history) == 2
     for h in history:

@@ -202,13 +202,13 @@ class VllmConfig:
     cpu_kv_cache_gb: float = positive(1.0)  # CPU: the KV cache's size (vLLM's VLLM_CPU_KVCACHE_SPACE)
 
 
-# rollout.static.mode: how the static engine runs its decode step (grpo/rollout/static.py)
+# rollout.static.mode: how the static engine runs its decode step (grpo/rollout/static/)
 STATIC_MODES = ("auto", "eager", "compile", "graphs", "compile+graphs")
 
 
 @dataclass
 class StaticConfig:
-    """The ``static`` engine (``rollout.engine: static``, or ``auto`` on CUDA; grpo/rollout/static.py)."""
+    """The ``static`` engine (``rollout.engine: static``, or ``auto`` on CUDA; grpo/rollout/static/)."""
 
     # auto: graphs on CUDA, eager elsewhere; eager: neither (debugging); compile: torch.compile of the
     # decode step; graphs: a CUDA graph per (rows bucket, length bucket) without compile; compile+graphs: both

@@ -1,5 +1,5 @@
 """Qwen3.5's and Qwen3-Next's Gated DeltaNet layers (linear attention) as a step of the static engine
-(grpo/rollout/static.py).
+(grpo/rollout/static/).
 
 A linear-attention layer keeps no keys and values. Per row it keeps two buffers, updated in place so that a decode
 step keeps static shapes and a CUDA graph replays it: the last ``kernel`` inputs of its causal convolution (the

@@ -1,4 +1,4 @@
-"""Gemma 3n's decoder as a step of the static engine (grpo/rollout/static.py): what its layers add around the
+"""Gemma 3n's decoder as a step of the static engine (grpo/rollout/static/): what its layers add around the
 attention and MLP the engine already has.
 
 Gemma 3n (transformers' ``Gemma3nTextModel``) carries ``altup_num_inputs`` copies of the hidden state (AltUp: the

@@ -1,0 +1,262 @@
+"""Which models the static engine runs, and what it reads from their configs: ``ModelSpec`` (one per model), built by
+``model_spec``; ``unsupported_reason`` says why a model is not run (the ``hf`` engine takes it then). The family
+facts (model types, norms, RoPE types, per-family fields) live here; the package docstring lists the families."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from grpo.foundation import lora
+from grpo.rollout.static import delta_net, gemma3n
+from grpo.rollout.static.norms import rms_norm
+
+
+# qwen2_vl_text / qwen2_5_vl_text / qwen3_vl_text / qwen3_vl_moe_text: Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and
+# Qwen3-VL-MoE's language models, Qwen2's, Qwen3's and Qwen3-MoE's decoders whose multimodal RoPE gives text its
+# three position streams equal: the plain RoPE of the same frequencies
+# qwen3_5_text / qwen3_5_moe_text / qwen3_next: Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's hybrid decoders (Gated
+# DeltaNet layers, see delta_net.py, between gated attention layers with a partial RoPE)
+QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+               "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text", "olmo2", "olmo3",
+               "olmoe", "phi3", "granite")
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
+# norms after attention and around the MLP (OLMo 2 / 3: after them only, no norm before)
+SANDWICH = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text",
+           "gemma3n_text")
+MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
+    "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+}
+# RoPE types whose frequencies do not depend on the sequence length: inv_freq and the cos/sin scale are read
+# from the model's rotary module once. ("dynamic" and "longrope" change with the length: not supported.)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")  # proportional: Gemma 4's partial RoPE
+LENGTH_BUCKET = 64  # KV buffers are allocated in multiples of this many columns
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    windows: tuple[Optional[int], ...]  # per layer: sliding window (keys with q_pos - k_pos < window), None: full
+    qk_norm: bool
+    act: str = "silu"  # the MLP's gate activation (a key of ACTIVATIONS)
+    scale: Optional[float] = None  # attention scale (None: head_dim ** -0.5)
+    gemma_norm: bool = False  # RMSNorm as Gemma's: (x_hat * (1 + w)) in float32, then cast
+    sandwich: bool = False  # Gemma 2/3: post_attention_layernorm on the attention's output, pre/post norms on the MLP
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    rope_of_layer: Optional[tuple[int, ...]] = None  # per layer: which of Weights.ropes (None: the one)
+    experts_per_token: int = 0  # MoE: the router's top-k (0: dense MLPs; a layer with a router is a MoE layer)
+    renorm_topk: bool = False  # MoE: the top-k routing weights renormalised to sum to 1
+    fp32_routing: bool = False  # MoE: routing weights kept in float32 (Mixtral), else cast to the model's dtype
+    rope_layers: Optional[tuple[bool, ...]] = None  # per layer: RoPE applied (SmolLM3's NoPE layers: False; None: all)
+    q_scale: Optional[tuple[float, int]] = None  # Ministral 3: queries x (1 + beta log(1 + floor(pos / n))), (beta, n)
+    attn_gate: bool = False  # Qwen3.5: q_proj also gives a gate, the attention's output x sigmoid(gate)
+    linear: Optional[tuple[bool, ...]] = None  # per layer: a Gated DeltaNet layer (Qwen3.5; None: none)
+    delta: Optional[delta_net.DeltaSpec] = None  # the Gated DeltaNet layers' sizes
+    # Gemma 4: per layer (kv_heads, head_dim) (its full-attention layers' differ), the layer whose KV buffers it
+    # reads (its own, or the last earlier layer of its type: KV sharing), keys = values before their norms
+    # (attention_k_eq_v), values RMS-normed without a weight, RMSNorm weights multiplied in float32, per-layer
+    # inputs (PLE) of this width, a scalar multiplying each layer's output
+    layer_dims: Optional[tuple[tuple[int, int], ...]] = None
+    kv_source: Optional[tuple[int, ...]] = None
+    k_eq_v: Optional[tuple[bool, ...]] = None
+    v_norm: bool = False
+    norm_f32: str = ""  # RMSNorm weights multiplied in float32, the inverse RMS by "pow" (Gemma 3n, 4) or "rsqrt" (OLMo)
+    per_layer_dim: int = 0
+    # Llama 4: RoPE on interleaved pairs (complex products in float32), queries and keys L2-normed after it,
+    # per layer the attention chunk (keys in the query's chunk of this many positions; None: all), the query
+    # scale of NoPE layers (attn_scale, floor_scale: 1 + attn_scale log(1 + floor((pos + 1) / floor_scale)))
+    rope_interleaved: bool = False
+    qk_l2: bool = False
+    chunks: Optional[tuple[Optional[int], ...]] = None
+    attn_temperature: Optional[tuple[float, float]] = None
+    # Mistral 4: multi-head latent attention (qk_nope_head_dim, qk_rope_head_dim, v_head_dim; keys and values
+    # expanded from the normed latent once, as they enter the buffers), its RoPE on interleaved pairs (DeepSeek's
+    # layout), group-limited routing (n_group, topk_group, routed_scaling_factor)
+    mla: Optional[tuple[int, int, int]] = None
+    mla_interleave: bool = False
+    grouped_routing: Optional[tuple[int, int, float]] = None
+    # Gemma 3n (gemma3n.py): AltUp (altup_num_inputs, altup_active_idx, altup_correct_scale), per layer the MLP's
+    # activation-sparsity quantile (gemma3n.quantile, in the model's dtype; None: dense), the per-layer inputs'
+    # vocabulary
+    altup: Optional[tuple[int, int, bool]] = None
+    sparsity: Optional[tuple[Optional[float], ...]] = None
+    per_layer_vocab: int = 0
+    # Granite 3: the embeddings' multiplier, each residual branch's, the logits' divisor
+    granite: Optional[tuple[float, float, float]] = None
+    qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
+
+
+    def norm(self, x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        """This model's RMSNorm (``rms_norm`` in its family's arithmetic)."""
+        return rms_norm(x, weight, self.eps, self.gemma_norm, self.norm_f32)
+
+
+def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why the static engine cannot run ``model`` (None: it can)."""
+    if lora.has_lora(model):
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    outer = getattr(model, "config", None)
+    cfg = text_config(model)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in MODEL_TYPES:
+        return f"model_type {kind!r} is not one of the static engine's families {list(MODEL_TYPES)}"
+    if activation(cfg) not in ACTIVATIONS:
+        return f"hidden activation {activation(cfg)!r}: the static engine's gated MLP has {list(ACTIVATIONS)}"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    # Gemma 3: one set of RoPE parameters per layer type
+    for params in (rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]):
+        rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+        if rope_type not in ROPE_TYPES:
+            return (f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports "
+                    f"{list(ROPE_TYPES)}")
+    if kind not in SANDWICH and getattr(cfg, "attn_logit_softcapping", None):
+        return (f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps "
+                f"Gemma 2/3's attention only")
+    if getattr(cfg, "use_bidirectional_attention", None) not in (None, False, "vision"):  # Gemma 4: images only
+        return "use_bidirectional_attention: the static engine decodes causally"
+    if getattr(outer, "quantization_config", None) or getattr(cfg, "quantization_config", None):
+        return "quantized weights: the static engine multiplies by the weights as they are stored"
+    return None
+
+
+def text_config(model: torch.nn.Module):
+    """The decoder's config: the model's own, or its text model's in a checkpoint that wraps one with a vision
+    tower (Gemma 3 4B-27B: ``Gemma3ForConditionalGeneration``; Mistral Small 3.1 / 3.2 and Magistral:
+    ``Mistral3ForConditionalGeneration``), whose text-only forward is its text model's."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "model_type", None) not in MODEL_TYPES and hasattr(cfg, "get_text_config"):
+        text = cfg.get_text_config()
+        if text is not cfg and hasattr(getattr(model, "model", None), "language_model"):
+            return text
+    return cfg
+
+
+def activation(cfg) -> str:
+    """The MLP's activation name (Gemma 2/3 call it ``hidden_activation``)."""
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers decoder stack (``model.model``, or its ``language_model`` in a multimodal checkpoint; under
+    a PeftModel wrapper, its base's)."""
+    inner = model.model if hasattr(model, "model") else model.get_base_model().model
+    return getattr(inner, "language_model", inner)
+
+
+def _rotary(model: torch.nn.Module) -> torch.nn.Module:
+    return _decoder(model).rotary_emb
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    cfg = text_config(model)
+    heads, kind = cfg.num_attention_heads, cfg.model_type
+    first = cfg.per_layer_config[0] if kind == "gemma4_text" else cfg  # Gemma 4: sizes per layer (gemma4_fields)
+    head_dim = getattr(first, "head_dim", None) or cfg.hidden_size // heads
+    layer_types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    windows = tuple(
+        (window if (layer_types is None or layer_types[i] == "sliding_attention") else None)
+        for i in range(cfg.num_hidden_layers)
+    )
+    rope_types = getattr(_rotary(model), "layer_types", None)  # Gemma 3: a RoPE per layer type
+    fields = dict(
+        layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(first, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=kind in QK_NORM, act=activation(cfg),
+        scale=(cfg.query_pre_attn_scalar if kind in ("gemma2", "gemma3_text") else head_dim) ** -0.5,
+        gemma_norm=kind in GEMMA + QWEN3_5,  # Qwen3.5's norms are (1 + w) too
+        sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+        final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
+        rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
+        experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k_experts", 0) or 0,
+        renorm_topk=(kind in ("mixtral", "qwen3_vl_moe_text", "qwen3_5_moe_text")
+                     or bool(getattr(cfg, "norm_topk_prob", False))),
+        fp32_routing=kind == "mixtral",
+        rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind in ("smollm3", "llama4_text") else None,
+        q_scale=((cfg.rope_parameters["llama_4_scaling_beta"], cfg.rope_parameters["original_max_position_embeddings"])
+                 if kind in ("ministral3", "mistral4") else None),
+        attn_gate=kind in QWEN3_5,
+        linear=tuple(t == "linear_attention" for t in layer_types) if kind in QWEN3_5 else None,
+        delta=delta_net.delta_spec(cfg) if kind in QWEN3_5 else None,
+    )
+    if kind == "gemma4_text":
+        fields.update(gemma4_fields(cfg))
+    elif kind == "llama4_text":
+        fields.update(llama4_fields(cfg))
+    elif kind == "mistral4":
+        fields.update(mistral4_fields(cfg, _decoder(model)))
+    elif kind in ("olmo2", "olmo3"):
+        fields.update(norm_f32="rsqrt", qk_norm_full=True)
+    elif kind == "olmoe":
+        fields.update(qk_norm_full=True)
+    elif kind == "granite":
+        fields.update(scale=float(cfg.attention_multiplier), granite=(
+            float(cfg.embedding_multiplier), float(cfg.residual_multiplier), float(cfg.logits_scaling)))
+    elif kind == "gemma3n_text":
+        fields.update(gemma3n_fields(cfg, next(model.parameters()).dtype))
+    return ModelSpec(**fields)
+
+
+def gemma3n_fields(cfg, dtype: torch.dtype) -> dict:
+    """Gemma 3n's ModelSpec fields: KV sharing, value norms, its norms, scale 1, per-layer inputs, AltUp, the MLPs'
+    sparsity quantiles in the model's dtype."""
+    return dict(**kv_sharing(cfg), v_norm=True, norm_f32="pow", scale=1.0, per_layer_dim=cfg.hidden_size_per_layer_input,
+                per_layer_vocab=cfg.vocab_size_per_layer_input,
+                altup=(cfg.altup_num_inputs, cfg.altup_active_idx, bool(cfg.altup_correct_scale)),
+                sparsity=tuple(gemma3n.quantile(float(s), dtype) for s in cfg.activation_sparsity_pattern))
+
+
+def mistral4_fields(cfg, decoder: torch.nn.Module) -> dict:
+    """Mistral 4's ModelSpec fields: MLA's sizes, its keys' and values' heads (every query head's own), its
+    attention scale (the layer's: YaRN's mscale squared), group-limited routing."""
+    return dict(mla=(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim),
+                mla_interleave=bool(cfg.rope_interleave), kv_heads=cfg.num_attention_heads,
+                head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                scale=float(decoder.layers[0].self_attn.scaling),
+                grouped_routing=(cfg.n_group, cfg.topk_group, float(cfg.routed_scaling_factor)))
+
+
+def llama4_fields(cfg) -> dict:
+    """Llama 4's ModelSpec fields: NoPE layers (``no_rope_layers[i]`` 0), chunked attention on its RoPE layers, the
+    NoPE layers' query scale."""
+    return dict(rope_interleaved=True, qk_l2=bool(cfg.use_qk_norm),
+                chunks=tuple(cfg.attention_chunk_size if t == "chunked_attention" else None for t in cfg.layer_types),
+                attn_temperature=(cfg.attn_scale, cfg.floor_scale) if cfg.attn_temperature_tuning else None)
+
+
+def kv_sharing(cfg) -> dict:
+    """Gemma 3n's and 4's KV sharing: the last ``num_kv_shared_layers`` layers read the KV of the last earlier layer
+    of their type. Computed from those two fields, as transformers' attention did up to 5.17 (5.24's config derives
+    the same from them as ``kv_sharing_modes``, which 5.17's has not)."""
+    types, n = cfg.layer_types, cfg.num_hidden_layers
+    first = n - (getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    if first <= 0:  # transformers shares nothing then (3n) or has no layer to read from (4)
+        raise ValueError(f"num_kv_shared_layers={cfg.num_kv_shared_layers} of {n} layers: no layer keeps its own KV")
+    store = {t: i for i, t in enumerate(types[:first])}  # the last one of each type
+    return dict(kv_source=tuple(i if i < first else store[types[i]] for i in range(n)))
+
+
+def gemma4_fields(cfg) -> dict:
+    """Gemma 4's ModelSpec fields from its config: per-layer sizes, KV sharing (a "reuse" layer reads the KV of
+    the "store" layer of its type), keys = values on full-attention layers under ``attention_k_eq_v``."""
+    types = cfg.layer_types
+    dims = [(cfg.per_layer_config[i].num_key_value_heads, cfg.per_layer_config[i].head_dim)
+            for i in range(cfg.num_hidden_layers)]
+    return dict(layer_dims=tuple(dims), **kv_sharing(cfg),
+                k_eq_v=tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
+                v_norm=True, norm_f32="pow", per_layer_dim=cfg.hidden_size_per_layer_input or 0,
+                scale=1.0)  # its q/k norms set the scale
