@@ -17,8 +17,8 @@ CPU seconds is killed by the kernel (SIGXCPU; the worker is replaced); both are 
 
 Workers are forked by multiprocessing's ``forkserver``: a clean process started once (a fork of a process holding
 torch's thread pools can deadlock), which has imported the registry, so a new or replaced worker skips a fresh
-interpreter's start and the registry's import (0.3-0.5 s of CPU each); like a spawned one it still runs the main
-script's top level (see ``_context``). Workers resolve functions by name themselves, so only names, kwargs and
+interpreter's start and the registry's import (0.3-0.5 s of CPU each); unlike multiprocessing's default, it does
+not run the main script's top level again (``_without_main``). Workers resolve functions by name themselves, so only names, kwargs and
 texts cross the process boundary.
 
 What comes back is data, never a pickle: code running in a worker (a reward or tool that runs model-written
@@ -30,6 +30,7 @@ length prefix, a stray or late message) is that call's error and its worker is r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -46,7 +47,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
 log = logging.getLogger("rewards")
@@ -251,11 +252,38 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
 
 def _context():
     """The forkserver context whose server has imported the registry (set before the server starts: the preload
-    of a server already running stays as it was). Like a spawned process, each worker still runs the main
-    script's top level again (multiprocessing's preparation; train.py imports nothing heavy there)."""
+    of a server already running stays as it was). Workers are started without the main script (see
+    :func:`_without_main`)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["rewards"])
     return ctx
+
+
+_START_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main() -> Iterator[None]:
+    """Start processes without multiprocessing's re-run of the main script in each of them. A user's script that
+    calls ``grpo.train`` at its top level, without ``if __name__ == "__main__":`` (a notebook cell saved as a
+    file), ran again in every worker: each started another run. Workers need nothing of the main script: they
+    import what they run by name, and the Python API's functions reach them by value (rewards/calls.py)."""
+    from multiprocessing import spawn
+
+    real = spawn.get_preparation_data
+
+    def without(name: str) -> dict:
+        data = real(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    with _START_LOCK:
+        spawn.get_preparation_data = without
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = real
 
 
 class _Worker:
@@ -265,7 +293,8 @@ class _Worker:
     def __init__(self, ctx, limits: Optional[dict[str, int]] = None) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, limits), daemon=True)
-        self.proc.start()
+        with _without_main():
+            self.proc.start()
         child.close()
         self.ready = False
         self.warmed = False  # the pool's warm_up call has run here

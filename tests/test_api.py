@@ -57,6 +57,40 @@ def test_two_runs_in_one_process_with_python_rewards_and_rows(tmp_path):
     assert "reward/lambda/mean" in second.metrics
 
 
+SCRIPT_WITHOUT_GUARD = """
+from grpo import train
+
+
+def first_digit(completions, answer, **kwargs):
+    return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]
+
+
+rows = [{"prompt": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(40)]
+result = train("configs/demo.yaml", rewards=[first_digit], dataset=rows,
+               train={"max_steps": 2, "micro_batch_size": 64, "output_dir": OUT},
+               rollout={"num_generations": 4, "prompts_per_step": 4, "max_completion_length": 3},
+               logging={"progress_bar": False, "plot": False}, reward_pool={"num_workers": 2})
+print("steps:", len(result.history))
+"""
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    """Issue 60 item 1: the Python API's example saved as a script, without ``if __name__ == "__main__":``, crashed:
+    each reward worker re-ran the script and called train() again (7 tracebacks, EADDRINUSE, then "reward worker
+    died while starting"). Workers no longer run the main script: the run trains once, its workers score."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "api.py"
+    script.write_text(f"OUT = {str(tmp_path / 'run')!r}\n" + SCRIPT_WITHOUT_GUARD)
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("steps: 2") == 1 and "Traceback" not in p.stderr, (p.stdout[-2000:], p.stderr[-2000:])
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all("reward/first_digit/mean" in m for m in metrics)
+
+
 def test_a_run_that_fails_while_building_leaves_no_worker_behind(tmp_path):
     """Issue 58 item 8: a train() call that failed inside Trainer.__init__ (here the teacher, refused after the reward
     pool started) left its reward workers running: 2 more processes per failed call in a notebook."""
