@@ -55,9 +55,10 @@ MoE, ``sample``) and ``engine`` (buffers, buckets, graphs, ``StaticEngine``).
 from grpo.rollout.static.engine import StaticEngine, capture_graph, new_buffers, resolve_mode, rows_bucket
 from grpo.rollout.static.layers import forward, sample
 from grpo.rollout.static.norms import rms_norm
-from grpo.rollout.static.spec import MODEL_TYPES, ModelSpec, kv_sharing, model_spec, text_config, unsupported_reason
+from grpo.rollout.static.spec import (FAMILIES, MODEL_TYPES, Family, ModelSpec, kv_sharing, model_spec, text_config,
+                                      unsupported_reason)
 from grpo.rollout.static.weights import Weights, read_weights
 
-__all__ = ["MODEL_TYPES", "ModelSpec", "StaticEngine", "Weights", "capture_graph", "forward", "kv_sharing",
+__all__ = ["FAMILIES", "Family", "MODEL_TYPES", "ModelSpec", "StaticEngine", "Weights", "capture_graph", "forward", "kv_sharing",
            "model_spec", "new_buffers", "read_weights", "resolve_mode", "rms_norm", "rows_bucket", "sample",
            "text_config", "unsupported_reason"]

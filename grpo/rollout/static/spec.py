@@ -5,7 +5,7 @@ facts (model types, norms, RoPE types, per-family fields) live here; the package
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,21 +15,6 @@ from grpo.rollout.static import delta_net, gemma3n
 from grpo.rollout.static.norms import rms_norm
 
 
-# qwen2_vl_text / qwen2_5_vl_text / qwen3_vl_text / qwen3_vl_moe_text: Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and
-# Qwen3-VL-MoE's language models, Qwen2's, Qwen3's and Qwen3-MoE's decoders whose multimodal RoPE gives text its
-# three position streams equal: the plain RoPE of the same frequencies
-# qwen3_5_text / qwen3_5_moe_text / qwen3_next: Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's hybrid decoders (Gated
-# DeltaNet layers, see delta_net.py, between gated attention layers with a partial RoPE)
-QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-MODEL_TYPES = ("llama", "mistral", "ministral", "ministral3", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
-               "gemma", "gemma2", "gemma3_text", "smollm3", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
-               "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text", "llama4_text", "mistral4", "gemma3n_text", "olmo2", "olmo3",
-               "olmoe", "phi3", "granite")
-GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
-# norms after attention and around the MLP (OLMo 2 / 3: after them only, no norm before)
-SANDWICH = ("gemma2", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
-QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "qwen3_vl_moe_text", *QWEN3_5, "gemma4_text",
-           "gemma3n_text")
 MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
@@ -124,7 +109,7 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         if rope_type not in ROPE_TYPES:
             return (f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports "
                     f"{list(ROPE_TYPES)}")
-    if kind not in SANDWICH and getattr(cfg, "attn_logit_softcapping", None):
+    if not FAMILIES[kind].sandwich and getattr(cfg, "attn_logit_softcapping", None):
         return (f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps "
                 f"Gemma 2/3's attention only")
     if getattr(cfg, "use_bidirectional_attention", None) not in (None, False, "vision"):  # Gemma 4: images only
@@ -164,8 +149,9 @@ def _rotary(model: torch.nn.Module) -> torch.nn.Module:
 
 def model_spec(model: torch.nn.Module) -> ModelSpec:
     cfg = text_config(model)
-    heads, kind = cfg.num_attention_heads, cfg.model_type
-    first = cfg.per_layer_config[0] if kind == "gemma4_text" else cfg  # Gemma 4: sizes per layer (gemma4_fields)
+    family = FAMILIES[cfg.model_type]
+    heads = cfg.num_attention_heads
+    first = cfg.per_layer_config[0] if family.per_layer_sizes else cfg  # Gemma 4: sizes per layer (its fields)
     head_dim = getattr(first, "head_dim", None) or cfg.hidden_size // heads
     layer_types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)
@@ -176,38 +162,24 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
     rope_types = getattr(_rotary(model), "layer_types", None)  # Gemma 3: a RoPE per layer type
     fields = dict(
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(first, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=kind in QK_NORM, act=activation(cfg),
-        scale=(cfg.query_pre_attn_scalar if kind in ("gemma2", "gemma3_text") else head_dim) ** -0.5,
-        gemma_norm=kind in GEMMA + QWEN3_5,  # Qwen3.5's norms are (1 + w) too
-        sandwich=kind in SANDWICH, attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+        head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=family.qk_norm, act=activation(cfg),
+        scale=(cfg.query_pre_attn_scalar if family.query_pre_attn_scalar else head_dim) ** -0.5,
+        gemma_norm=family.gemma_norm, sandwich=family.sandwich,
+        attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
         rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
         experts_per_token=getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k_experts", 0) or 0,
-        renorm_topk=(kind in ("mixtral", "qwen3_vl_moe_text", "qwen3_5_moe_text")
-                     or bool(getattr(cfg, "norm_topk_prob", False))),
-        fp32_routing=kind == "mixtral",
-        rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if kind in ("smollm3", "llama4_text") else None,
+        renorm_topk=family.renorm_topk or bool(getattr(cfg, "norm_topk_prob", False)),
+        fp32_routing=family.fp32_routing,
+        rope_layers=tuple(bool(x) for x in cfg.no_rope_layers) if family.no_rope_layers else None,
         q_scale=((cfg.rope_parameters["llama_4_scaling_beta"], cfg.rope_parameters["original_max_position_embeddings"])
-                 if kind in ("ministral3", "mistral4") else None),
-        attn_gate=kind in QWEN3_5,
-        linear=tuple(t == "linear_attention" for t in layer_types) if kind in QWEN3_5 else None,
-        delta=delta_net.delta_spec(cfg) if kind in QWEN3_5 else None,
+                 if family.q_scale else None),
+        attn_gate=family.hybrid,
+        linear=tuple(t == "linear_attention" for t in layer_types) if family.hybrid else None,
+        delta=delta_net.delta_spec(cfg) if family.hybrid else None,
     )
-    if kind == "gemma4_text":
-        fields.update(gemma4_fields(cfg))
-    elif kind == "llama4_text":
-        fields.update(llama4_fields(cfg))
-    elif kind == "mistral4":
-        fields.update(mistral4_fields(cfg, _decoder(model)))
-    elif kind in ("olmo2", "olmo3"):
-        fields.update(norm_f32="rsqrt", qk_norm_full=True)
-    elif kind == "olmoe":
-        fields.update(qk_norm_full=True)
-    elif kind == "granite":
-        fields.update(scale=float(cfg.attention_multiplier), granite=(
-            float(cfg.embedding_multiplier), float(cfg.residual_multiplier), float(cfg.logits_scaling)))
-    elif kind == "gemma3n_text":
-        fields.update(gemma3n_fields(cfg, next(model.parameters()).dtype))
+    if family.fields is not None:
+        fields.update(family.fields(cfg, model))
     return ModelSpec(**fields)
 
 
@@ -260,3 +232,64 @@ def gemma4_fields(cfg) -> dict:
                 k_eq_v=tuple(bool(cfg.attention_k_eq_v) and t != "sliding_attention" for t in types),
                 v_norm=True, norm_f32="pow", per_layer_dim=cfg.hidden_size_per_layer_input or 0,
                 scale=1.0)  # its q/k norms set the scale
+
+
+def olmo_fields(cfg, model: torch.nn.Module) -> dict:
+    """OLMo 2's and 3's ModelSpec fields: their norms' float32 arithmetic, q/k norms over the whole projection."""
+    return dict(norm_f32="rsqrt", qk_norm_full=True)
+
+
+def granite_fields(cfg, model: torch.nn.Module) -> dict:
+    """Granite 3's ModelSpec fields: its attention multiplier as the scale; embedding, residual and logit scales."""
+    return dict(scale=float(cfg.attention_multiplier), granite=(
+        float(cfg.embedding_multiplier), float(cfg.residual_multiplier), float(cfg.logits_scaling)))
+
+
+# ----------------------------------------------------------------------------- the families
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one model type is to the static engine: the flags its step reads and the ModelSpec fields its config
+    gives (``fields``: ``(text config, model) -> dict``). Adding a decoder family is an entry of FAMILIES (and at
+    most a layer function, docs/architecture.md "Extending")."""
+
+    gemma_norm: bool = False  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
+    sandwich: bool = False  # norms after attention and around the MLP (OLMo 2 / 3: after them only); soft-capping
+    qk_norm: bool = False  # q and k RMS-normed per head
+    query_pre_attn_scalar: bool = False  # the attention scale is query_pre_attn_scalar ** -0.5
+    renorm_topk: bool = False  # the router's top-k weights renormalised, whatever norm_topk_prob says
+    fp32_routing: bool = False  # the router's softmax in float32
+    no_rope_layers: bool = False  # no_rope_layers[i] = 0 marks a layer without RoPE
+    q_scale: bool = False  # a position-dependent query scale (rope_parameters' llama_4_scaling_beta)
+    hybrid: bool = False  # Gated DeltaNet layers (delta_net.py) between attention layers with an output gate
+    per_layer_sizes: bool = False  # head sizes per layer (per_layer_config)
+    fields: Optional[Callable[[Any, torch.nn.Module], dict]] = None
+
+
+_MOE_VL = Family(qk_norm=True, renorm_topk=True)  # Qwen3-VL-MoE's text model
+_HYBRID = Family(gemma_norm=True, qk_norm=True, hybrid=True)  # Qwen3.5's, Qwen3-Next's: (1 + w) norms too
+# qwen2_vl_text / qwen2_5_vl_text / qwen3_vl_text / qwen3_vl_moe_text: the VL checkpoints' language models, Qwen2's,
+# Qwen3's and Qwen3-MoE's decoders whose multimodal RoPE gives text its three position streams equal: the plain RoPE
+FAMILIES: dict[str, Family] = {
+    "llama": Family(), "mistral": Family(), "ministral": Family(), "ministral3": Family(q_scale=True),
+    "mixtral": Family(renorm_topk=True, fp32_routing=True),
+    "qwen2": Family(), "qwen2_moe": Family(), "qwen3": Family(qk_norm=True), "qwen3_moe": Family(qk_norm=True),
+    "gemma": Family(gemma_norm=True), "gemma2": Family(gemma_norm=True, sandwich=True, query_pre_attn_scalar=True),
+    "gemma3_text": Family(gemma_norm=True, sandwich=True, qk_norm=True, query_pre_attn_scalar=True),
+    "smollm3": Family(no_rope_layers=True),
+    "qwen2_vl_text": Family(), "qwen2_5_vl_text": Family(), "qwen3_vl_text": Family(qk_norm=True),
+    "qwen3_vl_moe_text": _MOE_VL,
+    "qwen3_5_text": _HYBRID, "qwen3_5_moe_text": Family(gemma_norm=True, qk_norm=True, hybrid=True, renorm_topk=True),
+    "qwen3_next": _HYBRID,
+    "gemma4_text": Family(sandwich=True, qk_norm=True, per_layer_sizes=True,
+                          fields=lambda cfg, model: gemma4_fields(cfg)),
+    "llama4_text": Family(no_rope_layers=True, fields=lambda cfg, model: llama4_fields(cfg)),
+    "mistral4": Family(q_scale=True, fields=lambda cfg, model: mistral4_fields(cfg, _decoder(model))),
+    "gemma3n_text": Family(qk_norm=True, fields=lambda cfg, model: gemma3n_fields(cfg, next(model.parameters()).dtype)),
+    "olmo2": Family(sandwich=True, fields=olmo_fields), "olmo3": Family(sandwich=True, fields=olmo_fields),
+    "olmoe": Family(fields=lambda cfg, model: dict(qk_norm_full=True)),
+    "phi3": Family(),
+    "granite": Family(fields=granite_fields),
+}
+MODEL_TYPES = tuple(FAMILIES)
