@@ -27,7 +27,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration,
                           Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
                           Qwen3NextConfig, Qwen3NextForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM)
+                          SeedOssConfig, SeedOssForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
 from grpo.foundation.logprobs import partitioned
 from grpo.foundation.modeling import keep_attention_softcap
@@ -147,6 +147,9 @@ MODELS = {
     "granite": lambda: GraniteForCausalLM(GraniteConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         embedding_multiplier=6.0, residual_multiplier=0.3,
                                                         attention_multiplier=0.05, logits_scaling=4.0)),
+    # Seed-OSS: biased q, k and v projections (the family added as one table entry: issue 59)
+    "seed_oss": lambda: SeedOssForCausalLM(SeedOssConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                                                         head_dim=8)),
     # SmolLM3: layer 1 of 2 without RoPE (NoPE)
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                                         no_rope_layer_interval=2)),

@@ -18,7 +18,7 @@ exact on a CPU too, where it runs eager. Read top to bottom:
   scalars, its MoE models' experts beside the MLP; Llama 4's text models: interleaved RoPE, q/k L2 norms,
   chunked attention, the NoPE layers' query scale, its MoE layers; Mistral 4: latent attention, grouped
   routing; Gemma 3n's text models through gemma3n.py; OLMo 2 and 3 (post-norms, q/k norms over the projection)
-  and OLMoE; Phi-3 / Phi-4's fused projections; Granite 3's multipliers); anything else gets a reason and the
+  and OLMoE; Phi-3 / Phi-4's fused projections; Granite 3's multipliers; Seed-OSS); anything else gets a reason and the
   ``hf`` engine.
 * ``Weights``: the tensors the step reads, taken from the module at every call (so a moved weight is always seen);
   a LoRA policy is read through an engine-owned merged copy, refreshed at ``sync_weights``; ZeRO-3 (below).

@@ -290,6 +290,7 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(sandwich=True, fields=olmo_fields), "olmo3": Family(sandwich=True, fields=olmo_fields),
     "olmoe": Family(fields=lambda cfg, model: dict(qk_norm_full=True)),
     "phi3": Family(),
+    "seed_oss": Family(),  # ByteDance's Seed-OSS: Llama's layers with biased q, k and v
     "granite": Family(fields=granite_fields),
 }
 MODEL_TYPES = tuple(FAMILIES)
