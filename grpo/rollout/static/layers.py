@@ -224,7 +224,7 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     if last_only:
         x = x[:, -1]
     logits = F.linear(norm(x, w.norm), w.head)
-    logits = (logits if spec.granite is None else logits / spec.granite[2]).float()  # Granite 3: divided
+    logits = (logits if spec.logit_scale == 1.0 else logits * spec.logit_scale).float()  # Granite 3: 1 / its scaling
     if spec.final_softcap:  # in float32, as the trainer's log-probs (grpo/foundation/logprobs.py) cap them
         logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
     return logits

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.foundation import lora
+from grpo.foundation.logprobs import logit_scale
 from grpo.rollout.static import delta_net, gemma3n
 from grpo.rollout.static.norms import rms_norm
 
@@ -82,7 +83,8 @@ class ModelSpec:
     sparsity: Optional[tuple[Optional[float], ...]] = None
     per_layer_vocab: int = 0
     # Granite 3: the embeddings' multiplier, each residual branch's, the logits' divisor
-    granite: Optional[tuple[float, float, float]] = None
+    granite: Optional[tuple[float, float]] = None  # Granite 3: the embedding and residual multipliers
+    logit_scale: float = 1.0  # what the causal-LM forward multiplies its logits by (logprobs.logit_scale)
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
 
 
@@ -177,6 +179,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         attn_gate=family.hybrid,
         linear=tuple(t == "linear_attention" for t in layer_types) if family.hybrid else None,
         delta=delta_net.delta_spec(cfg) if family.hybrid else None,
+        logit_scale=logit_scale(model),  # one place says it for the trainer's log-probs and this engine
     )
     if family.fields is not None:
         fields.update(family.fields(cfg, model))
@@ -240,9 +243,10 @@ def olmo_fields(cfg, model: torch.nn.Module) -> dict:
 
 
 def granite_fields(cfg, model: torch.nn.Module) -> dict:
-    """Granite 3's ModelSpec fields: its attention multiplier as the scale; embedding, residual and logit scales."""
+    """Granite 3's ModelSpec fields: its attention multiplier as the scale; its embedding and residual multipliers
+    (its logits' division is the model's logit_scale, as the trainer's log-probs read it)."""
     return dict(scale=float(cfg.attention_multiplier), granite=(
-        float(cfg.embedding_multiplier), float(cfg.residual_multiplier), float(cfg.logits_scaling)))
+        float(cfg.embedding_multiplier), float(cfg.residual_multiplier)))
 
 
 # ----------------------------------------------------------------------------- the families
