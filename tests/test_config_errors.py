@@ -178,6 +178,22 @@ def test_reference_nobody_listens_on_fails_within_seconds(capsys, no_model):
     probe_services(load_config(overrides=[f"ref.url={url}", "algo.beta=0"]))
 
 
+def test_a_dead_teacher_server_fails_before_any_model_loads(capsys, no_model):
+    """Issue 60 item 4: a dead teacher.url retried for a minute after the model loaded, its message naming ref.url
+    and the reference model, and --print-config passed it. Probed at start like ref.url, named as the teacher."""
+    from grpo.foundation.dist import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    for extra in ([], ["--print-config"]):
+        t0 = time.monotonic()
+        rc = train.main(["--algo", "opd", f"teacher.url={url}", "teacher.model=null", "algo.beta=0",
+                         "ref.startup_wait=1", "ref.retry_window=600", *extra])
+        err = capsys.readouterr().err
+        assert rc == 1 and time.monotonic() - t0 < 120, err
+        assert f"nothing is listening at teacher.url={url!r}" in err and "teacher's server" in err, err
+        assert "ref.model=TEACHER" in err and "ref.url=" not in err, err
+
+
 def test_print_config_refuses_a_reward_parameter_no_column_fills(capsys, tmp_path):
     """Issue 42, item 22: --print-config passed a reward that the run then refused for its columns."""
     data = tmp_path / "d.jsonl"

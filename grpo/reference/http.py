@@ -159,20 +159,30 @@ def how_to_start(url: str) -> str:
             f"<reference model> --port {port}`), or check ref.url.")
 
 
-def probe(cfg: Config) -> None:
-    """At start, before any model loads: is anything listening at ``ref.url``? A refused (or unreachable)
-    connection is retried for ``ref.startup_wait`` seconds, then :class:`ReferenceServerError` naming
-    ref_client.py: not the minute of ``ref.retry_window``, which is for outages of a server that was up.
-    Anything that answers, even slowly or with an error, passes: the client's own checks and retries follow."""
+def probe(cfg: Config, teacher: bool = False) -> None:
+    """At start, before any model loads: is anything listening at ``ref.url`` (``teacher``: at ``teacher.url``, the
+    distillation teacher's server, with the same ``ref.*`` client settings)? A refused (or unreachable) connection
+    is retried for ``ref.startup_wait`` seconds, then :class:`ReferenceServerError` naming the key and how to start
+    the server: not the minute of ``ref.retry_window``, which is for outages of a server that was up. Anything that
+    answers, even slowly or with an error, passes: the client's own checks and retries follow."""
     r = cfg.ref
-    url = r.url.rstrip("/") + "/health"
+    url = cfg.teacher.url if teacher else r.url
     deadline = time.monotonic() + r.startup_wait
     while True:
         try:
-            requests.get(url, timeout=(min(r.connect_timeout, max(r.startup_wait, 1.0)), r.read_timeout))
+            requests.get(url.rstrip("/") + "/health",
+                         timeout=(min(r.connect_timeout, max(r.startup_wait, 1.0)), r.read_timeout))
             return
         except requests.ConnectionError as e:  # refused, reset, unreachable, connect timeout
             if time.monotonic() + 0.25 > deadline:
+                if teacher:
+                    start = ("the distillation teacher's server must run before training starts: start it with "
+                             "`python ref_client.py --config <your config> ref.model=TEACHER ref.port=PORT` (or "
+                             "`vllm serve TEACHER` with teacher.api: openai), or check teacher.url.")
+                    raise ReferenceServerError(
+                        f"nothing is listening at teacher.url={url!r} (tried for ref.startup_wait="
+                        f"{r.startup_wait:g} s; {type(e).__name__}): {start} A server started at the same time as the "
+                        f"trainer: raise ref.startup_wait (docs/distillation.md).") from None
                 raise ReferenceServerError(
                     f"nothing is listening at ref.url={r.url!r} (tried for ref.startup_wait={r.startup_wait:g} s; "
                     f"{type(e).__name__}). The reference server must run before training starts: "

@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from grpo.foundation.config import FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states, read_user_tree
+from grpo.foundation.config import (FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states,
+                                    distilling, read_user_tree)
 from grpo.foundation.plugins import ALGORITHMS, REWARDS, SERVICES
 from grpo.reference.handle import adapters_off_reference
 from grpo.training.compose import Parts, compose
@@ -142,13 +143,16 @@ def check_ranks(cfg: Config, world: int) -> None:
 
 def probe_services(cfg: Config) -> None:
     """The servers this run queries answer at start (ReferenceServerError within ``ref.startup_wait`` seconds
-    otherwise): the reference server, when the run uses a reference or a reward model hosted there."""
+    otherwise): the reference server, when the run uses a reference or a reward model hosted there; the
+    distillation teacher's server."""
+    from grpo.reference.http import check_reload, probe
+
     uses_server = any(s.kind == "model" and s.where == "server" for s in cfg.rewards)
     if cfg.ref.url and (uses_server or ALGORITHMS.get(cfg.algo.name)(cfg).needs_reference):
-        from grpo.reference.http import check_reload, probe
-
         probe(cfg)
         check_reload(cfg)
+    if cfg.teacher.url and distilling(cfg):
+        probe(cfg, teacher=True)
 
 
 def needs_reference(config: Optional[str | Path], overrides: list[str]) -> bool:
