@@ -223,3 +223,26 @@ def test_architecture_picture_matches_the_tree():
     missing = sorted(modules - named)
     assert not missing, f"docs/architecture.md's tree picture does not name: {missing}"
     assert {"grpo/foundation/rl_math.py", "grpo/reference/in_process.py", "rewards/worker_pool.py"} <= named
+
+
+def test_the_index_lists_every_page():
+    """Issue 60 item 12: docs/index.md, which the README says lists every page, omitted rewards.md and gpu.md."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]*)?\)", index))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert pages <= linked, sorted(pages - linked)
+
+
+def test_no_section_links_to_itself():
+    """Issue 60 item 12: configuration.md's refusals section sent the reader, for the symptoms and fixes, to itself."""
+    for page in doc_files():
+        section, in_fence = None, False
+        for line in page.read_text().splitlines():
+            if FENCE.match(line):
+                in_fence = not in_fence
+            m = re.match(r"^#{1,6}\s+(.*?)\s*$", line)
+            if m and not in_fence:
+                section = re.sub(r"[^\w\- ]", "", re.sub(r"[`*]", "", m.group(1)).lower()).replace(" ", "-")
+                continue
+            for target in re.findall(r"\]\((?:" + re.escape(page.name) + r")?#([\w-]+)\)", line):
+                assert target != section, f"{page.name}: the section #{section} links to itself"
