@@ -410,3 +410,23 @@ def test_settings_that_do_nothing_here_are_named_once(capsys, overrides, warning
     assert train.main([*overrides, "--print-config"]) == 0
     err = capsys.readouterr().err
     assert err.count(warning) == 1, err
+
+
+@pytest.mark.parametrize("override, mapped", [
+    ("train.learning_rate=1e-6", "here it is train.lr"),
+    ("algo.scale_rewards=none", "here it is algo.adv_std ('group': unbiased, the default; 'none': none)"),
+    ("algo.loss_type=dr_grpo", "'dr_grpo' --algo drgrpo"),
+    ("train.per_device_train_batch_size=8", "here it is train.micro_batch_size"),
+    ("train.gradient_accumulation_steps=4", "one optimizer step per rollout batch"),
+])
+def test_trl_names_get_our_key(capsys, no_model, override, mapped):
+    """Issue 60 item 5: TRL's names got no suggestion or a wrong one (algo.scale_rewards -> 'kl_in_reward')."""
+    err = fails(capsys, [override], "is TRL's name (GRPOConfig, GRPOTrainer)", mapped, "docs/python-api.md")
+    assert "Did you mean" not in err
+
+
+def test_trl_argument_names_in_the_python_api():
+    from grpo import train
+
+    with pytest.raises(ConfigError, match=r"'train_dataset' is TRL's name .*here it is dataset= \(the Python API\)"):
+        train(train_dataset=ROWS)

@@ -168,9 +168,44 @@ def _field_names(cls: type) -> str:
     return ", ".join(f.name for f in dataclasses.fields(cls) if f.name != "options")
 
 
+# TRL's names (GRPOConfig's fields, GRPOTrainer's arguments) and what they are here (docs/python-api.md's table): an
+# unknown key that is one of them gets this instead of the closest spelling
+TRL_NAMES = {
+    "learning_rate": "train.lr (default 1e-5; TRL's 1e-6)",
+    "loss_type": ("the algorithm: --algo NAME (TRL's 'grpo' is --algo grpo, 'dr_grpo' --algo drgrpo, 'bnpo', 'cispo', "
+                  "'sapo', 'luspo', 'vespo' the same names; its default 'dapo' is --algo grpo algo.aggregation=token-mean "
+                  "algo.beta=0)"),
+    "scale_rewards": "algo.adv_std ('group': unbiased, the default; 'none': none) or algo.adv_scope: batch ('batch')",
+    "epsilon": "algo.clip_eps_low", "epsilon_high": "algo.clip_eps_high",
+    "per_device_train_batch_size": "train.micro_batch_size (completions per forward/backward pass)",
+    "gradient_accumulation_steps": ("none: one optimizer step per rollout batch (rollout.prompts_per_step x "
+                                    "rollout.num_generations completions), in train.micro_batch_size passes"),
+    "generation_batch_size": "rollout.prompts_per_step (prompts a step, over all ranks) x rollout.num_generations",
+    "importance_sampling_level": "--algo gspo (TRL's 'sequence')",
+    "reward_weights": "each rewards entry's weight",
+    "use_vllm": "rollout.engine: vllm",
+    "vllm_importance_sampling_correction": "algo.tis_cap (the truncation), or algo.rollout_correction",
+    "vllm_importance_sampling_cap": "algo.tis_cap", "vllm_importance_sampling_clip_max": "algo.tis_cap",
+    "vllm_importance_sampling_mode": "algo.rollout_correction: {level, mode, low, high}",
+    "sync_ref_model": "ref.sync_every (steps; 0 = off)", "ref_model_sync_steps": "ref.sync_every",
+    "ref_model_mixup_alpha": "ref.mixup_alpha",
+    "bf16": "model.dtype: bf16 (auto: bf16 on CUDA)", "logging_steps": "none: every step is logged (metrics.jsonl)",
+    "max_prompt_length": "rollout.max_prompt_length", "max_completion_length": "rollout.max_completion_length",
+    "num_generations": "rollout.num_generations", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k", "mask_truncated_completions": "algo.mask_truncated_completions",
+    "num_train_epochs": "train.max_steps (steps, not epochs)", "max_grad_norm": "train.grad_clip",
+    "lr_scheduler_type": "train.lr_schedule", "warmup_steps": "train.warmup_steps", "output_dir": "train.output_dir",
+    "seed": "train.seed", "weight_decay": "train.weight_decay",
+    "train_dataset": "dataset= (the Python API) or data.path", "reward_funcs": "rewards",
+}
+
+
 def unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
+    if key in TRL_NAMES:  # (a TRL name that is also ours under the same section never gets here)
+        hint = (f" {key!r} is TRL's name (GRPOConfig, GRPOTrainer): here it is {TRL_NAMES[key]} "
+                f"(docs/python-api.md).")
     where = f"{path}.{key}" if path else key
     return ConfigError(f"unknown config key {where!r}.{hint} Valid keys: {sorted(valid)}")
 
