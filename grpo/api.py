@@ -41,11 +41,18 @@ class RunResult:
     config: Optional[Config] = None  # the resolved config the run trained with
 
 
-def make_config(config: ConfigLike = None, *, algo: Optional[str] = None,
+def make_config(config: ConfigLike = None, *, algo: Union[None, str, dict[str, Any]] = None,
                 overrides: Union[None, list[str], dict[str, Any]] = None, **sections: Any) -> Config:
-    """The validated config of these settings (a ConfigError names a wrong key or value and the choices)."""
+    """The validated config of these settings (a ConfigError names a wrong key or value and the choices). ``algo``:
+    the algorithm's name, or the ``algo:`` section as a mapping (its ``name`` the algorithm), as every section."""
     from grpo.training.configure import load_config
 
+    if isinstance(algo, dict):  # the algo section, like every other section's keyword
+        sections["algo"] = dict(algo)
+        algo = algo.get("name")
+    elif algo is not None and not isinstance(algo, str):
+        raise ConfigError(f"algo={algo!r}: give the algorithm's name ('dapo') or the algo section as a mapping "
+                          f"({{'name': 'dapo', 'beta': 0.0}})")
     path, tree = (None, dict(config)) if isinstance(config, dict) else (config, {})
     if path is not None and not isinstance(path, (str, Path)):
         raise ConfigError(f"config={config!r}: give a YAML path, a mapping of the YAML's shape, or None")
@@ -53,7 +60,7 @@ def make_config(config: ConfigLike = None, *, algo: Optional[str] = None,
     return load_config(path, algo, _override_list(overrides), tree)
 
 
-def train(config: ConfigLike = None, *, algo: Optional[str] = None, rewards: Optional[list] = None,
+def train(config: ConfigLike = None, *, algo: Union[None, str, dict[str, Any]] = None, rewards: Optional[list] = None,
           dataset: Any = None, eval_dataset: Any = None, resume: bool = False,
           overrides: Union[None, list[str], dict[str, Any]] = None, **sections: Any) -> RunResult:
     """Train to ``train.max_steps`` (or ``train.stop_when``) and return the run's folder and metrics.

@@ -138,6 +138,12 @@ def test_bad_input_is_refused_with_the_fix():
         make_config(overrides="train.lr=1")
     with pytest.raises(ConfigError, match=r"unknown config key 'train.lrr'.*Did you mean 'lr'"):
         make_config(train={"lrr": 1e-5})
+    # issue 60 item 9: the algo section as a keyword, as every other section (it said: unknown algorithm "{...}")
+    cfg = make_config("configs/demo.yaml", algo={"name": "dapo", "beta": 0.01})
+    assert (cfg.algo.name, cfg.algo.beta, cfg.algo.clip_eps_high) == ("dapo", 0.01, 0.28)  # dapo's own defaults too
+    assert make_config("configs/demo.yaml", algo={"clip_eps_high": 0.3}).algo.clip_eps_high == 0.3
+    with pytest.raises(ConfigError, match=r"algo=3: give the algorithm's name \('dapo'\) or the algo section"):
+        make_config(algo=3)
     cfg = make_config("configs/demo.yaml", algo="dapo", train={"lr": 1e-5}, overrides=["train.max_steps=7"])
     assert (cfg.algo.name, cfg.train.lr, cfg.train.max_steps, cfg.train.micro_batch_size) == ("dapo", 1e-5, 7, 256)
 
