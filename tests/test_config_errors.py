@@ -430,3 +430,12 @@ def test_trl_argument_names_in_the_python_api():
 
     with pytest.raises(ConfigError, match=r"'train_dataset' is TRL's name .*here it is dataset= \(the Python API\)"):
         train(train_dataset=ROWS)
+
+
+def test_resuming_a_python_api_run_from_the_command_line_says_how(capsys, no_model, tmp_path):
+    """Issue 60 item 8: a run started from Python, resumed with train.py, said "rewards[0].fn='correct#1' is unknown
+    ... Did you mean 'math_correct'?". It says the reward is a Python function and how to resume from Python."""
+    err = fails(capsys, ["rewards=[{fn: correct#1}]", f"train.output_dir={tmp_path}"],
+                "rewards[0].fn='correct#1' is a Python function that grpo.train was given in another process",
+                "train(<the same config>, rewards=[correct, ...], resume=True", str(tmp_path))
+    assert "Did you mean" not in err

@@ -77,6 +77,7 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
     else:  # with an environment the rewards are its own
         for i, spec in enumerate(cfg.rewards):
             if spec.kind == "fn":
+                check_python_reward(spec.fn, f"rewards[{i}].fn", cfg.train.output_dir)
                 REWARDS.get(spec.fn, key=f"rewards[{i}].fn")
     for key in ("correctness", "format"):
         spec = getattr(cfg.eval, key)
@@ -115,6 +116,18 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
 
         checkpoint_to_resume(cfg.train.output_dir)
     return parts
+
+
+def check_python_reward(name: str, key: str, output_dir: str) -> None:
+    """A reward named ``fn#N`` is a Python function a ``grpo.train`` call registered in its own process (the run's
+    config.yaml keeps its name, not its code): where it is not registered (train.py resuming such a run), say so
+    and how to resume it, instead of the closest built-in name."""
+    if "#" not in name or name in REWARDS:
+        return
+    raise ConfigError(f"{key}={name!r} is a Python function that grpo.train was given in another process: the run's "
+                      f"config.yaml names it but cannot hold its code. Resume such a run from Python with the same "
+                      f"function: train(<the same config>, rewards=[{name.split('#')[0]}, ...], resume=True, "
+                      f"train={{'output_dir': {output_dir!r}}}) (docs/python-api.md)")
 
 
 def check_teacher_paths(cfg: Config) -> None:
