@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(dump_yaml(to_dict(cfg)), end="")
         return 0
     from grpo.foundation import dist
-    from grpo.training.health import TrainingStopped
+    from grpo.training.health import Interrupted, TrainingStopped
     from grpo.foundation.plugins import RewardServiceError
     from grpo.training.trainer import Trainer
 
@@ -102,6 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:  # the watchdogs: non-finite steps, or a reward failing on most rows, in a row
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
+    except Interrupted as e:  # Ctrl-C: the step in progress finished and was saved
+        if dist.is_main():
+            print(f"interrupted after step {e.step}, saved in {e.checkpoint}; continue with the same command and "
+                  f"--resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        if dist.is_main():
+            print(f"interrupted: the step in progress was not saved; --resume continues from the newest checkpoint "
+                  f"in {cfg.train.output_dir}/checkpoints", file=sys.stderr)
+        return 130
     finally:
         # Every exit path tears the process group down while the interpreter is whole (left to interpreter
         # exit, ZeRO-3's communication threads sometimes aborted it). Only a finished run waits for the

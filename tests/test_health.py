@@ -201,3 +201,45 @@ def test_an_outside_failure_inside_process_batch_stops_every_rank(tmp_path):
         assert ranks[0]["stopped"] == "RewardServiceError: test: the reward service is gone (rank 0 only)", ranks
         assert ranks[1]["stopped"].startswith("RewardServiceError: another rank's reward service failed"), ranks
         assert ranks[0]["scorings"] == 2, ranks  # it failed inside the hook, not in the step's own scoring
+
+
+def test_ctrl_c_saves_the_step_in_progress_and_says_how_to_resume(tmp_path):
+    """Issue 60 item 7: Ctrl-C lost the steps since the last save and printed two KeyboardInterrupt tracebacks. The
+    first Ctrl-C finishes the step in progress, saves it, and prints one line with --resume; the run resumes there."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "--config", "configs/demo.yaml", f"train.output_dir={out}", "train.max_steps=500",
+           "train.save_every=0", "reward_pool.num_workers=1", "logging.progress_bar=false", "logging.plot=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and stderr.count("KeyboardInterrupt") == 0, stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert f"interrupted after step {last}, saved in {out / 'checkpoints' / f'step-{last}'}" in stderr, stderr[-2000:]
+    assert "--resume" in stderr and last >= 2
+    resumed = subprocess.run(cmd[:-4] + [f"train.max_steps={last + 1}", "reward_pool.num_workers=0",
+                                         "logging.progress_bar=false", "logging.plot=false", "--resume"],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == last + 1 and steps.count(last) == 1, steps  # continued from the saved step

@@ -19,7 +19,9 @@ no checkpoint ever holds weights from a skipped update.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -98,6 +100,39 @@ class LearningHealth:
 
 class TrainingStopped(RuntimeError):
     """The watchdog stopped the run; the message names the step and the likely causes."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C: the run stopped after its step in progress, which was saved (``checkpoint``: its folder)."""
+
+    def __init__(self, step: int, checkpoint: Any):
+        super().__init__(f"interrupted after step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class CtrlC:
+    """The first Ctrl-C (SIGINT) asks the run to stop after the step in progress (``requested``: the trainer saves
+    it then, as a finished step); a second one stops at once (KeyboardInterrupt, the step in progress lost).
+    Installed only in the main thread (a signal handler can be nowhere else), and restored on exit."""
+
+    def __init__(self):
+        self.requested, self._old = False, None
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step, which will be saved (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 class NonFiniteWatchdog:

@@ -39,8 +39,8 @@ from grpo.training import resume as checkpoints
 from grpo.training.checkpoint import prune_reference_folders
 from grpo.training.evaluation import Evaluator
 from grpo.training.audit import Audit
-from grpo.training.health import (AgreedRollout, LearningHealth, NonFiniteWatchdog, RewardFailureGuard, stop_reached,
-                                  together)
+from grpo.training.health import (AgreedRollout, CtrlC, Interrupted, LearningHealth, NonFiniteWatchdog,
+                                  RewardFailureGuard, stop_reached, together)
 from grpo.training.metrics import MetricsLogger, SamplerGap, log_samples, step_metrics
 from grpo.training.partitioned import frozen_partitioned
 from grpo.training.passes import PolicyPasses, Step, total_lengths
@@ -336,6 +336,10 @@ class Trainer:
         return self.evaluator(self.step, self.out)
 
     def _train(self) -> list[dict]:
+        with CtrlC() as ctrl_c:
+            return self._steps(ctrl_c)
+
+    def _steps(self, ctrl_c: CtrlC) -> list[dict]:
         cfg = self.cfg
         history = []
         last_saved = None
@@ -366,6 +370,10 @@ class Trainer:
                 prune_reference_folders(self.out, self.reference.folder)  # only what the run may still read
             if cfg.train.stop_when is not None and stop_reached(cfg, self.step, history, self.evaluator):
                 break
+            if dist.any_rank(ctrl_c.requested):  # Ctrl-C on any rank: every rank stops after this step, saved
+                path = last_saved if last_saved is not None and self._saved_step == self.step else self.save()
+                self.logger.close()
+                raise Interrupted(self.step, path)
         checkpoints.finish(self, last_saved)
         return history
 
