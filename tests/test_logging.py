@@ -103,9 +103,22 @@ def test_without_a_progress_bar_each_step_prints_one_line(tmp_path, capsys):
     log.log(0, {"eval/accuracy": 0.5}, advance=False)  # the step-0 evaluation is not a step
     log.log(1, {"reward/mean": 0.25, "kl": 0.00123, "completion/length_mean": 2.5, "time/step": 0.31})
     log.log(2, {"reward/mean": 0.5})
+    log.log(3, {"reward/mean": 0.5, "distill/reverse_kl": 0.0421})  # issue 60 item 13: opd's metric to watch
     log.close()
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
-    assert lines == ["step 1/40 | reward 0.250 | kl 0.00123 | len 2.5 | s/step 0.31", "step 2/40 | reward 0.500"]
+    assert lines == ["step 1/40 | reward 0.250 | kl 0.00123 | len 2.5 | s/step 0.31", "step 2/40 | reward 0.500",
+                     "step 3/40 | reward 0.500 | distill_kl 0.0421"]
+
+
+def test_the_progress_bar_shows_the_console_lines_fields(tmp_path):
+    """The bar's postfix is the console line's fields: distillation's KL too (issue 60 item 13)."""
+    cfg = load_config(overrides=[f"train.output_dir={tmp_path}", "logging.plot=false", "train.max_steps=4"])
+    log = MetricsLogger(cfg)
+    seen = []
+    log.bar = type("Bar", (), {"set_postfix": lambda self, post, refresh: seen.append(post),
+                               "update": lambda self, n: None, "close": lambda self: None})()
+    log.log(1, {"reward/mean": 0.25, "distill/reverse_kl": 0.5, "time/step": 1.0})
+    assert seen == [{"reward": "0.250", "distill_kl": "0.5", "s/step": "1.00"}]
 
 
 class FakeRun:

@@ -59,15 +59,21 @@ def wandb_init_args(cfg: Config, out: Path, start_step: int) -> dict[str, Any]:
     return args
 
 
+# what a step's console line and progress bar show, where the step logs it: (metric, label, format)
+CONSOLE = (("reward/mean", "reward", ".3f"), ("kl", "kl", ".4g"),
+           ("distill/reverse_kl", "distill_kl", ".4g"),  # on-policy distillation's (docs/distillation.md)
+           ("completion/length_mean", "len", ".1f"), ("time/step", "s/step", ".2f"))
+
+
+def console_fields(metrics: dict[str, Any]) -> dict[str, str]:
+    """{label: formatted value} of the CONSOLE metrics this step logged."""
+    return {label: f"{metrics[key]:{fmt}}" for key, label, fmt in CONSOLE
+            if isinstance(metrics.get(key), (int, float))}
+
+
 def console_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
-    """One plain line per step for logs without a progress bar: step, reward, KL, length, time."""
-    parts = [f"step {step}/{max_steps}"]
-    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("kl", "kl", ".4g"),
-                            ("completion/length_mean", "len", ".1f"), ("time/step", "s/step", ".2f")):
-        v = metrics.get(key)
-        if isinstance(v, (int, float)):
-            parts.append(f"{label} {v:{fmt}}")
-    return " | ".join(parts)
+    """One plain line per step for logs without a progress bar: step, reward, KL, distillation's KL, length, time."""
+    return " | ".join([f"step {step}/{max_steps}"] + [f"{k} {v}" for k, v in console_fields(metrics).items()])
 
 
 class MetricsLogger:
@@ -125,12 +131,7 @@ class MetricsLogger:
         if self.bar is None and self.cfg.logging.progress_bar is False and advance:
             print(console_line(step, self.cfg.train.max_steps, metrics), flush=True)
         if self.bar is not None:
-            post = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}",
-                    "len": f"{metrics.get('completion/length_mean', float('nan')):.1f}",
-                    "s/step": f"{metrics.get('time/step', float('nan')):.2f}"}
-            if "kl" in metrics:
-                post["kl"] = f"{metrics['kl']:.4f}"
-            self.bar.set_postfix(post, refresh=False)
+            self.bar.set_postfix(console_fields(metrics), refresh=False)
             self.bar.update(1 if advance else 0)
 
     def close(self) -> Optional[Path]:
