@@ -263,6 +263,9 @@ def test_reference_that_starts_late_is_waited_for():
     # model.name_or_path
     (["teacher.model=/no/such/teacher"], ["teacher.model='/no/such/teacher' looks like a local folder",
                                           "does not exist"]),
+    # issue 60 item 15: a teacher of another tokenizer passed --print-config and was refused after the policy loaded
+    (["teacher.model=builtin:tiny-arith"], ["teacher.model='builtin:tiny-arith' cannot teach model.name_or_path=",
+                                            "its tokenizer (31 tokens) is not the policy's (93 tokens)"]),
     (["teacher.adapter=/no/such/adapter", "model.lora={r: 4}"],
      ["teacher.adapter='/no/such/adapter': '/no/such/adapter' is not a LoRA adapter folder (it does not exist)"]),
 ])

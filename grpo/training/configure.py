@@ -133,10 +133,20 @@ def check_python_reward(name: str, key: str, output_dir: str) -> None:
 def check_teacher_paths(cfg: Config) -> None:
     """teacher.model and teacher.adapter name what exists, before any model loads (the teacher loads after the
     policy)."""
-    from grpo.foundation.modeling import check_model_path
+    from grpo.foundation.modeling import check_model_path, load_tokenizer, looks_local
+    from grpo.foundation.tiny import is_builtin
 
     if cfg.teacher.model:
         check_model_path("teacher.model", cfg.teacher.model)
+        local = [n for n in (cfg.teacher.model, cfg.model.name_or_path) if is_builtin(n) or looks_local(n)]
+        if len(local) == 2:  # both on this machine: the tokenizers compared now (the hub's are, after loading)
+            from grpo.foundation.config import custom_chat_template
+            from grpo.reference.teacher import check_same_tokenizer
+
+            tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)
+            if (template := custom_chat_template(cfg.data)) is not None:  # as the trainer's tokenizer has it
+                tokenizer.chat_template = template
+            check_same_tokenizer(cfg, tokenizer)
     if cfg.teacher.adapter:
         from grpo.foundation.lora import ADAPTER_CONFIG, is_adapter_folder
 
