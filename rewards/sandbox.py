@@ -447,8 +447,7 @@ def describe(limits: Any = None) -> str:
     (holds if caps["processes"] else lacks).append("a process cap (fork bombs)")
     lim = Limits.of(limits)
     if caps["memory"] == "processes":
-        address_mb = process_limits(plan_of(lim), lim)[0]
-        tasks = min(lim.processes, NO_CGROUP_TASKS) if lim.processes else NO_CGROUP_TASKS
+        address_mb, tasks = process_limits(plan_of(lim), lim)[0], no_cgroup_tasks(lim)
         holds.append(f"the run's memory bounded without a cgroup: at most {tasks} processes and threads of "
                      f"{address_mb} MiB address space each ({tasks * address_mb} MiB = {NO_CGROUP_FACTOR} x "
                      f"sandbox.memory_mb)")
@@ -504,6 +503,11 @@ def memory_bound(plan: Plan, lim: Limits) -> Optional[str]:
     return "processes" if plan.nproc else None
 
 
+def no_cgroup_tasks(lim: Limits) -> int:
+    """The processes and threads a run may have at once without a cgroup (its memory bound, NO_CGROUP_TASKS)."""
+    return min(lim.processes, NO_CGROUP_TASKS) if lim.processes else NO_CGROUP_TASKS
+
+
 def process_limits(plan: Plan, lim: Limits) -> tuple[int, int]:
     """(RLIMIT_AS in MiB, RLIMIT_NPROC; 0 = none) of the run's processes."""
     bound = memory_bound(plan, lim)
@@ -511,7 +515,7 @@ def process_limits(plan: Plan, lim: Limits) -> tuple[int, int]:
     if bound == "cgroup":
         return lim.memory_mb + THREAD_ROOM_MB, nproc
     if bound == "processes":
-        tasks = min(lim.processes, NO_CGROUP_TASKS) if lim.processes else NO_CGROUP_TASKS
+        tasks = no_cgroup_tasks(lim)
         # in a user namespace its count holds the launcher and the namespace's init too (ours, outside the bound)
         return lim.memory_mb * NO_CGROUP_FACTOR // tasks, tasks + (2 if plan.userns else 0)
     return lim.memory_mb, nproc

@@ -10,7 +10,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
 from grpo.foundation.dist import free_port
 from grpo.foundation.logprobs import pack
