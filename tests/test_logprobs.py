@@ -468,6 +468,7 @@ SCALED = {  # families whose causal-LM head scales its logits, each with a scale
     "cohere": dict(logit_scale=0.25), "cohere2": dict(logit_scale=0.25), "cohere2_moe": dict(logit_scale=0.25),
     "granite": dict(logits_scaling=8.0), "granitemoe": dict(logits_scaling=8.0, num_local_experts=4,
                                                             num_experts_per_tok=2),
+    "granitemoeshared": dict(logits_scaling=8.0, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32),
     "hyperclovax": dict(logits_scaling=0.25), "falcon_h1": dict(lm_head_multiplier=0.5),
 }
 

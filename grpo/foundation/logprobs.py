@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from grpo.foundation import dist
+from grpo.foundation.families import logit_scale, text_config
 
 
 @dataclass
@@ -332,31 +333,6 @@ def _prompt_groups(packed: Packed) -> tuple[list[list[int]], list[int]]:
     return [list(p) for p in seen], which
 
 
-def _text_config(model: torch.nn.Module):
-    """The decoder's config (a multimodal checkpoint's text config, e.g. Gemma 3 4B-27B's)."""
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def logit_scale(model: torch.nn.Module) -> float:
-    """What the model's causal-LM forward multiplies its head's logits by (1: nothing), which the log-probs here must
-    do too: Cohere's ``logit_scale`` (Command R / R7B / A), Granite's 1 / ``logits_scaling`` (Granite 3 and 4, their
-    MoE and hybrid models), Falcon-H1's ``lm_head_multiplier``, HyperCLOVA X's ``logits_scaling``, MiniCPM3's
-    1 / ``logits_scaling`` (on the hidden states before the head: the same for a head without bias)."""
-    cfg = _text_config(model)
-    kind = str(getattr(cfg, "model_type", ""))
-    if kind in ("cohere", "cohere2", "cohere2_moe"):
-        return float(cfg.logit_scale)
-    if kind.startswith("granite") and getattr(cfg, "logits_scaling", None):
-        return 1.0 / float(cfg.logits_scaling)
-    if kind == "falcon_h1":
-        return float(cfg.lm_head_multiplier)
-    if kind == "hyperclovax":
-        return float(cfg.logits_scaling)
-    if kind == "minicpm3":
-        return 1.0 / float(cfg.logits_scaling)
-    return 1.0
-
-
 # how far the probe's log-probs may sit from the model's own forward before the head is called not reproduced: float32
 # rounding, or bf16 / fp16 logits (about 0.2 nats at a logit of 40); a missed scale or cap moves them by nats
 PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -386,9 +362,9 @@ def check_head(model: torch.nn.Module) -> float:
     dtype = next(model.parameters()).dtype
     if gap > PROBE_TOLERANCE.get(dtype, HALF_PROBE_TOLERANCE):
         raise ConfigError(
-            f"model {_text_config(model).model_type!r}: the trainer's log-probs differ from the model's own forward by "
+            f"model {text_config(model).model_type!r}: the trainer's log-probs differ from the model's own forward by "
             f"{gap:.3g} nats on a probe: its causal-LM forward transforms the head's logits in a way the trainer "
-            f"does not reproduce (grpo/foundation/logprobs.py: logit_scale); training it would follow another "
+            f"does not reproduce (grpo/foundation/families.py: HEADS); training it would follow another "
             f"distribution. Please report the model.")
     return gap
 
@@ -412,7 +388,7 @@ def _can_share_prefix(model: torch.nn.Module, length: int) -> bool:
     ckpt = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 (the old name warns)
     if ckpt is None:
         ckpt = getattr(model, "is_gradient_checkpointing", False)
-    text = _text_config(model)
+    text = text_config(model)
     window = getattr(text, "sliding_window", None)  # a multimodal checkpoint's (Gemma 3 4B-27B) is its text model's
     if torch.is_grad_enabled() and any(getattr(m, "_z3_leaf", False) for m in model.modules()):
         return False
@@ -522,11 +498,11 @@ def completion_scores(
     else:
         hidden = _decoder_stack(model)(input_ids=ids, attention_mask=packed.attention_mask.to(device)).last_hidden_state
         h = hidden[rows, pos - 1]
-    softcap = getattr(_text_config(model), "final_logit_softcapping", None)
+    softcap = getattr(text_config(model), "final_logit_softcapping", None)
     scale = logit_scale(model)
     if scale != 1.0:  # scaled logits at temperature T are the head's at temperature T / scale
         if softcap:
-            raise NotImplementedError(f"{_text_config(model).model_type}: both a logit scale and a soft-cap")
+            raise NotImplementedError(f"{text_config(model).model_type}: both a logit scale and a soft-cap")
         temperature = temperature / scale
     head = model.get_output_embeddings()
     lp, ent, *sq = head_logprobs(head, h, targets, temperature, chunk_size, with_entropy,

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.foundation.config import ConfigError, ModelConfig, auto_dtype
+from grpo.foundation.families import text_config
 
 try:  # transformers 5.24 renamed the forward's KV-cache argument and output (the old name warns on every call)
     from transformers.modeling_outputs import BaseModelOutputWithPast as _Out
@@ -41,7 +42,7 @@ def has_recurrent_layers(model: torch.nn.Module) -> bool:
     convolutions, Mamba hybrids): their cache must be built from the config (a bare DynamicCache has no place for
     the state), and the state after a right-padded prompt has also run over the padding (it decays there), so a
     prompt's state is not the one its completions continue from."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = text_config(model)
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ()
     return any(t in RECURRENT_LAYER_TYPES for t in types)
 
@@ -278,7 +279,7 @@ def keep_attention_softcap(model: PreTrainedModel, requested: Optional[str]) -> 
     it): the trainer's, the reference's and the hf engine's forward would then not be the model's, nor the static
     engine's, which caps (0.06 nats mean between the two on an H100, docs/results.md). Such a model is switched to
     eager attention; asking for ``model.attn_implementation=sdpa`` on it is an error."""
-    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    cap = getattr(text_config(model), "attn_logit_softcapping", None)
     impl = str(getattr(model.config, "_attn_implementation", None) or "")
     if not cap or "sdpa" not in impl:
         return
@@ -305,7 +306,7 @@ def check_transformers_fixes(model: PreTrainedModel) -> None:
     import transformers
     from packaging.version import Version
 
-    text = model.config.get_text_config()
+    text = text_config(model)
     fix = TRANSFORMERS_FIXES.get(getattr(text, "model_type", None))
     if fix is None or Version(transformers.__version__) >= Version(fix[0]) or not fix[1](text):
         return

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.foundation import lora
-from grpo.foundation.logprobs import logit_scale
+from grpo.foundation.families import logit_scale, text_config
 from grpo.rollout.static import delta_net, gemma3n
 from grpo.rollout.static.norms import rms_norm
 
@@ -84,7 +84,7 @@ class ModelSpec:
     per_layer_vocab: int = 0
     # Granite 3: the embeddings' multiplier, each residual branch's, the logits' divisor
     granite: Optional[tuple[float, float]] = None  # Granite 3: the embedding and residual multipliers
-    logit_scale: float = 1.0  # what the causal-LM forward multiplies its logits by (logprobs.logit_scale)
+    logit_scale: float = 1.0  # what the causal-LM forward multiplies its logits by (families.HEADS)
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
 
 
@@ -119,18 +119,6 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     if getattr(outer, "quantization_config", None) or getattr(cfg, "quantization_config", None):
         return "quantized weights: the static engine multiplies by the weights as they are stored"
     return None
-
-
-def text_config(model: torch.nn.Module):
-    """The decoder's config: the model's own, or its text model's in a checkpoint that wraps one with a vision
-    tower (Gemma 3 4B-27B: ``Gemma3ForConditionalGeneration``; Mistral Small 3.1 / 3.2 and Magistral:
-    ``Mistral3ForConditionalGeneration``), whose text-only forward is its text model's."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "model_type", None) not in MODEL_TYPES and hasattr(cfg, "get_text_config"):
-        text = cfg.get_text_config()
-        if text is not cfg and hasattr(getattr(model, "model", None), "language_model"):
-            return text
-    return cfg
 
 
 def activation(cfg) -> str:
