@@ -612,11 +612,73 @@ def test_compaction_keeps_every_rows_tokens(kind):
         engine = static.StaticEngine(setup_for(model, [f"rollout.static.check_every={every}"], eos=eos))
         outs.append((engine.generate(PROMPTS * 3, params, n=3), engine.pop_metrics()))
     (a, ma), (b, mb) = outs
-    assert ma.get("rollout/compactions", 0) >= 1 and not mb
+    assert ma.get("rollout/compactions", 0) >= 1 and "rollout/compactions" not in mb
+    assert mb["rollout/occupancy"] < ma["rollout/occupancy"] <= 1  # compaction: fewer slot-steps for the same tokens
     assert a.tokens == b.tokens and torch.equal(a.truncated, b.truncated)
     for x, y in zip(a.logprobs, b.logprobs):
         torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-12)
     assert any(len(t) < 16 for t in a.tokens) and len({tuple(t) for t in a.tokens}) > 3
+
+
+# Qwen3.5: DeltaNet states copied into a slot (not columns); Gemma 4 / 3n: shared KV; Mistral 4: latent attention;
+# Gemma 2: a sliding window over positions while the columns shift
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_5", "gemma4", "gemma3n", "mistral4", "gemma2"])
+def test_continuous_batching_gives_every_row_the_tokens_it_draws_with_a_slot_each(kind):
+    """rollout.slots: 27 rows through 1 or 4 slots, each finished row's slot refilled from the waiting rows (its
+    prompt's KV copied in, the columns shifting left when the buffers end): every row's tokens and log-probs are
+    those it draws when every row has its own slot (row r draws uniform [k, r] for token k whatever its slot)."""
+    model = build(kind)
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+    eos = tuple(range(3, 9))  # rows end at different steps, some at the cap
+    outs = []
+    for slots, every in ((0, 1), (1, 1), (4, 3), (4, 1000)):
+        engine = static.StaticEngine(setup_for(model, [f"rollout.static.check_every={every}", f"rollout.slots={slots}"],
+                                               eos=eos))
+        outs.append((engine.generate(PROMPTS * 3, params, n=3), engine.pop_metrics()))
+    (want, m_all), *rest = outs
+    assert any(len(t) < 16 for t in want.tokens) and any(len(t) == 16 for t in want.tokens)
+    assert len({tuple(t) for t in want.tokens}) > 3
+    for got, m in rest:
+        assert got.tokens == want.tokens and torch.equal(got.truncated, want.truncated)
+        for x, y in zip(got.logprobs, want.logprobs):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-12)
+    (_, one), (_, four), (_, lazy) = (x for x in rest)
+    # one slot, read every step: a finished row runs one more step before the host sees it (the flags are read a
+    # step late so that the host never waits for the step it queued), then its slot takes the next row; 27 rows of
+    # at most 16 tokens overran the 128 columns, which shifted
+    drawn = sum(len(t) - 1 for t in want.tokens)  # tokens drawn by decode steps (the first: by the prefill)
+    assert one["rollout/decode_steps"] in (drawn + 26, drawn + 27) and one["rollout/shifts"] >= 1
+    assert m_all["rollout/occupancy"] < four["rollout/occupancy"] and lazy["rollout/occupancy"] < four["rollout/occupancy"]
+
+
+def test_continuous_batching_under_forced_lengths_and_ignored_eos():
+    """Rows ended by rollout.forced_eos_lengths, or all at the cap under ignore_eos, refill their slots the same
+    way: the tokens are those of a slot per row; a slot count above the rows is every row at once."""
+    model = build("qwen2")
+    for params in (SamplingParams(max_tokens=12, forced_eos_lengths=(1, 3, 12, 5, 2, 7, 9)),
+                   SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12).greedy()):
+        want = static.StaticEngine(setup_for(model)).generate(PROMPTS * 2, params, n=4).tokens
+        for slots in (2, 64):
+            engine = static.StaticEngine(setup_for(model, [f"rollout.slots={slots}"]))
+            assert engine.generate(PROMPTS * 2, params, n=4).tokens == want, (params, slots)
+        if params.forced_eos_lengths:  # each row at most its forced length (the model's own EOS may come first)
+            at = params.forced_eos_lengths
+            assert all(len(t) <= at[i % 7] for i, t in enumerate(want)) and {len(t) for t in want} > {1, 3, 12}
+        elif params.ignore_eos:
+            assert {len(t) for t in want} == {12}
+
+
+def test_slots_need_the_static_engine():
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
+
+    assert load_config(None, "grpo", ["rollout.engine=static", "rollout.slots=16"]).rollout.slots == 16
+    for engine in ("auto", "hf", "vllm"):
+        with pytest.raises(ConfigError, match=f"rollout.slots=16 is continuous batching in the static engine, and "
+                                              f"rollout.engine='{engine}': set rollout.engine=static"):
+            load_config(None, "grpo", [f"rollout.engine={engine}", "rollout.slots=16"])
+    with pytest.raises(ConfigError, match="rollout.slots"):
+        load_config(None, "grpo", ["rollout.engine=static", "rollout.slots=-1"])
 
 
 @pytest.mark.parametrize("check_every", [1, 1000])

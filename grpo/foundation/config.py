@@ -254,6 +254,12 @@ class RolloutConfig:
     # KV buffers, a functional decode step, compiled and CUDA-graphed on CUDA), "vllm", or
     # "package.module:Class" implementing grpo.rollout.engine.GenerationEngine.
     engine: str = "auto"
+    # Continuous batching (rollout.engine: static): the rows decoded at once; a finished row's slot is refilled from
+    # the rows still waiting when the host next reads which rows finished (rollout.static.check_every: fewer steps,
+    # fewer idle slot-steps), its prompt's KV copied in while the others decode on; the KV buffers hold this many
+    # rows, not every row of a call. Rounded up to the engine's row bucket (a power of two up to 64, then a
+    # multiple of 64). 0: one slot per row of the call (every row starts at once, as the hf engine decodes).
+    slots: int = at_least_zero(0)
     # Multi-turn rollouts (only with ``env.name``): at most ``max_turns`` policy turns per trajectory, each
     # at most ``max_completion_length`` tokens; policy and environment tokens together at most
     # ``max_trajectory_tokens`` (the width L_max of the batch). Running out of either ends the trajectory.
@@ -702,6 +708,10 @@ def validate(cfg: Config) -> None:
                               "set one of them")
         if r.engine == "vllm":
             raise ConfigError("rollout.forced_eos_lengths is not supported by rollout.engine=vllm: use hf or static")
+    if r.slots and r.engine != "static":
+        raise ConfigError(f"rollout.slots={r.slots} is continuous batching in the static engine, and "
+                          f"rollout.engine={r.engine!r}: set rollout.engine=static (CUDA or CPU), or rollout.slots=0 "
+                          f"(the hf engine starts every row at once; vllm schedules its own batch)")
     if r.static.mode not in STATIC_MODES:
         raise ConfigError(f"rollout.static.mode={r.static.mode!r} is invalid: choose from {list(STATIC_MODES)}")
     check_optimizer_states(cfg)

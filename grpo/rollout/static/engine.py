@@ -115,6 +115,8 @@ class StaticEngine:
         cfg = setup.cfg.rollout.static
         self.mode = resolve_mode(cfg.mode, self.device)
         self.check_every, self.length_bucket = cfg.check_every, cfg.length_bucket
+        self.slots = setup.cfg.rollout.slots  # continuous batching: rows decoded at once (0: every row of a call)
+        self.decoded = [0, 0, 0]  # since the last pop_metrics: tokens drawn by decode steps, their slot-steps, steps
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(setup.cfg.train.seed * 1_000_003 + dist.rank())  # the engine's own stream
         self.merged: Optional[dict[str, torch.Tensor]] = None  # LoRA: the merged copy (adapted weights only)
@@ -179,7 +181,13 @@ class StaticEngine:
             del self.merged[k]
 
     def pop_metrics(self) -> dict[str, float]:
+        """The engine's counts since the last call: compactions, column shifts, and ``rollout/occupancy``, the
+        share of decode slot-steps that drew a token of a row (the rest ran padding or finished rows)."""
         out, self.metrics = self.metrics, {}
+        tokens, slot_steps, steps = self.decoded
+        if steps:
+            out.update({"rollout/occupancy": tokens / slot_steps, "rollout/decode_steps": float(steps)})
+        self.decoded = [0, 0, 0]
         return out
 
     def offload(self) -> None:
@@ -248,6 +256,12 @@ class StaticEngine:
     # -- generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+        """``n`` completions per prompt, group-major. Every prompt is prefilled once; its rows then take decode
+        slots: all at once (``rollout.slots`` 0), or ``rollout.slots`` of them (rounded up to the row bucket) with a
+        finished row's slot refilled from the rows still waiting (continuous batching): the row's prompt KV is
+        copied into the slot's columns ending at the column the next step writes, so every row's columns stay one
+        run ending there; when the buffers' last column is reached, the live rows' columns shift left together.
+        Row r draws uniform [k, r] for its k-th token in either way, so its tokens do not depend on its slot."""
         P, G, T = len(prompts), n, params.max_tokens
         w = self.weights()  # under ZeRO-3 a collective: every rank calls generate alike, with or without prompts
         if not P:
@@ -256,12 +270,14 @@ class StaticEngine:
         if w.pointers() != self.pointers:  # a weight's storage moved: captured graphs read the old one
             self.graphs, self.pointers = {}, w.pointers()
         R, Lp = P * G, max(len(p) for p in prompts)
-        Rb = rows_bucket(R)
-        k_all, v_all, kpos_all = self._buffers(Rb, round_up(Lp + T, LENGTH_BUCKET), w.embed.dtype)
+        Rb = rows_bucket(min(R, self.slots or R))
+        queued = R > Rb  # rows wait for a slot: columns to run past a row's cap before they shift
+        k_all, v_all, kpos_all = self._buffers(Rb, round_up(Lp + T + (LENGTH_BUCKET if queued else 0), LENGTH_BUCKET),
+                                               w.embed.dtype)
         sampling = (params.temperature, params.top_p, params.top_k, params.topk_logprobs)
         K = params.topk_logprobs  # the audit's steps: the top-k of each drawn token's distribution
 
-        # prefill: each prompt once, its KV then copied to its G rows
+        # prefill: each prompt once, left-padded to Lp; its KV is then copied to each of its G rows' slot
         ids = torch.full((P, Lp), pad, dtype=torch.long)
         pos = torch.full((P, Lp), -1, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -270,89 +286,144 @@ class StaticEngine:
         ids, pos = ids.to(dev), pos.to(dev)
         pk, pv = new_buffers(s, P, Lp, w.embed.dtype, dev)
         pkpos = torch.full((P, Lp), -1, dtype=torch.long, device=dev)
-        logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
-        for i in range(s.layers):
-            if (c := columns(s, i, Lp)) is None:
-                continue
-            k_all[i][:R, :, c] = pk[i].repeat_interleave(G, dim=0)
-            v_all[i][:R, :, c] = pv[i].repeat_interleave(G, dim=0)
-        kpos_all[:Rb] = -1
-        kpos_all[:R, :Lp] = pkpos.repeat_interleave(G, dim=0)
+        first_logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
 
-        # decode state: bucket row b holds row rows_h[b] (R: a padding row, its results land in a spare row)
-        rows_h = list(range(R)) + [R] * (Rb - R)
-        rows = torch.tensor(rows_h, device=dev)
-        nxt = torch.cat([pos[:, -1].repeat_interleave(G) + 1, pos.new_zeros(Rb - R)])
-        logits = torch.cat([logits.repeat_interleave(G, dim=0), logits.new_zeros(Rb - R, logits.shape[-1])])
-        out_tok = torch.full((R + 1, T), pad, dtype=torch.long, device=dev)
-        out_lp = torch.zeros((R + 1, T), dtype=torch.float32, device=dev)
+        out_tok = torch.full((R + 1, T), pad, dtype=torch.long, device=dev)  # row R: padding slots' and finished
+        out_lp = torch.zeros((R + 1, T), dtype=torch.float32, device=dev)  # rows' writes land there
         out_top = (torch.zeros((R + 1, T, K), dtype=torch.float32, device=dev),
                    torch.zeros((R + 1, T, K), dtype=torch.long, device=dev)) if K else None
         lengths = torch.full((R + 1,), T, dtype=torch.long, device=dev)
         finished = torch.zeros(R + 1, dtype=torch.bool, device=dev)
         finished[R] = True
+        start = torch.zeros(R + 1, dtype=torch.long, device=dev)  # the step at which each row drew its first token
         eos = None if params.ignore_eos else torch.tensor(sorted(self.setup.eos_ids), dtype=torch.long, device=dev)
-        u_all = torch.rand((T, R + 1), generator=self.gen, device=dev)  # row r draws u_all[t, r] at step t
+        u_all = torch.rand((T, R + 1), generator=self.gen, device=dev)  # row r draws u_all[k, r] for its token k
         forced = None if eos is None else forced_eos(params, R, dev)  # benchmarks: EOS at recorded lengths
+        checks = eos is not None or queued  # the host reads which rows finished (else every row runs T tokens)
         flags = torch.empty(R + 1, dtype=torch.bool, pin_memory=dev.type == "cuda")
         event = torch.cuda.Event() if dev.type == "cuda" else None
         pending = False
 
-        cols = torch.arange(Lp, Lp + T, device=dev)
-        cap = kpos_all.shape[1]
-        k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]  # each layer's rows of the bucket
-        tok, lp, *top = sample(logits, u_all[0, rows], *sampling)
-        for t in range(T):
-            if t:
-                col = Lp + t - 1  # the column of token t - 1, fed now
-                length = min(cap, round_up(col + 1, self.length_bucket or cap))
-                tok, lp, *top = self._run_step(w, tok, nxt, cols[t - 1: t], u_all[t, rows], k_rows, v_rows,
-                                               kpos_all[:Rb], length, sampling)
-                nxt = nxt + 1
+        def record(rws: torch.Tensor, k: torch.Tensor, tok, lp, top) -> torch.Tensor:
+            """Token ``k`` of rows ``rws``: stored (a finished row's in the spare row R), EOS and the cap end rows."""
+            done = finished[rws]
+            dst = torch.where(done, R, rws)
             if forced is not None:
-                tok = torch.where(forced[rows] == t + 1, eos[0], tok)
-            out_tok[rows, t] = tok
-            out_lp[rows, t] = lp
+                tok = torch.where(forced[rws] == k + 1, eos[0], tok)
+            out_tok[dst, k] = tok
+            out_lp[dst, k] = lp
             if out_top is not None:
-                out_top[0][rows, t], out_top[1][rows, t] = top
-            if eos is None:
-                continue
-            now = torch.isin(tok, eos) & ~finished[rows]
-            lengths[rows] = torch.where(now, t + 1, lengths[rows])
-            finished[rows] = finished[rows] | now
+                out_top[0][dst, k], out_top[1][dst, k] = top
+            if checks:
+                now = ((k == T - 1) if eos is None else (torch.isin(tok, eos) | (k == T - 1))) & ~done
+                lengths[rws] = torch.where(now, k + 1, lengths[rws])
+                finished[rws] = done | now
+            return tok
+
+        # slots: slot b decodes row rows_h[b] (R: none), whose columns run from entry[b] to the column c the next
+        # step writes; rows enter in order, next_row the first still waiting
+        c, cap = Lp, kpos_all.shape[1]
+        cols = torch.arange(cap, device=dev)
+        rows_h, entry, next_row = [R] * Rb, [0] * Rb, 0
+        tok = torch.full((Rb,), pad, dtype=torch.long, device=dev)
+        nxt = torch.zeros(Rb, dtype=torch.long, device=dev)
+        kpos_all[:Rb] = -1
+
+        def admit(free: list[int], t: int) -> None:
+            """The next waiting rows into slots ``free`` at step t: their prompts' KV into columns [c - Lp, c),
+            their first token drawn from the prompt's logits."""
+            nonlocal next_row, tok, nxt, rows
+            take = list(range(next_row, min(R, next_row + len(free))))
+            free = free[: len(take)]
+            b, r, src = (torch.tensor(x, device=dev) for x in (free, take, [q // G for q in take]))
+            for i in range(s.layers):
+                if (span := columns(s, i, Lp)) is None:
+                    continue
+                span = slice(c - Lp, c) if span.stop is not None else span  # a DeltaNet layer: its whole state
+                k_all[i][b, :, span] = pk[i][src]
+                v_all[i][b, :, span] = pv[i][src]
+            kpos_all[b] = -1
+            kpos_all[b, c - Lp: c] = pkpos[src]
+            start[r] = t
+            first, lp0, *top0 = sample(first_logits[src], u_all[0, r], *sampling)
+            tok = tok.index_copy(0, b, record(r, torch.zeros_like(r), first, lp0, top0))
+            nxt = nxt.index_copy(0, b, pos[src, -1] + 1)
+            for slot, row in zip(free, take):
+                rows_h[slot], entry[slot] = row, c - Lp
+            rows = torch.tensor(rows_h, device=dev)
+            next_row += len(take)
+
+        def shift() -> None:
+            """The buffers' last column is reached: every slot's columns move left by the oldest live row's entry
+            (a slot whose row has run past its cap has finished; its columns may be cut)."""
+            nonlocal c
+            alive = [e for e, r in zip(entry, rows_h) if r < R and c - e < Lp + T]
+            d = min(alive + [c - Lp])
+            for i in range(s.layers):
+                if (span := columns(s, i, c)) is None or span.stop is None:
+                    continue
+                k_all[i][:Rb, :, : c - d] = k_all[i][:Rb, :, d:c].clone()
+                v_all[i][:Rb, :, : c - d] = v_all[i][:Rb, :, d:c].clone()
+            kpos_all[:Rb, : c - d] = kpos_all[:Rb, d:c].clone()
+            kpos_all[:Rb, c - d:] = -1
+            entry[:] = [e - d for e in entry]
+            c -= d
+            self.metrics["rollout/shifts"] = self.metrics.get("rollout/shifts", 0.0) + 1
+
+        rows = torch.tensor(rows_h, device=dev)
+        admit(list(range(min(R, Rb))), 0)
+        k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]  # each layer's rows of the bucket
+        last, t, steps, slot_steps = T - 1, 0, 0, 0
+        while True:
+            if t:
+                if c == cap:
+                    shift()
+                length = min(cap, round_up(c + 1, self.length_bucket or cap))
+                k = (t - start[rows]).clamp_(max=T - 1)
+                tok, lp, *top = self._run_step(w, tok, nxt, cols[c: c + 1], u_all[k, rows], k_rows, v_rows,
+                                               kpos_all[:Rb], length, sampling)
+                tok = record(rows, k, tok, lp, top)
+                nxt, c = nxt + 1, c + 1
+                steps, slot_steps = steps + 1, slot_steps + Rb
             if pending:  # the flags copied one step ago: waited for only now that this step is queued
                 if event is not None:
                     event.synchronize()
                 pending = False
-                live = [r for r, done in enumerate(flags[:R].tolist()) if not done]
-                if not live:
+                done = flags.tolist()
+                free = [b for b, r in enumerate(rows_h) if done[r]]
+                if next_row < R and free:
+                    admit(free, t)
+                    last = t + T - 1
+                live = [b for b, r in enumerate(rows_h) if not done[r]]
+                if not live and next_row == R:
                     break
-                if rows_bucket(len(live)) < Rb:  # compaction: the live rows move into a smaller bucket
+                if next_row == R and rows_bucket(len(live)) < Rb:  # compaction: into a smaller bucket
                     self.metrics["rollout/compactions"] = self.metrics.get("rollout/compactions", 0.0) + 1
-                    keep = set(live)
-                    sel = [b for b, r in enumerate(rows_h) if r in keep]
-                    Rb, rows_h = rows_bucket(len(live)), [rows_h[b] for b in sel]
-                    rows_h += [R] * (Rb - len(sel))
+                    Rb, spare = rows_bucket(len(live)), rows_bucket(len(live)) - len(live)
+                    rows_h, entry = [rows_h[b] for b in live] + [R] * spare, [entry[b] for b in live] + [c] * spare
                     rows = torch.tensor(rows_h, device=dev)
-                    idx, L = torch.tensor(sel, device=dev), Lp + t  # the columns written so far
+                    idx = torch.tensor(live, device=dev)
                     for i in range(s.layers):
-                        if (c := columns(s, i, L)) is None:
+                        if (span := columns(s, i, c)) is None:
                             continue
-                        k_all[i][: len(sel), :, c] = k_all[i][idx, :, c]
-                        v_all[i][: len(sel), :, c] = v_all[i][idx, :, c]
+                        k_all[i][: len(live), :, span] = k_all[i][idx, :, span]
+                        v_all[i][: len(live), :, span] = v_all[i][idx, :, span]
                     k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]
-                    kpos_all[: len(sel), :L] = kpos_all[idx, :L]
-                    kpos_all[len(sel): Rb] = -1
-                    spare = Rb - len(sel)
+                    kpos_all[: len(live), :c] = kpos_all[idx, :c]
+                    kpos_all[len(live): Rb] = -1
                     tok = torch.cat([tok[idx], tok.new_full((spare,), pad)])
                     nxt = torch.cat([nxt[idx], nxt.new_zeros(spare)])
-            if (t + 1) % self.check_every == 0:
+            if checks and (t + 1) % self.check_every == 0:
                 flags.copy_(finished, non_blocking=True)
                 if event is not None:
                     event.record()
                 pending = True
-
+            t += 1
+            if t > last and next_row == R:
+                break
         lengths_l, toks, lps = lengths[:R].tolist(), out_tok[:R].tolist(), out_lp[:R].tolist()
+        for j, x in enumerate((sum(lengths_l) - R, slot_steps, steps)):  # the first tokens came from the prefill
+            self.decoded[j] += x
         tokens = [row[:m] for row, m in zip(toks, lengths_l)]
         eos_set = set(self.setup.eos_ids)
         truncated = torch.tensor([not (tk and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
