@@ -56,6 +56,9 @@ class Completions:
     # and ids, zeros past each row's end
     topk_logprobs: Optional[torch.Tensor] = None
     topk_ids: Optional[torch.Tensor] = None
+    # a call with ``stop`` (streaming: grpo/rollout/stream.py): [R] bool, rows the stop left unfinished (their
+    # tokens so far, none when the row never started; truncated False); None: every row ran to its end
+    stopped: Optional[torch.Tensor] = None
 
     def mask(self, width: int) -> torch.Tensor:
         return completion_mask([len(t) for t in self.tokens], width)

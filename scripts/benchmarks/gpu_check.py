@@ -18,7 +18,8 @@ per shape:
                  (eager engines) how many leading greedy tokens of each row equal the first engine's
     eos_generation  real lengths (issue 41): each engine (``--engines``) at the generation stage's shape, EOS
                  ignored and then EOS at lengths drawn once from a reasoning-like distribution (recorded: bench.py's
-                 reasoning_lengths): decode ms per generated token of both and their ratio, compactions
+                 reasoning_lengths): decode ms per generated token of both and their ratio, compactions, the
+                 static engine's occupancy (``static:graphs@16@4``: continuous batching in 16 slots, read every 4)
     step_256     training steps at 8 prompts x 8 (micro-batches of 16), 256 new tokens (EOS ignored): median time/*
     step_1024    the same at 1024 new tokens        of the steps after the warm-up, peak memory, and the parts of it
                  (weights, master copy, optimizer, gradients, KV cache by arithmetic; activations and the
@@ -133,13 +134,19 @@ def greedy_prefix(a: list[list[int]], b: list[list[int]]) -> float:
 
 def engine_overrides(name: str) -> list[str]:
     """``rollout.*`` overrides of an engine name: ``hf``, ``static``, ``static:MODE``, ``static:MODE:LENGTH_BUCKET`` or
-    ``static:MODE:LENGTH_BUCKET:dynamic`` (rollout.static.compile_dynamic) (``auto`` for the trainer's own choice)."""
+    ``static:MODE:LENGTH_BUCKET:dynamic`` (rollout.static.compile_dynamic) (``auto`` for the trainer's own choice);
+    a static engine's name may end in ``@SLOTS`` or ``@SLOTS@CHECK_EVERY`` (continuous batching: rollout.slots,
+    rollout.static.check_every)."""
+    name, *batching = name.split("@")
     kind, mode, bucket, dynamic = (name.split(":") + ["", "", ""])[:4]
     if dynamic not in ("", "dynamic"):
         raise SystemExit(f"engine {name!r}: its fourth field is 'dynamic' or nothing")
+    if len(batching) > 2 or not all(x.isdigit() for x in batching):
+        raise SystemExit(f"engine {name!r}: after it, @SLOTS or @SLOTS@CHECK_EVERY (whole numbers)")
     return [f"rollout.engine={kind}", f"rollout.static.mode={mode or 'auto'}",
             f"rollout.static.length_bucket={bucket or 64}",
-            f"rollout.static.compile_dynamic={'true' if dynamic else 'false'}"]
+            f"rollout.static.compile_dynamic={'true' if dynamic else 'false'}",
+            *[f"{key}={value}" for key, value in zip(("rollout.slots", "rollout.static.check_every"), batching)]]
 
 
 def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
@@ -161,7 +168,7 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
     greedy = SamplingParams(max_tokens=min(32, spec["gen_tokens"]), ignore_eos=True).greedy()
     reference = None
     for name in engines:
-        kind = name.split(":")[0]
+        kind = name.split("@")[0].split(":")[0]
         engine = make_engine(name, model)
         _sync(device)
         t0 = time.perf_counter()  # the warm-up: the measured call's shapes (static: compiles, graph captures)
@@ -285,7 +292,7 @@ def make_engine(name: str, model):
     if name == "generate":
         return TransformersGenerate(model)
     cfg = load_config(None, "grpo", engine_overrides(name))
-    return engine_class(name.split(":")[0])(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
+    return engine_class(name.split("@")[0].split(":")[0])(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[2], pad_id=0))
 
 
 def audit_kl(engine, model, prompts: list[list[int]], params, n: int, k: int = 8) -> dict:
@@ -666,7 +673,10 @@ def row_text(r: dict) -> str:
                f"{a['ms_per_token']:.3f} ms a token ({a['tokens_per_s']:.0f} tokens/s), EOS at recorded lengths "
                f"(mean {d['mean']:.0f}, median {d['p50']}, p90 {d['p90']}, {d['share_at_cap']:.0%} at the cap) "
                f"{b['ms_per_token']:.3f} ms a token ({b['tokens_per_s']:.0f} tokens/s, "
-               f"{b.get('rollout/compactions', 0):.0f} compactions): {r['per_token_forced_over_ignored']:.2f}x "
+               f"{b.get('rollout/compactions', 0):.0f} compactions, occupancy {b.get('rollout/occupancy', 0):.0%} "
+               f"over {b.get('rollout/decode_steps', 0):.0f} decode steps, "
+               f"{(b['tokens'] - r['rows']) / max(1, b.get('rollout/decode_steps', 0)):.1f} tokens a step): "
+               f"{r['per_token_forced_over_ignored']:.2f}x "
                f"(the bandwidth floor's own: {r['floor_per_token_forced_over_ignored']:.2f}x)")
     elif r["stage"].startswith("step"):
         md, parts = r["median"], r["memory_parts"]

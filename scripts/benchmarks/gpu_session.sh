@@ -58,7 +58,7 @@ stage $B --out $BE/keep --set rollout.static.offload=false
 stage $B --out $BE/eos-keep --eos-lengths reasoning --set rollout.static.offload=false
 # item 4 on both sides: TRL with EOS at the same recorded lengths (cut by the time limit on 2026-11-27)
 stage $B --vs trl --eos-lengths reasoning --out $BE/eos
-stage $G --stages eos_generation --engines static:$SM
+stage $G --stages eos_generation --engines static:$SM,static:$SM@16@4,static:$SM@32@4  # issue 56: slots
 # item 1: compile warm-up bounded (compile_dynamic) and its tokens/s
 stage $G --stages generation --engines static:${CM:-compile+graphs}:64:dynamic
 # 1024 tokens against TRL

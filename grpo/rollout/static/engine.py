@@ -186,7 +186,8 @@ class StaticEngine:
         out, self.metrics = self.metrics, {}
         tokens, slot_steps, steps = self.decoded
         if steps:
-            out.update({"rollout/occupancy": tokens / slot_steps, "rollout/decode_steps": float(steps)})
+            out.update({"rollout/occupancy": tokens / slot_steps, "rollout/decode_steps": float(steps),
+                        "rollout/decoded_tokens": float(tokens)})
         self.decoded = [0, 0, 0]
         return out
 
@@ -255,13 +256,18 @@ class StaticEngine:
 
     # -- generation
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
-        """``n`` completions per prompt, group-major. Every prompt is prefilled once; its rows then take decode
-        slots: all at once (``rollout.slots`` 0), or ``rollout.slots`` of them (rounded up to the row bucket) with a
-        finished row's slot refilled from the rows still waiting (continuous batching): the row's prompt KV is
-        copied into the slot's columns ending at the column the next step writes, so every row's columns stay one
-        run ending there; when the buffers' last column is reached, the live rows' columns shift left together.
-        Row r draws uniform [k, r] for its k-th token in either way, so its tokens do not depend on its slot."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 room: Optional[list[int]] = None, stop: Optional[Callable[[list[int]], bool]] = None) -> Completions:
+        """``n`` completions per prompt, group-major. Every distinct prompt is prefilled once; its rows then take
+        decode slots: all at once (``rollout.slots`` 0), or ``rollout.slots`` of them (rounded up to the row bucket)
+        with a finished row's slot refilled from the rows still waiting (continuous batching): the row's prompt KV
+        is copied into the slot's columns ending at the column the next step writes, so every row's columns stay
+        one run ending there; when the buffers' last column is reached, the live rows' columns shift left together.
+        Row r draws uniform [k, r] for its k-th token in either way, so its tokens do not depend on its slot.
+
+        Streaming (grpo/rollout/stream.py): ``room`` caps each prompt's rows at their own token count (at most
+        ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call
+        when it returns True, the unfinished rows returned as they stand (``Completions.stopped``)."""
         P, G, T = len(prompts), n, params.max_tokens
         w = self.weights()  # under ZeRO-3 a collective: every rank calls generate alike, with or without prompts
         if not P:
@@ -270,6 +276,12 @@ class StaticEngine:
         if w.pointers() != self.pointers:  # a weight's storage moved: captured graphs read the old one
             self.graphs, self.pointers = {}, w.pointers()
         R, Lp = P * G, max(len(p) for p in prompts)
+        if room is not None and (len(room) != P or not all(0 < x <= T for x in room)):
+            raise ValueError(f"room: one count per prompt in 1..{T} (max_tokens), got {room}")
+        caps = [T] * P if room is None else list(room)
+        distinct: dict[tuple, int] = {}
+        first_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # each prompt's prefill row
+        prompts = [list(p) for p in distinct]
         Rb = rows_bucket(min(R, self.slots or R))
         queued = R > Rb  # rows wait for a slot: columns to run past a row's cap before they shift
         k_all, v_all, kpos_all = self._buffers(Rb, round_up(Lp + T + (LENGTH_BUCKET if queued else 0), LENGTH_BUCKET),
@@ -277,15 +289,16 @@ class StaticEngine:
         sampling = (params.temperature, params.top_p, params.top_k, params.topk_logprobs)
         K = params.topk_logprobs  # the audit's steps: the top-k of each drawn token's distribution
 
-        # prefill: each prompt once, left-padded to Lp; its KV is then copied to each of its G rows' slot
-        ids = torch.full((P, Lp), pad, dtype=torch.long)
-        pos = torch.full((P, Lp), -1, dtype=torch.long)
+        # prefill: each distinct prompt once, left-padded to Lp; its KV is then copied to each of its rows' slot
+        D = len(prompts)
+        ids = torch.full((D, Lp), pad, dtype=torch.long)
+        pos = torch.full((D, Lp), -1, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, Lp - len(p):] = torch.tensor(p, dtype=torch.long)
             pos[i, Lp - len(p):] = torch.arange(len(p))
         ids, pos = ids.to(dev), pos.to(dev)
-        pk, pv = new_buffers(s, P, Lp, w.embed.dtype, dev)
-        pkpos = torch.full((P, Lp), -1, dtype=torch.long, device=dev)
+        pk, pv = new_buffers(s, D, Lp, w.embed.dtype, dev)
+        pkpos = torch.full((D, Lp), -1, dtype=torch.long, device=dev)
         first_logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
 
         out_tok = torch.full((R + 1, T), pad, dtype=torch.long, device=dev)  # row R: padding slots' and finished
@@ -299,7 +312,9 @@ class StaticEngine:
         eos = None if params.ignore_eos else torch.tensor(sorted(self.setup.eos_ids), dtype=torch.long, device=dev)
         u_all = torch.rand((T, R + 1), generator=self.gen, device=dev)  # row r draws u_all[k, r] for its token k
         forced = None if eos is None else forced_eos(params, R, dev)  # benchmarks: EOS at recorded lengths
-        checks = eos is not None or queued  # the host reads which rows finished (else every row runs T tokens)
+        cap_rows = torch.tensor([c for c in caps for _ in range(G)] + [T], dtype=torch.long, device=dev)
+        checks = eos is not None or queued or stop is not None  # the host reads which rows finished (else every row
+        # runs T tokens)
         flags = torch.empty(R + 1, dtype=torch.bool, pin_memory=dev.type == "cuda")
         event = torch.cuda.Event() if dev.type == "cuda" else None
         pending = False
@@ -315,7 +330,8 @@ class StaticEngine:
             if out_top is not None:
                 out_top[0][dst, k], out_top[1][dst, k] = top
             if checks:
-                now = ((k == T - 1) if eos is None else (torch.isin(tok, eos) | (k == T - 1))) & ~done
+                end = k == cap_rows[rws] - 1
+                now = (end if eos is None else (torch.isin(tok, eos) | end)) & ~done
                 lengths[rws] = torch.where(now, k + 1, lengths[rws])
                 finished[rws] = done | now
             return tok
@@ -324,7 +340,7 @@ class StaticEngine:
         # step writes; rows enter in order, next_row the first still waiting
         c, cap = Lp, kpos_all.shape[1]
         cols = torch.arange(cap, device=dev)
-        rows_h, entry, next_row = [R] * Rb, [0] * Rb, 0
+        rows_h, entry, next_row, began = [R] * Rb, [0] * Rb, 0, [-1] * R  # began: the step of a row's first token
         tok = torch.full((Rb,), pad, dtype=torch.long, device=dev)
         nxt = torch.zeros(Rb, dtype=torch.long, device=dev)
         kpos_all[:Rb] = -1
@@ -332,10 +348,10 @@ class StaticEngine:
         def admit(free: list[int], t: int) -> None:
             """The next waiting rows into slots ``free`` at step t: their prompts' KV into columns [c - Lp, c),
             their first token drawn from the prompt's logits."""
-            nonlocal next_row, tok, nxt, rows
+            nonlocal next_row, tok, nxt, rows, last
             take = list(range(next_row, min(R, next_row + len(free))))
             free = free[: len(take)]
-            b, r, src = (torch.tensor(x, device=dev) for x in (free, take, [q // G for q in take]))
+            b, r, src = (torch.tensor(x, device=dev) for x in (free, take, [first_of[q // G] for q in take]))
             for i in range(s.layers):
                 if (span := columns(s, i, Lp)) is None:
                     continue
@@ -349,7 +365,8 @@ class StaticEngine:
             tok = tok.index_copy(0, b, record(r, torch.zeros_like(r), first, lp0, top0))
             nxt = nxt.index_copy(0, b, pos[src, -1] + 1)
             for slot, row in zip(free, take):
-                rows_h[slot], entry[slot] = row, c - Lp
+                rows_h[slot], entry[slot], began[row] = row, c - Lp, t
+                last = max(last, t + caps[row // G] - 1)
             rows = torch.tensor(rows_h, device=dev)
             next_row += len(take)
 
@@ -371,9 +388,9 @@ class StaticEngine:
             self.metrics["rollout/shifts"] = self.metrics.get("rollout/shifts", 0.0) + 1
 
         rows = torch.tensor(rows_h, device=dev)
+        last, t, steps, slot_steps, cut = 0, 0, 0, 0, False
         admit(list(range(min(R, Rb))), 0)
         k_rows, v_rows = [k[:Rb] for k in k_all], [v[:Rb] for v in v_all]  # each layer's rows of the bucket
-        last, t, steps, slot_steps = T - 1, 0, 0, 0
         while True:
             if t:
                 if c == cap:
@@ -390,10 +407,12 @@ class StaticEngine:
                     event.synchronize()
                 pending = False
                 done = flags.tolist()
+                if stop is not None and stop([r for r in range(R) if done[r]]):
+                    cut = True
+                    break
                 free = [b for b, r in enumerate(rows_h) if done[r]]
                 if next_row < R and free:
                     admit(free, t)
-                    last = t + T - 1
                 live = [b for b, r in enumerate(rows_h) if not done[r]]
                 if not live and next_row == R:
                     break
@@ -422,12 +441,19 @@ class StaticEngine:
             if t > last and next_row == R:
                 break
         lengths_l, toks, lps = lengths[:R].tolist(), out_tok[:R].tolist(), out_lp[:R].tolist()
+        stopped = None
+        if cut:  # the rows still decoding: their tokens so far (t - began + 1); rows never started: none
+            stopped = [not f for f in finished[:R].tolist()]
+            lengths_l = [(t - b0 + 1 if b0 >= 0 else 0) if st else m for st, b0, m in zip(stopped, began, lengths_l)]
         for j, x in enumerate((sum(lengths_l) - R, slot_steps, steps)):  # the first tokens came from the prefill
             self.decoded[j] += x
         tokens = [row[:m] for row, m in zip(toks, lengths_l)]
         eos_set = set(self.setup.eos_ids)
         truncated = torch.tensor([not (tk and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
-        out = Completions(tokens=tokens, truncated=truncated, logprobs=[row[:m] for row, m in zip(lps, lengths_l)])
+        if stopped is not None:
+            truncated &= ~torch.tensor(stopped)
+        out = Completions(tokens=tokens, truncated=truncated, logprobs=[row[:m] for row, m in zip(lps, lengths_l)],
+                          stopped=None if stopped is None else torch.tensor(stopped))
         if out_top is not None:  # zeros past each row's end
             past = (torch.arange(T, device=dev).unsqueeze(0) >= lengths[:R].unsqueeze(1)).unsqueeze(-1)
             out.topk_logprobs = out_top[0][:R].masked_fill(past, 0.0).cpu()

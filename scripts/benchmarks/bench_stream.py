@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Streaming rollouts against a step at a time (issue 56): decode slot occupancy and generated tokens per decode step,
+counted by the static engine, at EOS lengths like a reasoning run's (bench.py's reasoning_lengths: 10% at the cap).
+
+    python scripts/benchmarks/bench_stream.py                                 # builtin:tiny-char, cap 64, CPU
+    python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1,2:32:1 --out runs/stream.json
+
+Each decode step reads every weight once whatever the number of live rows, so tokens per decode step is the time per
+token on a GPU; a CPU decodes compute-bound, so its wall time is reported but says little. ``today``: each step's
+groups x G rows generated in one call (rollout.slots 0, the trainer's K = 0 path); each ``--runs`` entry K:SLOTS:CHECK
+is grpo/rollout/stream.py's Stream with max_staleness K over rollout.slots SLOTS, the host reading finished rows every
+CHECK steps. The first step of each side fills its pipeline and is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.benchmarks.bench import reasoning_lengths  # noqa: E402
+
+
+def engine_for(model, eos: int, *overrides: str):
+    from grpo.rollout import static
+    from grpo.rollout.engine import EngineSetup
+    from grpo.training.configure import load_config
+
+    cfg = load_config(None, "grpo", ["rollout.engine=static", *overrides])
+    return static.StaticEngine(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[eos], pad_id=0))
+
+
+def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap: int, steps: int,
+            runs: list[tuple[int, int, int]], today_check: int = 16, seed: int = 0) -> dict:
+    """{"today": figures, "K=..,slots=..,check=..": figures, "lengths": the recorded distribution}: per side the
+    decoded tokens, decode steps, slot-steps (their ratio: occupancy), tokens per decode step, wall seconds, and for
+    the streams the staleness and the groups drawn again."""
+    from grpo.rollout.engine import SamplingParams
+    from grpo.rollout.stream import Stream
+
+    drawn = reasoning_lengths(groups * G * (steps + 1) * 4, cap, seed)
+    lengths = tuple(drawn["lengths"])
+    params = SamplingParams(max_tokens=cap, temperature=1.0, forced_eos_lengths=lengths)
+    out = {"lengths": {k: v for k, v in drawn.items() if k != "lengths"}, "groups": groups, "G": G, "cap": cap,
+           "steps": steps}
+
+    def tally(engine, into: dict, seconds: float) -> None:
+        m = engine.pop_metrics()
+        if m.get("rollout/decode_steps"):
+            into["decoded_tokens"] += m["rollout/decoded_tokens"]
+            into["decode_steps"] += m["rollout/decode_steps"]
+            into["slot_steps"] += m["rollout/decoded_tokens"] / m["rollout/occupancy"]
+        into["seconds"] += seconds
+
+    def finish(into: dict) -> dict:
+        into["occupancy"] = into["decoded_tokens"] / max(1.0, into["slot_steps"])
+        into["tokens_per_decode_step"] = into["decoded_tokens"] / max(1.0, into["decode_steps"])
+        return into
+
+    engine = engine_for(model, eos, f"rollout.static.check_every={today_check}")
+    today = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0)
+    for s in range(steps + 1):
+        batch = [prompts[(s * groups + g) % len(prompts)] for g in range(groups)]
+        at = lengths[s * groups * G: (s + 1) * groups * G]
+        t0 = time.perf_counter()
+        engine.generate(batch, dataclasses.replace(params, forced_eos_lengths=at), G)
+        tally(engine, today if s else dict(today), time.perf_counter() - t0)
+    out["today"] = finish(today)
+
+    for K, slots, check in runs:
+        counter = itertools.count()
+
+        def feed(n):
+            return [(prompts[i % len(prompts)], i) for i in (next(counter) for _ in range(n))]
+
+        engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}")
+        stream = Stream(engine, params, group_size=G, groups_per_step=groups, max_staleness=K, feed=feed)
+        res = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0, staleness_max=0.0,
+                   staleness_mean=0.0, regenerated=0.0, handed_out=0)
+        for version in range(steps + 1):
+            t0 = time.perf_counter()
+            taken = stream.next(version)
+            secs = time.perf_counter() - t0
+            m = stream.pop_metrics(taken, version)
+            if not version:
+                engine.pop_metrics()
+                continue
+            tally(engine, res, secs)
+            res["staleness_max"] = max(res["staleness_max"], m["rollout/staleness_max"])
+            res["staleness_mean"] += m["rollout/staleness_mean"] / steps
+            res["regenerated"] += m["rollout/regenerated"]
+            res["handed_out"] += len(taken)
+        out[f"K={K},slots={slots},check={check}"] = finish(res)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, default=8, help="groups (prompts) a step")
+    p.add_argument("--G", type=int, default=8, help="rows a group")
+    p.add_argument("--cap", type=int, default=64, help="max completion tokens")
+    p.add_argument("--steps", type=int, default=6, help="measured steps a side (after one that fills the pipeline)")
+    p.add_argument("--runs", default="1:64:1,1:32:1,2:32:1", help="K:SLOTS:CHECK, comma-separated")
+    p.add_argument("--today-check", type=int, default=16, help="rollout.static.check_every of the step-at-a-time side")
+    p.add_argument("--out", help="a JSON file for the figures")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from grpo.foundation.tiny import build_builtin
+
+    torch.manual_seed(0)
+    model, tok = build_builtin("builtin:tiny-char")
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, model.config.vocab_size, (12,), generator=g).tolist() for _ in range(64)]
+    runs = [tuple(int(x) for x in r.split(":")) for r in args.runs.split(",")]
+    res = measure(model, tok.eos_token_id, prompts, args.groups, args.G, args.cap, args.steps, runs, args.today_check)
+    res["model"], res["command"] = "builtin:tiny-char (random init, seed 0)", " ".join(sys.argv)
+    print(json.dumps(res, indent=1))
+    base = res["today"]["tokens_per_decode_step"]
+    for name, r in res.items():
+        if isinstance(r, dict) and "occupancy" in r:
+            print(f"{name:>24}: occupancy {r['occupancy']:.0%}, {r['tokens_per_decode_step']:.1f} tokens a decode step "
+                  f"({r['tokens_per_decode_step'] / base:.2f}x today), {r['decode_steps']:.0f} decode steps, "
+                  f"{r['seconds']:.1f} s" + (f", staleness max {r['staleness_max']:.0f}, mean {r['staleness_mean']:.2f},"
+                                              f" regenerated {r['regenerated']:.0f}" if "regenerated" in r else ""))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Partial rollouts with a bound (grpo/rollout/stream.py, issue 56): the static engine's stop and per-row room, and
+the stream that hands out whole groups while the other rows carry on."""
+
+import itertools
+
+import pytest
+import torch
+
+from grpo.rollout import static
+from grpo.rollout.engine import SamplingParams
+from grpo.rollout.stream import Stream
+from tests.test_static_engine import PROMPTS, build, eos_mid_run, setup_for
+
+
+def feed_of(prompts):
+    """An endless feed cycling over ``prompts``: (ids, item) with the item the issue number."""
+    counter = itertools.count()
+
+    def feed(n):
+        return [(prompts[i % len(prompts)], i) for i in (next(counter) for _ in range(n))]
+
+    return feed
+
+
+def test_stop_returns_the_unfinished_rows_as_they_stand_and_room_caps_each_prompt():
+    """``stop`` ends the call at a host read, the rows still decoding returned with their tokens so far (a prefix of
+    the rows they draw uncut under greedy decoding), ``stopped`` set, not truncated; ``room`` ends a prompt's rows
+    at its own count."""
+    model = build("qwen2")
+    eos = eos_mid_run(model, PROMPTS)
+    greedy = SamplingParams(max_tokens=12).greedy()
+    engine = static.StaticEngine(setup_for(model, ["rollout.static.check_every=1"], eos=(eos,)))
+    full = engine.generate(PROMPTS, greedy, 2)
+    assert full.stopped is None
+    seen = []
+    cut = engine.generate(PROMPTS, greedy, 2, stop=lambda done: seen.append(list(done)) or len(done) >= 1)
+    assert cut.stopped is not None and cut.stopped.any() and not cut.truncated[cut.stopped].any()
+    for a, b, stopped in zip(cut.tokens, full.tokens, cut.stopped.tolist()):
+        assert a == b if not stopped else (b[: len(a)] == a and len(a) < len(b))
+    assert seen and len(seen[-1]) >= 1
+    capped = engine.generate(PROMPTS, greedy, 2, room=[3, 12, 5])
+    assert [len(t) <= c for t, c in zip(capped.tokens, [3, 3, 12, 12, 5, 5])]
+    assert [t for t in capped.tokens] == [b[: c] for b, c in zip(full.tokens, [3, 3, 12, 12, 5, 5])]
+    with pytest.raises(ValueError, match="room: one count per prompt in 1..12"):
+        engine.generate(PROMPTS, greedy, 2, room=[3, 13, 5])
+
+
+@pytest.mark.parametrize("slots", [0, 4])
+def test_greedy_rows_carried_across_calls_are_the_rows_one_call_draws(slots):
+    """K = 2, one group a step: the other groups' rows stop part-way and carry on at the next call, fed again as
+    prompt + tokens so far. Under greedy decoding (the weights unchanged) each group handed out holds exactly the
+    rows one uncut call draws; every issued group is handed out once, oldest whole group first."""
+    model = build("qwen2")
+    eos = eos_mid_run(model, PROMPTS)
+    greedy = SamplingParams(max_tokens=12).greedy()
+    engine = static.StaticEngine(setup_for(model, ["rollout.static.check_every=1", f"rollout.slots={slots}"],
+                                           eos=(eos,)))
+    want = {tuple(p): engine.generate([p], greedy, 3).tokens for p in PROMPTS}
+    stream = Stream(engine, greedy, group_size=3, groups_per_step=1, max_staleness=2, feed=feed_of(PROMPTS))
+    served, carried = [], 0
+    for version in range(8):
+        (g,) = stream.next(version)
+        carried += stream.pop_metrics([g], version)["rollout/carried_rows"]
+        assert [r.tokens for r in g.rows] == want[tuple(g.prompt)]
+        assert all(r.done and len(r.versions) == len(r.tokens) == len(r.logprobs) for r in g.rows)
+        served.append(g.serial)
+    assert carried > 0 and stream.counts["regenerated"] == 0  # nothing stale: each group waits at most 2 steps
+    assert len(set(served)) == 8 and set(served) <= set(range(stream.serial))
+
+
+def test_a_step_waits_for_a_group_k_versions_behind_rather_than_let_it_go_stale():
+    """K = 1, two slots, one group a step; one recorded length is the cap: the step that would leave that group's
+    rows two versions behind waits for them instead (no group drawn again, none dropped), so no token handed out is
+    more than one version behind, and every row ends with its EOS."""
+    model = build("qwen2")
+    params = SamplingParams(max_tokens=40, temperature=1.0, forced_eos_lengths=(2, 3, 40, 2, 3, 2))
+    engine = static.StaticEngine(setup_for(model, ["rollout.static.check_every=1", "rollout.slots=2"], eos=(2,)))
+    stream = Stream(engine, params, group_size=3, groups_per_step=1, max_staleness=1, feed=feed_of(PROMPTS))
+    carried = 0
+    for version in range(10):
+        (g,) = stream.next(version)
+        m = stream.pop_metrics([g], version)
+        carried += m["rollout/carried_rows"]
+        assert m["rollout/staleness_max"] <= 1 and m["rollout/regenerated"] == 0
+        assert all(version - v <= 1 for r in g.rows for v in r.versions)
+        # each row ends at its recorded length, or before it at the model's own EOS
+        assert all(len(r.tokens) <= params.forced_eos_lengths[(g.serial * 3 + j) % 6] and r.tokens[-1] == 2
+                   for j, r in enumerate(g.rows))
+    assert carried > 0
+
+
+def test_a_whole_group_left_more_than_k_versions_behind_is_drawn_again():
+    """Whole groups beyond a step's share wait; one that is then more than K versions behind starts again from
+    its prompt (counted) and is handed out only with fresh tokens."""
+    model = build("qwen2")
+    params = SamplingParams(max_tokens=4, temperature=1.0)
+    engine = static.StaticEngine(setup_for(model, ["rollout.static.check_every=1"], eos=(2,)))
+    stream = Stream(engine, params, group_size=2, groups_per_step=1, max_staleness=1, feed=feed_of(PROMPTS))
+    first = stream.next(0)[0]
+    assert stream.pending and all(g.whole for g in stream.pending)  # no stop: the second group finished too
+    late = stream.pending[0]
+    old = [list(r.tokens) for r in late.rows]
+    got = stream.next(2)[0]  # two updates later: the waiting group is 2 versions behind
+    m = stream.pop_metrics([got], 2)
+    assert m["rollout/regenerated"] == 1 and got is late and got.serial != first.serial
+    assert all(v == 2 for r in got.rows for v in r.versions) and len(old) == 2
+
+
+def test_streaming_draws_more_tokens_a_decode_step_at_reasoning_lengths():
+    """Issue 56's CPU measure at a smaller size (scripts/benchmarks/bench_stream.py; docs/results.md has the figures):
+    8 groups x 8 rows a step, EOS at reasoning-like recorded lengths (10% at the 64-token cap). A step at a time
+    (today's trainer) decodes about 14 tokens a decode step; streaming with K = 1 over 64 slots about 1.8x that and
+    K = 2 about 2.8x, every token at most K versions behind. (K = 1 cannot reach 2.5x at these lengths: a row at the
+    cap needs 64 decode steps within K + 1 = 2 steps, so a step runs at least 32 of them for its ~1,100 tokens.)"""
+    from scripts.benchmarks.bench_stream import measure
+
+    model = build("qwen2", dtype=torch.float32)
+    prompts = [[3 + i % 31, 3 + (7 * i) % 31, 3 + (3 * i) % 31] for i in range(48)]
+    res = measure(model, 2, prompts, groups=8, G=8, cap=64, steps=4, runs=[(1, 64, 1), (2, 64, 1)])
+    today, k1, k2 = res["today"], res["K=1,slots=64,check=1"], res["K=2,slots=64,check=1"]
+    assert k1["staleness_max"] <= 1 and k2["staleness_max"] <= 2
+    assert k1["handed_out"] == k2["handed_out"] == 4 * 8
+    assert k1["tokens_per_decode_step"] >= 1.5 * today["tokens_per_decode_step"], (k1, today)
+    assert k2["tokens_per_decode_step"] >= 2.3 * today["tokens_per_decode_step"], (k2, today)
+    assert k2["occupancy"] > today["occupancy"] and k1["occupancy"] > today["occupancy"]
