@@ -123,3 +123,68 @@ def test_streaming_draws_more_tokens_a_decode_step_at_reasoning_lengths():
     assert k1["tokens_per_decode_step"] >= 1.5 * today["tokens_per_decode_step"], (k1, today)
     assert k2["tokens_per_decode_step"] >= 2.3 * today["tokens_per_decode_step"], (k2, today)
     assert k2["occupancy"] > today["occupancy"] and k1["occupancy"] > today["occupancy"]
+
+
+def test_max_staleness_config_needs_the_static_engine_a_correction_and_single_turn():
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
+
+    ok = ["rollout.engine=static", "rollout.max_staleness=1", "algo.rollout_correction={mode: truncate}"]
+    assert load_config(None, "grpo", ok).rollout.max_staleness == 1
+    assert load_config(None, "grpo", [*ok[:2], "algo.tis_cap=2.0"]).rollout.max_staleness == 1
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1 streams rollouts through the static engine's slots, "
+                                          "and rollout.engine='hf': set rollout.engine=static"):
+        load_config(None, "grpo", ["rollout.engine=hf", *ok[1:]])
+    with pytest.raises(ConfigError, match=r"without a correction such runs collapse. Set algo.rollout_correction="
+                                          r"\{mode: truncate\}"):
+        load_config(None, "grpo", ok[:2])
+    with pytest.raises(ConfigError, match="env.name='maze': multi-turn trajectories are not streamed"):
+        load_config(None, "grpo", [*ok, "env.name=maze"])
+
+
+def test_a_streamed_run_trains_whole_groups_within_the_bound_and_resumes_every_group_in_flight(single_rank_env,
+                                                                                              tmp_path):
+    """The demo through the Trainer with rollout.max_staleness=1 (static engine on CPU, truncated IS): each step
+    trains prompts_per_step whole groups, no token more than one step behind, rows carried over; the checkpoint
+    keeps the groups in flight and --resume draws them again first, so every prompt the sampler issued is trained
+    exactly once across the stop."""
+    from pathlib import Path
+
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    over = [f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false",
+            "rollout.prompts_per_step=4", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
+            "rollout.engine=static", "rollout.max_staleness=1", "algo.rollout_correction={mode: truncate}",
+            "model.dtype=fp32", "rollout.slots=4", "rollout.static.check_every=1", "train.save_every=3",
+            "rollout.max_completion_length=12",
+            "data.shuffle=false"]
+    trained: list[int] = []
+
+    def run(steps: int, resume: bool) -> list[dict]:
+        tr = Trainer(load_config(demo, "grpo", [*over, f"train.max_steps={steps}"]), resume=resume)
+        inner = tr.rollout.rollout_groups
+
+        def spy(groups, items):
+            trained.extend(g.item for g in groups)
+            return inner(groups, items)
+
+        tr.rollout.rollout_groups = spy
+        try:
+            return tr.train()
+        finally:
+            issued = tr.sampler.state_dict()["consumed"]
+            pending = [g.item for g in tr.stream.pending]
+            tr.close()
+            run.state = (issued, pending)
+
+    first = run(3, False)
+    assert all(h["rollout/staleness_max"] <= 1 for h in first)
+    assert any(h["rollout/carried_rows"] > 0 for h in first) and any(h["rollout/staleness_mean"] > 0 for h in first)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in first)
+    assert len(trained) == 3 * 4 and len(run.state[1]) == 4  # K x prompts_per_step groups in flight at the save
+    second = run(6, True)
+    assert len(second) == 3 and all(h["rollout/staleness_max"] <= 1 for h in second)
+    issued, pending = run.state
+    assert sorted(trained + pending) == list(range(issued))  # each issued prompt trained once, or still in flight

@@ -260,6 +260,11 @@ class RolloutConfig:
     # rows, not every row of a call. Rounded up to the engine's row bucket (a power of two up to 64, then a
     # multiple of 64). 0: one slot per row of the call (every row starts at once, as the hf engine decodes).
     slots: int = at_least_zero(0)
+    # Streaming rollouts (docs/streaming.md; rollout.engine: static): K >= 1 ends a step as soon as it has its
+    # prompts_per_step whole groups, the other rows carrying on under the next weights, no token trained on more
+    # than K optimizer steps after the weights that drew it. Needs algo.rollout_correction or algo.tis_cap (the
+    # sampler is then up to K steps behind the trainer). 0: every step's groups drawn and finished within the step.
+    max_staleness: int = at_least_zero(0)
     # Multi-turn rollouts (only with ``env.name``): at most ``max_turns`` policy turns per trajectory, each
     # at most ``max_completion_length`` tokens; policy and environment tokens together at most
     # ``max_trajectory_tokens`` (the width L_max of the batch). Running out of either ends the trajectory.
@@ -691,6 +696,22 @@ def check_ranges(node: Any, path: str = "") -> None:
                     check_ranges(item, f"{key}[{i}]")
 
 
+def _validate_streaming(cfg: Config) -> None:
+    """rollout.max_staleness >= 1 (streaming rollouts): what it needs and what it cannot run with yet."""
+    r, K = cfg.rollout, cfg.rollout.max_staleness
+    if r.engine != "static":
+        raise ConfigError(f"rollout.max_staleness={K} streams rollouts through the static engine's slots, and "
+                          f"rollout.engine={r.engine!r}: set rollout.engine=static (CUDA or CPU), or "
+                          f"rollout.max_staleness=0")
+    if cfg.algo.rollout_correction is None and cfg.algo.tis_cap is None:
+        raise ConfigError(f"rollout.max_staleness={K} trains on tokens drawn up to {K} optimizer steps before the "
+                          f"weights they train: without a correction such runs collapse. Set "
+                          f"algo.rollout_correction={{mode: truncate}} (or {{mode: mask}}, or algo.tis_cap=2.0)")
+    if cfg.env.name:
+        raise ConfigError(f"rollout.max_staleness={K} with env.name={cfg.env.name!r}: multi-turn trajectories are not "
+                          f"streamed (their turns wait on the environment); set rollout.max_staleness=0")
+
+
 def validate(cfg: Config) -> None:
     """Checks on values that types alone cannot express: the declared ranges first, then the rules that relate
     keys to each other."""
@@ -712,6 +733,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.slots={r.slots} is continuous batching in the static engine, and "
                           f"rollout.engine={r.engine!r}: set rollout.engine=static (CUDA or CPU), or rollout.slots=0 "
                           f"(the hf engine starts every row at once; vllm schedules its own batch)")
+    if r.max_staleness:
+        _validate_streaming(cfg)
     if r.static.mode not in STATIC_MODES:
         raise ConfigError(f"rollout.static.mode={r.static.mode!r} is invalid: choose from {list(STATIC_MODES)}")
     check_optimizer_states(cfg)

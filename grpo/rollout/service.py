@@ -3,6 +3,7 @@
     generate(prompts, params, n)           n completions per prompt (ids, truncation, sampler log-probs)
     continue_sequences(prompts, prefixes)  extend partial completions (guided correction; multi-turn)
     rollout(prompts, items, index)         the step's groups as a scored RolloutBatch
+    rollout_stream(stream, version, items) a streamed step's whole groups (grpo/rollout/stream.py), scored
     score(batch)                           the reward functions on a batch's texts
     sync_weights()                         after every optimizer step (a no-op for the ``hf`` engine)
     offload()                              before the training passes (vllm on CUDA: the engine sleeps)
@@ -29,6 +30,7 @@ from grpo.foundation.registry import Registry
 from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, SamplingParams, completion_mask, cut_at_eos
 from grpo.rollout.hf import HFEngine, needs_synced_generation
 from grpo.rollout.static import StaticEngine, unsupported_reason
+from grpo.rollout.stream import Group, Stream
 from grpo.rollout.vllm_engine import VLLMEngine, require_vllm
 
 
@@ -87,6 +89,7 @@ class RolloutService:
         # the audit's steps (grpo/training/audit.py): the engine's top-k of each drawn token's distribution, into
         # batch.extra["sampler_topk_logp" / "sampler_topk_ids"]; 0: not asked
         self.audit_top_k = 0
+        self.stream_metrics: dict[str, float] = {}  # a streamed step's staleness, carried rows, regenerated groups
 
     @classmethod
     def build(cls, cfg, model: torch.nn.Module, tokenizer, eos_ids: list[int],
@@ -166,7 +169,8 @@ class RolloutService:
     def pop_metrics(self) -> dict[str, float]:
         """The engine's own metrics since the last call (hf: prefix reuse in multi-turn runs; vllm: syncs, probe)."""
         pop = getattr(self.engine, "pop_metrics", None)
-        return pop() if pop is not None else {}
+        out, self.stream_metrics = {**(pop() if pop is not None else {}), **self.stream_metrics}, {}
+        return out
 
     # ----------------------------------------------------------------- text and rewards
     def decode(self, tokens: list[list[int]]) -> list[str]:
@@ -177,6 +181,29 @@ class RolloutService:
         """G completions for each prompt, scored: the rows of one step (group-major)."""
         G = self.cfg.num_generations if n is None else n
         comp = self.generate(prompts, dataclasses.replace(self.params, topk_logprobs=self.audit_top_k), n=G)
+        return self._scored(prompts, items, prompt_index, G, comp)
+
+    def rollout_stream(self, stream: Stream, version: int, items: Callable[[Any], dict[str, Any]]) -> RolloutBatch:
+        """A streamed step (``rollout.max_staleness`` >= 1): ``stream``'s whole groups for weights ``version``, scored
+        (``items``: a group's dataset row from its item); the stream's figures join ``pop_metrics``."""
+        t0 = time.perf_counter()
+        groups = stream.next(version)
+        self._time("generation", t0)
+        self.stream_metrics = stream.pop_metrics(groups, version)
+        return self.rollout_groups(groups, [items(g.item) for g in groups])
+
+    def rollout_groups(self, groups: list[Group], items: list[dict[str, Any]]) -> RolloutBatch:
+        """A streamed step's whole groups (grpo/rollout/stream.py; each group's ``item`` its dataset index, ``items``
+        their dataset rows) as a scored RolloutBatch, the sampler's log-probs those each token was drawn with."""
+        rows = [r for g in groups for r in g.rows]
+        comp = Completions(tokens=[r.tokens for r in rows], truncated=torch.tensor([r.truncated for r in rows]),
+                           logprobs=[r.logprobs for r in rows])
+        return self._scored([g.prompt for g in groups], items, [g.item for g in groups], self.cfg.num_generations,
+                            comp)
+
+    def _scored(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int], G: int,
+                comp: Completions) -> RolloutBatch:
+        """The batch of G completions per prompt (group-major), handed to ``on_generated``, then scored."""
         rows = [i for i in range(len(prompts)) for _ in range(G)]
         prompt_ids = [prompts[i] for i in rows]
         batch = RolloutBatch(

@@ -148,6 +148,19 @@ class Stream:
             if not stopped[i]:
                 r.done, r.truncated = True, bool(out.truncated[i])
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the items of the groups issued and not handed out, in issue order (a resumed
+        run draws them again from their prompts, first)."""
+        return {"pending": [g.item for g in self.pending]}
+
+    def requeue(self, pairs: list[tuple[list[int], Any]]) -> None:
+        """Groups issued before a resume, (prompt ids, item) in issue order: drawn again, before any new group."""
+        groups = []
+        for prompt, item in pairs:
+            groups.append(Group(self.serial, list(prompt), item, [Row() for _ in range(self.G)]))
+            self.serial += 1
+        self.pending = groups + self.pending
+
     def pop_metrics(self, taken: list[Group], version: int) -> dict[str, float]:
         """The step's streaming figures: token-weighted staleness of ``taken`` (versions behind ``version``), the
         rows carried to the next step, the groups drawn again since the last call."""

@@ -82,8 +82,10 @@ class Audit:
 
     def _no_sampler(self) -> None:
         if not self._said_no_sampler and dist.is_main():
-            print(f"audit: the rollout returned no top-k log-probs (rollout.engine={self.cfg.rollout.engine!r}; the "
-                  f"built-in engines' single-turn rollouts have them), so audit/sampler_kl is not measured; the "
+            why = (f"rollout.max_staleness={self.cfg.rollout.max_staleness}: streamed rows do not carry them yet"
+                   if self.cfg.rollout.max_staleness else f"rollout.engine={self.cfg.rollout.engine!r}; the built-in "
+                   f"engines' single-turn rollouts have them")
+            print(f"audit: the rollout returned no top-k log-probs ({why}), so audit/sampler_kl is not measured; the "
                   f"reference's audit runs when the run has a reference", flush=True)
         self._said_no_sampler = True
 

@@ -14,6 +14,7 @@ from grpo.foundation.logprobs import check_head
 from grpo.foundation.modeling import load_policy, load_tokenizer
 from grpo.foundation.plugins import SERVICES
 from grpo.rollout.multiturn import MultiTurnRollout
+from grpo.rollout.stream import Stream
 from grpo.training import deepspeed_engine as ds
 from grpo.training.partitioned import load_partitioned
 
@@ -62,6 +63,25 @@ def multiturn(cfg: Config, rollout: Any, env: Any) -> Optional[MultiTurnRollout]
         system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
         tool_counts=env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s,
         max_prompt_length=cfg.rollout.max_prompt_length, env_threads=cfg.env.tool_workers)
+
+
+def stream(cfg: Config, rollout: Any, dataset: PromptDataset, sampler: PromptSampler, rank: int,
+           world: int) -> Optional[Stream]:
+    """``rollout.max_staleness`` >= 1: the step's groups come from a Stream over this rank's share of the data (every
+    rank draws the same global batches, so every rank's feed asks for as many as the others'); None: K = 0."""
+    K = cfg.rollout.max_staleness
+    if not K:
+        return None
+    if rollout.setup.synced:
+        raise ConfigError(f"rollout.max_staleness={K} with train.zero_stage=3 over {world} ranks: ZeRO-3 makes every "
+                          f"decode step a collective, and streamed steps end at different decode steps on each rank; "
+                          f"use train.zero_stage 0-2, or rollout.max_staleness=0")
+
+    def feed(n: int) -> list[tuple[list[int], int]]:
+        return [(dataset.ids[i], i) for i in sampler.rank_batch(n * world, rank, world)]
+
+    return Stream(rollout.engine, rollout.params, cfg.rollout.num_generations, cfg.rollout.prompts_per_step // world,
+                  K, feed)
 
 
 def announce(cfg: Config, model: Any, device: Any, dataset: PromptDataset, multi_turn: bool) -> None:

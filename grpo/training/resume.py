@@ -18,6 +18,8 @@ def save(trainer: Any) -> Path:
     t = trainer
     state = {"step": t.step, "sampler": t.sampler.state_dict(), "algo": t.algo.state_dict(),
              "algo_options": t.algo.options_state_dict()}
+    if t.stream is not None:  # streamed rollouts: the groups in flight, drawn again first at resume
+        state["stream"] = t.stream.state_dict()
     if t.reference is not None and t.reference.folder:
         # relative to the run folder when inside it: a run folder moved (or copied) still resumes
         state["reference"] = {"folder": stored_folder(t.out, t.reference.folder), "version": t.reference.version}
@@ -64,6 +66,13 @@ def resume(trainer: Any) -> None:
     state = load_checkpoint(t.engine, ckpt)
     t.step = int(state["step"])
     t.sampler.load_state_dict(state["sampler"])
+    pending = (state.get("stream") or {}).get("pending", [])
+    if pending and t.stream is None:
+        raise ConfigError(f"--resume from {ckpt}: the run streamed its rollouts (rollout.max_staleness >= 1) and "
+                          f"{len(pending)} of its groups were in flight; resume with rollout.max_staleness >= 1 so "
+                          f"that they are drawn again (else their prompts would be skipped)")
+    if t.stream is not None:
+        t.stream.requeue([(t.dataset.ids[i], i) for i in pending])
     t.algo.load_state_dict(state.get("algo", {}))
     t.algo.load_options_state_dict(state.get("algo_options", {}))
     ref_state = state.get("reference") or {}

@@ -95,6 +95,7 @@ class Trainer:
         self.rollout = RolloutService.build(cfg, self.model, self.tokenizer, self.eos_ids, scorer=self.rewards,
                                              make_engine=parts.engine)
         self.multiturn = build.multiturn(cfg, self.rollout, self.env)
+        self.stream = build.stream(cfg, self.rollout, self.dataset, self.sampler, self.rank, self.world)  # K >= 1
         self.evaluator = Evaluator(cfg, self.rollout, rewards=parts.rewards) if cfg.eval.every else None
         # with LoRA (and no ref.url / ref.model) the reference is self.model with its adapters off: no copy
         load, vocab = (None if zero3 is None else (lambda source: frozen_partitioned(cfg, source, zero3)),
@@ -219,7 +220,11 @@ class Trainer:
         if self.rewards is not None:
             self.rewards.set_state(self.step, self.cfg.train.max_steps)
         self.rollout.audit_top_k = self.audit.top_k(self.step)  # the engine's top-k, on the audit's steps
-        batch = together(lambda: self.generate(self._rank_indices()))  # generation and the rewards
+        if self.stream is None:
+            batch = together(lambda: self.generate(self._rank_indices()))  # generation and the rewards
+        else:  # streamed: whole groups, drawn by the weights of at most max_staleness steps ago
+            batch = together(lambda: self.rollout.rollout_stream(self.stream, self.step,
+                                                                 lambda i: self.dataset.items[i]))
         ctx = self.context()
         # The one place where algorithms change the batch (shaping, filtering + refill, correction, pruning).
         # (a failure of an outside service inside the hook, remax's greedy scoring, agreed by every rank as above)

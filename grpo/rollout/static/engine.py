@@ -182,7 +182,8 @@ class StaticEngine:
 
     def pop_metrics(self) -> dict[str, float]:
         """The engine's counts since the last call: compactions, column shifts, and ``rollout/occupancy``, the
-        share of decode slot-steps that drew a token of a row (the rest ran padding or finished rows)."""
+        share of decode slot-steps that drew a token of a row, a call's slots being its row bucket at the start
+        (a decode step reads every weight however few rows are left, compaction or not)."""
         out, self.metrics = self.metrics, {}
         tokens, slot_steps, steps = self.decoded
         if steps:
@@ -282,7 +283,7 @@ class StaticEngine:
         distinct: dict[tuple, int] = {}
         first_of = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]  # each prompt's prefill row
         prompts = [list(p) for p in distinct]
-        Rb = rows_bucket(min(R, self.slots or R))
+        Rb = pool = rows_bucket(min(R, self.slots or R))  # the call's slots (compaction then narrows Rb)
         queued = R > Rb  # rows wait for a slot: columns to run past a row's cap before they shift
         k_all, v_all, kpos_all = self._buffers(Rb, round_up(Lp + T + (LENGTH_BUCKET if queued else 0), LENGTH_BUCKET),
                                                w.embed.dtype)
@@ -401,7 +402,7 @@ class StaticEngine:
                                                kpos_all[:Rb], length, sampling)
                 tok = record(rows, k, tok, lp, top)
                 nxt, c = nxt + 1, c + 1
-                steps, slot_steps = steps + 1, slot_steps + Rb
+                steps, slot_steps = steps + 1, slot_steps + pool  # a step reads every weight for all its slots
             if pending:  # the flags copied one step ago: waited for only now that this step is queued
                 if event is not None:
                     event.synchronize()
