@@ -78,6 +78,9 @@ FULL_RUN = ["train.max_steps=4", "train.save_every=2", "algo.beta=0.04"]
 # the static engine under ZeRO-3 (rides in the full runs' launch; not resumed)
 STATIC_RUN = ["algo.beta=0", "rollout.engine=static", "algo.tis_cap=2.0", "train.zero_stage=3", "model.dtype=fp32",
               "train.max_steps=2"]
+# streamed rollouts (rollout.max_staleness=1) on 2 ranks under ZeRO-2, each rank its own slots and share of the data
+STREAM_RUN = ["algo.beta=0", "rollout.engine=static", "rollout.max_staleness=1", "algo.rollout_correction={mode: "
+              "truncate}", "train.zero_stage=2", "model.dtype=fp32", "train.max_steps=3", "rollout.slots=64"]
 
 
 # two nodes against one node with two ranks (test_two_nodes_equal_two_ranks_on_one_node): the same overrides
@@ -112,7 +115,8 @@ def launch(tmp_path_factory, tiny_dir, single_rank_env) -> dict:
 
     - the train runs: the two-rank side of the two-node comparison (``one-node``, first: a fresh process, as
       train.py's); the uninterrupted runs, 4 steps with a checkpoint every 2 steps, full fine-tuning (``full``)
-      and LoRA under ZeRO-2 (``lora``), and 2 steps with the static engine under ZeRO-3 (``static``); then
+      and LoRA under ZeRO-2 (``lora``), 2 steps with the static engine under ZeRO-3 (``static``), 3 streamed
+      steps under ZeRO-2 (``stream``); then
       ``full`` and ``lora`` as if each had crashed right after its step-2 checkpoint (``full`` with the text-file
       ``latest`` runs wrote before the symlink), resumed with --resume (``resumed-full``, ``resumed-lora``);
     - the step-gradient cases (GRAD_CASES; built-partitioned: the same weights from an HF folder, built
@@ -128,7 +132,8 @@ def launch(tmp_path_factory, tiny_dir, single_rank_env) -> dict:
     moe = write_tiny(out / "moe", arch="qwen3_moe")
     w1 = run_cases([f"w1-mb16-z0:16:0:{builtin}", "w1-mb16-z0+lora:16:0", f"w1-mb16-z0-moe:16:0:{moe}"], builtin, out)
     runs = {"one-node": (MULTINODE_RUN, out / "one-node", None), "full": (FULL_RUN, out / "run", None),
-            "lora": (LORA_RUN, out / "lora", None), "static": (STATIC_RUN, out / "static", None)}
+            "lora": (LORA_RUN, out / "lora", None), "static": (STATIC_RUN, out / "static", None),
+            "stream": (STREAM_RUN, out / "stream", None)}
     for k in ("full", "lora"):
         runs[f"resumed-{k}"] = (runs[k][0], out / "resumed" / k,
                                 {"run": str(runs[k][1]), "step": 2, "text_latest": k == "full"})
@@ -142,7 +147,7 @@ def launch(tmp_path_factory, tiny_dir, single_rank_env) -> dict:
         assert status["ok"], status.get("traceback", status)
     # the crashed copies were picked up at their step-2 checkpoint, the others started anew
     assert {k: s["start_step"] for k, s in statuses.items()} == {"one-node": 0, "full": 0, "lora": 0, "static": 0,
-                                                                 "resumed-full": 2, "resumed-lora": 2}
+                                                                 "stream": 0, "resumed-full": 2, "resumed-lora": 2}
     return {"runs": {k: folder for k, (_, folder, _) in runs.items()},
             "grads": {**w1, **torch.load(out / "w2.pt"), "zero3_checks": out / "zero3_checks.json"}}
 
@@ -159,7 +164,7 @@ def launched(launch) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def full_runs(launched) -> dict[str, Path]:
-    return {k: launched[k] for k in ("full", "lora", "static")}
+    return {k: launched[k] for k in ("full", "lora", "static", "stream")}
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +232,16 @@ def test_two_ranks_under_zero3_train_with_the_static_engine(full_runs):
     rows = read_metrics(full_runs["static"] / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sampler_gap/max"] < 1e-4 for r in rows)
+
+
+def test_two_ranks_stream_their_rollouts_within_the_bound(full_runs):
+    """rollout.max_staleness=1 over 2 CPU ranks (ZeRO-2): each rank streams its share of the data through its own
+    slots and ends its step with its share of whole groups; the ranks' training passes stay in step, and no trained
+    token is more than one step behind."""
+    rows = read_metrics(full_runs["stream"] / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1 and torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert any(r["rollout/staleness_mean"] > 0 for r in rows)
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path, capsys):
