@@ -188,3 +188,29 @@ def test_a_streamed_run_trains_whole_groups_within_the_bound_and_resumes_every_g
     assert len(second) == 3 and all(h["rollout/staleness_max"] <= 1 for h in second)
     issued, pending = run.state
     assert sorted(trained + pending) == list(range(issued))  # each issued prompt trained once, or still in flight
+
+
+def test_a_refill_inside_a_streamed_step_takes_whole_groups_from_the_stream(single_rank_env, tmp_path):
+    """dapo's dynamic sampling (and CPPO's allocation) ask for more groups inside a step (ctx.generate_more): with
+    rollout.max_staleness >= 1 they come from the stream too (oldest whole groups first, no prompt twice), and the
+    step's staleness figures cover both."""
+    from pathlib import Path
+
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    tr = Trainer(load_config(demo, "dapo", [
+        f"train.output_dir={tmp_path}", "logging.progress_bar=false", "rollout.prompts_per_step=4",
+        "rollout.num_generations=4", "reward_pool.num_workers=0", "rollout.engine=static", "rollout.max_staleness=1",
+        "algo.rollout_correction={mode: truncate}", "model.dtype=fp32", "rollout.max_completion_length=8"]))
+    try:
+        first = tr._streamed()
+        more = tr.context().generate_more(6)
+        assert len(first) == 4 * 4 and len(more) == 6 * 4
+        indices = first.prompt_index[::4] + more.prompt_index[::4]
+        assert len(set(indices)) == 10
+        m = tr.rollout.pop_metrics()
+        assert m["rollout/staleness_max"] == 0 and "_tokens" not in m and tr.stream.pending
+    finally:
+        tr.close()

@@ -169,7 +169,8 @@ class RolloutService:
     def pop_metrics(self) -> dict[str, float]:
         """The engine's own metrics since the last call (hf: prefix reuse in multi-turn runs; vllm: syncs, probe)."""
         pop = getattr(self.engine, "pop_metrics", None)
-        out, self.stream_metrics = {**(pop() if pop is not None else {}), **self.stream_metrics}, {}
+        streamed = {k: v for k, v in self.stream_metrics.items() if not k.startswith("_")}
+        out, self.stream_metrics = {**(pop() if pop is not None else {}), **streamed}, {}
         return out
 
     # ----------------------------------------------------------------- text and rewards
@@ -183,13 +184,23 @@ class RolloutService:
         comp = self.generate(prompts, dataclasses.replace(self.params, topk_logprobs=self.audit_top_k), n=G)
         return self._scored(prompts, items, prompt_index, G, comp)
 
-    def rollout_stream(self, stream: Stream, version: int, items: Callable[[Any], dict[str, Any]]) -> RolloutBatch:
-        """A streamed step (``rollout.max_staleness`` >= 1): ``stream``'s whole groups for weights ``version``, scored
-        (``items``: a group's dataset row from its item); the stream's figures join ``pop_metrics``."""
+    def rollout_stream(self, stream: Stream, version: int, items: Callable[[Any], dict[str, Any]],
+                       need: Optional[int] = None) -> RolloutBatch:
+        """A streamed step (``rollout.max_staleness`` >= 1): ``stream``'s whole groups for weights ``version`` (``need``
+        of them: a refill's count), scored (``items``: a group's dataset row from its item); the stream's figures
+        join ``pop_metrics``, a refill's added to the step's."""
         t0 = time.perf_counter()
-        groups = stream.next(version)
+        groups = stream.next(version, need)
         self._time("generation", t0)
-        self.stream_metrics = stream.pop_metrics(groups, version)
+        now, before = stream.pop_metrics(groups, version), self.stream_metrics
+        if before:  # a refill within the step: the step's figures over all its groups
+            n0, n1 = before.pop("_tokens"), now["_tokens"]
+            now["rollout/staleness_mean"] = ((before["rollout/staleness_mean"] * n0 + now["rollout/staleness_mean"]
+                                              * n1) / max(1, n0 + n1))
+            now["rollout/staleness_max"] = max(before["rollout/staleness_max"], now["rollout/staleness_max"])
+            now["rollout/regenerated"] += before["rollout/regenerated"]
+            now["_tokens"] = n0 + n1
+        self.stream_metrics = now
         return self.rollout_groups(groups, [items(g.item) for g in groups])
 
     def rollout_groups(self, groups: list[Group], items: list[dict[str, Any]]) -> RolloutBatch:

@@ -79,9 +79,9 @@ class Stream:
         self.counts = {"regenerated": 0, "calls": 0}
 
     # -- the queue
-    def _issue(self) -> None:
-        """Top the queue up to (K + 1) x groups_per_step groups."""
-        want = (self.K + 1) * self.need - len(self.pending)
+    def _issue(self, need: int) -> None:
+        """Top the queue up to (K + 1) x groups_per_step groups (and at least ``need``)."""
+        want = max((self.K + 1) * self.need, need) - len(self.pending)
         for prompt, item in (self.feed(want) if want > 0 else []):
             self.pending.append(Group(self.serial, list(prompt), item, [Row() for _ in range(self.G)]))
             self.serial += 1
@@ -100,29 +100,31 @@ class Stream:
         return at[(g.serial * self.G + j) % len(at)] - len(row.tokens)
 
     # -- a step
-    def next(self, version: int) -> list[Group]:
-        """The step's whole groups (``groups_per_step`` of them, fewer only when the feed ran dry), every token at
-        most K versions behind ``version``, the weights they train on."""
-        self._issue()
+    def next(self, version: int, need: Optional[int] = None) -> list[Group]:
+        """The step's whole groups (``groups_per_step`` of them, or ``need``: a refill such as dapo's dynamic
+        sampling; fewer only when the feed ran dry), every token at most K versions behind ``version``, the weights
+        they train on."""
+        need = self.need if need is None else need
+        self._issue(need)
         self._regenerate(version)
-        while not self._ready(version, {}) and not all(g.whole for g in self.pending):
-            self._decode(version)
-        whole = [g for g in self.pending if g.whole][: self.need]
+        while not self._ready(version, {}, need) and not all(g.whole for g in self.pending):
+            self._decode(version, need)
+        whole = [g for g in self.pending if g.whole][: need]
         taken = {id(g) for g in whole}
         self.pending = [g for g in self.pending if id(g) not in taken]
         return whole
 
-    def _ready(self, version: int, ended: dict[int, int]) -> bool:
-        """Whether the step can end: ``groups_per_step`` groups whole, and every group K versions behind whole
-        (``ended``: rows of each group, by id, finished in the call under way)."""
+    def _ready(self, version: int, ended: dict[int, int], need: int) -> bool:
+        """Whether the step can end: ``need`` groups whole, and every group K versions behind whole (``ended``: rows
+        of each group, by id, finished in the call under way)."""
         def whole(g: Group) -> bool:
             return sum(not r.done for r in g.rows) == ended.get(id(g), 0)
 
-        if sum(whole(g) for g in self.pending) < self.need:
+        if sum(whole(g) for g in self.pending) < need:
             return False
         return all(whole(g) for g in self.pending if (o := g.oldest()) is not None and version - o >= self.K)
 
-    def _decode(self, version: int) -> None:
+    def _decode(self, version: int, need: int) -> None:
         """One engine call over every unfinished row, stopped once enough groups are whole."""
         calls = [(g, j, r) for g in self.pending for j, r in enumerate(g.rows) if not r.done]
         T = self.params.max_tokens
@@ -135,7 +137,7 @@ class Stream:
             ended: dict[int, int] = {}
             for i in finished:
                 ended[group_of[i]] = ended.get(group_of[i], 0) + 1
-            return self._ready(version, ended)
+            return self._ready(version, ended, need)
 
         out = self.engine.generate([g.prompt + r.tokens for g, _, r in calls], params, 1,
                                    room=[T - len(r.tokens) for _, _, r in calls], stop=stop)
@@ -165,7 +167,7 @@ class Stream:
         """The step's streaming figures: token-weighted staleness of ``taken`` (versions behind ``version``), the
         rows carried to the next step, the groups drawn again since the last call."""
         behind = [version - v for g in taken for r in g.rows for v in r.versions]
-        out = {"rollout/staleness_mean": sum(behind) / max(1, len(behind)),
+        out = {"_tokens": float(len(behind)), "rollout/staleness_mean": sum(behind) / max(1, len(behind)),
                "rollout/staleness_max": float(max(behind, default=0)),
                "rollout/carried_rows": float(sum(bool(r.tokens) and not r.done for g in self.pending for r in g.rows)),
                "rollout/regenerated": float(self.counts["regenerated"])}

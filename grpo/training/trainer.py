@@ -134,6 +134,9 @@ class Trainer:
         # a further batch inside process_batch (dapo's refill): every rank asks for it together (resample), so an
         # outside service's failure on one rank is agreed right there, before the hook's next collective
         more = lambda n=None: together(lambda: self.generate(self._rank_indices(n)))  # noqa: E731
+        if self.stream is not None:  # streamed: a refill takes whole groups from the stream (this rank's share)
+            share = lambda n: (self.cfg.rollout.prompts_per_step if n is None else n) // self.world  # noqa: E731
+            more = lambda n=None: together(lambda: self._streamed(share(n)))  # noqa: E731
         return StepContext(self.cfg, self.step, generate_more=more, rollout=AgreedRollout(self.rollout),
                            reference=self.reference, reset_reference=self.reset_reference,
                            reset_optimizer=lambda: ds.reset_optimizer_state(self.engine))
@@ -151,6 +154,10 @@ class Trainer:
     def _rank_indices(self, n: Optional[int] = None) -> list[int]:
         """This rank's slice of the next global batch of ``n`` prompts (default prompts_per_step)."""
         return self.sampler.rank_batch(self.cfg.rollout.prompts_per_step if n is None else n, self.rank, self.world)
+
+    def _streamed(self, need: Optional[int] = None) -> RolloutBatch:
+        """``need`` (default: the step's share) whole groups from the stream, scored."""
+        return self.rollout.rollout_stream(self.stream, self.step, lambda i: self.dataset.items[i], need)
 
     def generate(self, indices: list[int]) -> RolloutBatch:
         """G scored completions (multi-turn trajectories with an environment) for each of these dataset prompts."""
@@ -223,8 +230,7 @@ class Trainer:
         if self.stream is None:
             batch = together(lambda: self.generate(self._rank_indices()))  # generation and the rewards
         else:  # streamed: whole groups, drawn by the weights of at most max_staleness steps ago
-            batch = together(lambda: self.rollout.rollout_stream(self.stream, self.step,
-                                                                 lambda i: self.dataset.items[i]))
+            batch = together(self._streamed)
         ctx = self.context()
         # The one place where algorithms change the batch (shaping, filtering + refill, correction, pruning).
         # (a failure of an outside service inside the hook, remax's greedy scoring, agreed by every rank as above)
