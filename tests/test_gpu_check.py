@@ -55,14 +55,20 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
 
 
 def test_gpu_check_real_length_stages_on_cpu(tmp_path):
-    """Issue 41, item 4 on CPU: eos_generation (both engines, EOS ignored and at recorded lengths) and step_256_eos."""
+    """Issue 41, item 4 on CPU: eos_generation (both engines, EOS ignored and at recorded lengths) and step_256_eos;
+    issue 56's stream stage (a step at a time against streaming, beside EOS ignored)."""
     out = tmp_path / "gc"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmarks" / "gpu_check.py"), "--out", str(out),
-                           "--device", "cpu", "--tiny", "--stages", "eos_generation,step_256_eos"], cwd=ROOT,
+                           "--device", "cpu", "--tiny", "--stages", "eos_generation,step_256_eos,stream"], cwd=ROOT,
                           capture_output=True, text=True, timeout=LAUNCH_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
-    assert [r["stage"] for r in rows] == ["machine", "eos_generation", "eos_generation", "step_256_eos"]
+    assert [r["stage"] for r in rows] == ["machine", "eos_generation", "eos_generation", "step_256_eos", "stream"]
+    stream = rows[4]
+    for side in ("today", "K=1,slots=64,check=4", "K=2,slots=64,check=4"):
+        r = stream[side]
+        assert r["decoded_tokens"] > 0 and 0 < r["occupancy"] <= 1 and r["per_token_over_ignored"] > 0
+    assert stream["K=1,slots=64,check=4"]["staleness_max"] <= 1 and stream["ignored_ms_per_token"] > 0
     for gen in rows[1:3]:
         lengths = gen["eos_distribution"]["lengths"]
         assert len(lengths) == gen["rows"] == 4 and all(1 <= n <= gen["new_tokens"] for n in lengths)
@@ -193,6 +199,10 @@ def test_engine_names_map_to_rollout_overrides():
                                           "rollout.static.compile_dynamic=false"]
     with pytest.raises(SystemExit, match="'dynamic' or nothing"):
         engine_overrides("static:compile:64:fast")
+    assert engine_overrides("static:graphs@16@4")[-2:] == ["rollout.slots=16", "rollout.static.check_every=4"]
+    assert engine_overrides("static@32")[-1] == "rollout.slots=32"
+    with pytest.raises(SystemExit, match="@SLOTS or @SLOTS@CHECK_EVERY"):
+        engine_overrides("static@x")
 
 
 def test_the_eos_floor_against_its_sum_written_out():

@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -38,7 +39,8 @@ def engine_for(model, eos: int, *overrides: str):
 
 
 def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap: int, steps: int,
-            runs: list[tuple[int, int, int]], today_check: int = 16, seed: int = 0) -> dict:
+            runs: list[tuple[int, int, int]], today_check: int = 16, seed: int = 0,
+            sync: Callable[[], None] = lambda: None) -> dict:
     """{"today": figures, "K=..,slots=..,check=..": figures, "lengths": the recorded distribution}: per side the
     decoded tokens, decode steps, slot-steps (their ratio: occupancy), tokens per decode step, wall seconds, and for
     the streams the staleness and the groups drawn again."""
@@ -69,8 +71,10 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
     for s in range(steps + 1):
         batch = [prompts[(s * groups + g) % len(prompts)] for g in range(groups)]
         at = lengths[s * groups * G: (s + 1) * groups * G]
+        sync()
         t0 = time.perf_counter()
         engine.generate(batch, dataclasses.replace(params, forced_eos_lengths=at), G)
+        sync()
         tally(engine, today if s else dict(today), time.perf_counter() - t0)
     out["today"] = finish(today)
 
@@ -85,8 +89,10 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
         res = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0, staleness_max=0.0,
                    staleness_mean=0.0, regenerated=0.0, handed_out=0)
         for version in range(steps + 1):
+            sync()
             t0 = time.perf_counter()
             taken = stream.next(version)
+            sync()
             secs = time.perf_counter() - t0
             m = stream.pop_metrics(taken, version)
             if not version:

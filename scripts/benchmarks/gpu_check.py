@@ -16,6 +16,9 @@ per shape:
                  same left-padded batch: TRL's generation without vLLM, the hf engine's target in issue 41); the static rows add the warm-up seconds
                  (compiles and graph captures at these shapes), their log-prob gap to the trainer, and
                  (eager engines) how many leading greedy tokens of each row equal the first engine's
+    stream       streaming rollouts (issue 56): a step at a time against rollout.max_staleness 1 and 2 at the
+                 generation stage's shape, EOS at reasoning-like lengths: ms per generated token against EOS ignored,
+                 occupancy, tokens per decode step, seconds a step (not in the default stages)
     eos_generation  real lengths (issue 41): each engine (``--engines``) at the generation stage's shape, EOS
                  ignored and then EOS at lengths drawn once from a reasoning-like distribution (recorded: bench.py's
                  reasoning_lengths): decode ms per generated token of both and their ratio, compactions, the
@@ -316,6 +319,38 @@ def audit_kl(engine, model, prompts: list[list[int]], params, n: int, k: int = 8
     for i, t in enumerate(out.tokens):
         valid[i, : len(t)] = True
     return {"audit_kl_mean": float(kl[valid].mean()), "audit_kl_max": float(kl[valid].max()), "audit_top_k": k}
+
+
+def stage_stream(folder: str, device: str, dtype: str, spec: dict) -> dict:
+    """Streaming rollouts (issue 56) at the generation stage's shape: ``gen_rows`` rows a step (8 a group), EOS at
+    reasoning-like recorded lengths, a step at a time against rollout.max_staleness 1 and 2 over 64 slots
+    (scripts/benchmarks/bench_stream.py's measure, the static engine in its default mode: graphs on CUDA), beside
+    the EOS-ignored figure of the same engine: ms per generated token of each, occupancy, tokens per decode step."""
+    from grpo.foundation.config import ModelConfig
+    from grpo.foundation.modeling import load_model
+    from grpo.rollout.engine import SamplingParams
+    from scripts.benchmarks.bench_stream import engine_for, measure
+
+    model = load_model(ModelConfig(dtype=dtype), folder).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, model.config.vocab_size, (PROMPT_WORDS,), generator=g).tolist() for _ in range(64)]
+    groups, G = max(1, spec["gen_rows"] // 8), min(8, spec["gen_rows"])
+    engine = engine_for(model, 2)
+    free = SamplingParams(max_tokens=spec["gen_tokens"], temperature=1.0, ignore_eos=True)
+    engine.generate(prompts[:groups], free, G)  # the warm-up: compiles, captures
+    _sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts[:groups], free, G)
+    _sync(device)
+    ignored = 1000 * (time.perf_counter() - t0) / sum(len(t) for t in out.tokens)
+    del engine
+    res = measure(model, 2, prompts, groups, G, spec["gen_tokens"], steps=3, runs=[(1, 64, 4), (2, 64, 4)],
+                  sync=lambda: _sync(device))
+    for side in [k for k in res if isinstance(res[k], dict) and "seconds" in res[k]]:
+        r = res[side]
+        r["ms_per_token"] = 1000 * r["seconds"] / max(1.0, r["decoded_tokens"])
+        r["per_token_over_ignored"] = r["ms_per_token"] / ignored
+    return {"ignored_ms_per_token": ignored, **res}
 
 
 def stage_eos_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
@@ -667,6 +702,12 @@ def row_text(r: dict) -> str:
                     f"engine's")
         if "logprob_gap_mean" in r:
             res += f", log-prob gap to the trainer {r['logprob_gap_mean']:.2g} mean, {r['logprob_gap_max']:.2g} max"
+    elif r["stage"] == "stream":
+        sides = {k: v for k, v in r.items() if isinstance(v, dict) and "occupancy" in v}
+        res = f"EOS ignored {r['ignored_ms_per_token']:.3f} ms a token; " + "; ".join(
+            f"{k}: {v['ms_per_token']:.3f} ms a token ({v['per_token_over_ignored']:.2f}x), occupancy "
+            f"{v['occupancy']:.0%}, {v['tokens_per_decode_step']:.1f} tokens a decode step, "
+            f"{v['seconds'] / r['steps']:.2f} s a step" for k, v in sides.items())
     elif r["stage"] == "eos_generation":
         d, a, b = r["eos_distribution"], r["ignored"], r["forced"]
         res = (f"{r['engine']} ({r['mode']}), {r['rows']} rows x up to {r['new_tokens']}: EOS ignored "
@@ -804,6 +845,8 @@ def main(argv=None) -> int:
                     rows.append(record(out, stage, name, res))
                     (out / "gpu_table.md").write_text(table(rows))
                 continue
+            elif stage == "stream":
+                res = stage_stream(folder, args.device, dtype, spec)
             elif stage == "eos_generation":
                 for res in stage_eos_generation(folder, args.device, dtype, spec, args.engines.split(",")):
                     rows.append(record(out, stage, name, res))
@@ -838,7 +881,7 @@ def main(argv=None) -> int:
                                          f"weight: 0}}]", overrides=tuple(args.set))
                 res["reward_model"] = str(rm)
             else:
-                raise SystemExit(f"unknown stage {stage!r}; valid: generation, eos_generation, step_256, step_1024, "
+                raise SystemExit(f"unknown stage {stage!r}; valid: generation, eos_generation, stream, step_256, step_1024, "
                                  f"step_256_eos, step_1024_eos, ref_http, step_rm, real_model, compile_probe, "
                                  f"decode_profile, train_profile")
             res["stage_seconds"] = time.perf_counter() - t0

@@ -59,6 +59,8 @@ stage $B --out $BE/eos-keep --eos-lengths reasoning --set rollout.static.offload
 # item 4 on both sides: TRL with EOS at the same recorded lengths (cut by the time limit on 2026-11-27)
 stage $B --vs trl --eos-lengths reasoning --out $BE/eos
 stage $G --stages eos_generation --engines static:$SM,static:$SM@16@4,static:$SM@32@4  # issue 56: slots
+# issue 56: streamed rollouts (rollout.max_staleness 1 and 2) against a step at a time, ms a token against EOS ignored
+stage $G --stages stream
 # item 1: compile warm-up bounded (compile_dynamic) and its tokens/s
 stage $G --stages generation --engines static:${CM:-compile+graphs}:64:dynamic
 # 1024 tokens against TRL
