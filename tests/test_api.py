@@ -57,38 +57,29 @@ def test_two_runs_in_one_process_with_python_rewards_and_rows(tmp_path):
     assert "reward/lambda/mean" in second.metrics
 
 
-SCRIPT_WITHOUT_GUARD = """
-from grpo import train
-
-
-def first_digit(completions, answer, **kwargs):
-    return [float(c[:1] == a[:1]) for c, a in zip(completions, answer)]
-
-
-rows = [{"prompt": f"{n:02d}=", "answer": f"{n:02d}"} for n in range(40)]
-result = train("configs/demo.yaml", rewards=[first_digit], dataset=rows,
-               train={"max_steps": 2, "micro_batch_size": 64, "output_dir": OUT},
-               rollout={"num_generations": 4, "prompts_per_step": 4, "max_completion_length": 3},
-               logging={"progress_bar": False, "plot": False}, reward_pool={"num_workers": 2})
-print("steps:", len(result.history))
-"""
-
-
-def test_a_script_without_a_main_guard_runs_once(tmp_path):
-    """Issue 60 item 1: the Python API's example saved as a script, without ``if __name__ == "__main__":``, crashed:
-    each reward worker re-ran the script and called train() again (7 tracebacks, EADDRINUSE, then "reward worker
-    died while starting"). Workers no longer run the main script: the run trains once, its workers score."""
+def test_the_docs_example_runs_as_written_as_a_script_and_learns(tmp_path):
+    """Issue 60 items 1 and 2: docs/python-api.md's example, saved as a script as written (no ``if __name__ ==
+    "__main__":`` guard), crashed (each reward worker re-ran the script and called train() again: 7 tracebacks,
+    EADDRINUSE, "reward worker died while starting"), and with the guard stopped at step 1 (dapo's exact-match reward
+    never varied on the random tiny model). The block as written now trains both runs once each, its workers only
+    score, and dapo's reward rises as the doc says."""
+    import re
     import subprocess
     import sys
 
+    block = re.search(r"```python\n(.*?)```", (ROOT / "docs" / "python-api.md").read_text(), re.S).group(1)
     script = tmp_path / "api.py"
-    script.write_text(f"OUT = {str(tmp_path / 'run')!r}\n" + SCRIPT_WITHOUT_GUARD)
-    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    script.write_text(block + "print('FIRST', first)\n")
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # the doc runs from the repository's folder
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.count("steps: 2") == 1 and "Traceback" not in p.stderr, (p.stdout[-2000:], p.stderr[-2000:])
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2] and all("reward/first_digit/mean" in m for m in metrics)
+    assert p.stdout.count("runs/notebook ") == 1 and "Traceback" not in p.stderr, (p.stdout[-2000:], p.stderr[-2000:])
+    dapo, grpo = ([json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+                  for name in ("notebook", "notebook-grpo"))
+    assert [m["step"] for m in dapo] == list(range(1, 121)) and [m["step"] for m in grpo] == list(range(1, 11))
+    start, end = (sum(m["reward/mean"] for m in ms) / 10 for ms in (dapo[:10], dapo[-10:]))
+    assert start < 0.1 and end > 0.7, (start, end)  # "from about 0.04 to about 0.9"
 
 
 def test_a_run_that_fails_while_building_leaves_no_worker_behind(tmp_path):
