@@ -55,17 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_algos:
         print(list_algos())
         return 0
-    from grpo.foundation.config import ConfigError, config_warnings, dump_yaml, to_dict
-    from grpo.training.configure import check_run, load_config, probe_services
+    from grpo.foundation.config import ConfigError, dump_yaml, to_dict
+    from grpo.training.configure import check_run, load_config, probe_services, run_warnings
 
     try:  # one validation, before any model loads, for --print-config and the run alike
         cfg = load_config(args.config, args.algo, args.overrides)
-        check_run(cfg, resume=args.resume)
+        parts = check_run(cfg, resume=args.resume)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":
-        for warning in config_warnings(cfg):
+        for warning in run_warnings(cfg, parts):
             print(f"config warning: {warning}", file=sys.stderr)
     from grpo.reference.protocol import ReferenceServerError
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
-from grpo.foundation.config import Config, ConfigError, config_warnings, deep_merge
+from grpo.foundation.config import Config, ConfigError, deep_merge
 from grpo.foundation.plugins import REWARDS
 
 ConfigLike = Union[None, str, Path, dict]
@@ -77,7 +77,7 @@ def train(config: ConfigLike = None, *, algo: Union[None, str, dict[str, Any]] =
     TrainingStopped from the watchdogs. The process group is torn down either way, so a second call trains.
     """
     from grpo.foundation import dist
-    from grpo.training.configure import check_run, probe_services
+    from grpo.training.configure import check_run, probe_services, run_warnings
     from grpo.training.trainer import Trainer
 
     if rewards is not None:
@@ -91,7 +91,7 @@ def train(config: ConfigLike = None, *, algo: Union[None, str, dict[str, Any]] =
         cfg = make_config(config, algo=algo, overrides=overrides, **{**sections, "data": data})
     parts = check_run(cfg, resume=resume)
     if dist.is_main():
-        for warning in config_warnings(cfg):
+        for warning in run_warnings(cfg, parts):
             print(f"config warning: {warning}", file=sys.stderr)
     probe_services(cfg)
     finished = False

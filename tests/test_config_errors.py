@@ -442,3 +442,14 @@ def test_resuming_a_python_api_run_from_the_command_line_says_how(capsys, no_mod
                 "rewards[0].fn='correct#1' is a Python function that grpo.train was given in another process",
                 "train(<the same config>, rewards=[correct, ...], resume=True", str(tmp_path))
     assert "Did you mean" not in err
+
+
+@pytest.mark.parametrize("algo, warned", [("dapo", True), ("grpo", False)])
+def test_a_reference_server_the_algorithm_never_asks_is_named(capsys, algo, warned):
+    """Issue 60 item 3: `deepspeed train.py --algo dapo ref.url=...` sent the server 0 requests (dapo's beta is 0)
+    and nothing said so; it is named before any model loads (then the probe finds no server here)."""
+    train.main(["--algo", algo, "ref.url=http://127.0.0.1:9", "--print-config"])
+    err = capsys.readouterr().err
+    warning = (f"config warning: ref.url='http://127.0.0.1:9' is never asked: algorithm 'dapo' uses no reference with "
+               f"algo.beta=0.0 and algo.kl_in_reward=0.0, so the server gets no request")
+    assert (warning in err) == warned, err

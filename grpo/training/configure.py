@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from grpo.foundation.config import (FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states,
-                                    distilling, read_user_tree)
+                                    config_warnings, distilling, read_user_tree)
 from grpo.foundation.plugins import ALGORITHMS, REWARDS, SERVICES
 from grpo.reference.handle import adapters_off_reference
 from grpo.training.compose import Parts, compose
@@ -176,6 +176,18 @@ def probe_services(cfg: Config) -> None:
         check_reload(cfg)
     if cfg.teacher.url and distilling(cfg):
         probe(cfg, teacher=True)
+
+
+def run_warnings(cfg: Config, parts: Parts) -> list[str]:
+    """What train.py and grpo.train print once before any model loads: the config's own warnings
+    (``config_warnings``) and the servers the run's algorithm never asks."""
+    out = config_warnings(cfg)
+    if cfg.ref.url and not parts.algorithm(cfg).needs_reference:
+        out.append(f"ref.url={cfg.ref.url!r} is never asked: algorithm {cfg.algo.name!r} uses no reference with "
+                   f"algo.beta={cfg.algo.beta} and algo.kl_in_reward={cfg.algo.kl_in_reward}, so the server gets no "
+                   f"request and no KL to it is logged; set algo.beta > 0 (e.g. algo.beta=0.04) to train against it, "
+                   f"or leave ref.url out")
+    return out
 
 
 def needs_reference(config: Optional[str | Path], overrides: list[str]) -> bool:
