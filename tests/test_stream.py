@@ -166,9 +166,9 @@ def test_a_streamed_run_trains_whole_groups_within_the_bound_and_resumes_every_g
         tr = Trainer(load_config(demo, "grpo", [*over, f"train.max_steps={steps}"]), resume=resume)
         inner = tr.rollout.rollout_groups
 
-        def spy(groups, items):
+        def spy(groups, items, version):
             trained.extend(g.item for g in groups)
-            return inner(groups, items)
+            return inner(groups, items, version)
 
         tr.rollout.rollout_groups = spy
         try:
@@ -214,3 +214,29 @@ def test_a_refill_inside_a_streamed_step_takes_whole_groups_from_the_stream(sing
         assert m["rollout/staleness_max"] == 0 and "_tokens" not in m and tr.stream.pending
     finally:
         tr.close()
+
+
+def test_the_audit_splits_the_sampler_kl_by_staleness(single_rank_env, tmp_path):
+    """Streamed rows keep the audit's top-k of every token (an audited step holds tokens of earlier calls), and the
+    audit splits KL(pi_sampler || pi_trainer) by how many steps before the audited weights each token was drawn:
+    tokens of the same weights (fp32, the static engine against the training forward) show only rounding, tokens one
+    update old show the update."""
+    from pathlib import Path
+
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    tr = Trainer(load_config(demo, "grpo", [
+        f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false", "train.max_steps=4",
+        "rollout.prompts_per_step=4", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
+        "rollout.engine=static", "rollout.max_staleness=1", "algo.tis_cap=2.0", "model.dtype=fp32",
+        "rollout.max_completion_length=12", "rollout.slots=4", "rollout.static.check_every=1", "train.lr=0.05",
+        "logging.audit_every=1", "logging.audit_rows=16", "train.save_every=0"]))
+    try:
+        history = tr.train()
+    finally:
+        tr.close()
+    assert all("audit/sampler_kl_behind_0" in h and "audit/sampler_kl_behind_1" in h for h in history)
+    assert all(h["audit/sampler_kl_behind_0_max"] < 1e-4 for h in history)
+    assert max(h["audit/sampler_kl_behind_1"] for h in history) > 1e-3

@@ -201,16 +201,30 @@ class RolloutService:
             now["rollout/regenerated"] += before["rollout/regenerated"]
             now["_tokens"] = n0 + n1
         self.stream_metrics = now
-        return self.rollout_groups(groups, [items(g.item) for g in groups])
+        return self.rollout_groups(groups, [items(g.item) for g in groups], version)
 
-    def rollout_groups(self, groups: list[Group], items: list[dict[str, Any]]) -> RolloutBatch:
+    def rollout_groups(self, groups: list[Group], items: list[dict[str, Any]], version: int = 0) -> RolloutBatch:
         """A streamed step's whole groups (grpo/rollout/stream.py; each group's ``item`` its dataset index, ``items``
-        their dataset rows) as a scored RolloutBatch, the sampler's log-probs those each token was drawn with."""
+        their dataset rows) as a scored RolloutBatch, the sampler's log-probs (and the audit's top-k) those each
+        token was drawn with; ``extra["versions_behind"]``: each token's weights, in steps before ``version``."""
         rows = [r for g in groups for r in g.rows]
+        T = self.cfg.max_completion_length
         comp = Completions(tokens=[r.tokens for r in rows], truncated=torch.tensor([r.truncated for r in rows]),
                            logprobs=[r.logprobs for r in rows])
-        return self._scored([g.prompt for g in groups], items, [g.item for g in groups], self.cfg.num_generations,
-                            comp)
+        if rows and all(r.topk for r in rows if r.tokens):  # [R, T, k], zeros past each row's end
+            k = next(r.topk[0][0].shape[-1] for r in rows if r.topk)
+            comp.topk_logprobs, comp.topk_ids = torch.zeros(len(rows), T, k), torch.zeros(len(rows), T, k, dtype=torch.long)
+            for i, r in enumerate(rows):
+                if r.topk:
+                    comp.topk_logprobs[i, : len(r.tokens)] = torch.cat([c[0] for c in r.topk])
+                    comp.topk_ids[i, : len(r.tokens)] = torch.cat([c[1] for c in r.topk])
+        batch = self._scored([g.prompt for g in groups], items, [g.item for g in groups], self.cfg.num_generations,
+                             comp)
+        behind = torch.zeros(len(rows), batch.width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            behind[i, : len(r.versions)] = version - torch.tensor(r.versions, dtype=torch.long)
+        batch.extra = {**batch.extra, "versions_behind": behind}
+        return batch
 
     def _scored(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int], G: int,
                 comp: Completions) -> RolloutBatch:

@@ -23,6 +23,8 @@ import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
+import torch
+
 from grpo.rollout.engine import SamplingParams
 
 
@@ -35,6 +37,8 @@ class Row:
     versions: list[int] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+    # the audit's top-k at each token (``topk`` > 0): chunks of ([n, k] log-probs, [n, k] ids), one per call
+    topk: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -66,13 +70,16 @@ class Stream:
     ``n`` (prompt ids, item) pairs of the data."""
 
     def __init__(self, engine: Any, params: SamplingParams, group_size: int, groups_per_step: int,
-                 max_staleness: int, feed: Callable[[int], list[tuple[list[int], Any]]]):
+                 max_staleness: int, feed: Callable[[int], list[tuple[list[int], Any]]], topk: int = 0):
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: a stream carries rows over at least one update (K >= 1)")
         if not can_stream(engine):
             raise ValueError(f"{type(engine).__name__} cannot stop a generation call part-way (generate(..., room=, "
                              f"stop=)): streaming needs rollout.engine=static")
-        self.engine, self.params, self.G = engine, params, group_size
+        self.engine, self.G = engine, group_size
+        # topk: the audit's (logging.audit_top_k, when it audits): every token keeps the k most likely tokens of the
+        # distribution it was drawn from, since an audited step's rows hold tokens of earlier calls
+        self.params = replace(params, topk_logprobs=topk)
         self.need, self.K, self.feed = groups_per_step, max_staleness, feed
         self.pending: list[Group] = []  # issued and not handed out, oldest first
         self.serial = 0
@@ -147,6 +154,9 @@ class Stream:
             r.tokens += out.tokens[i]
             r.logprobs += out.logprobs[i]
             r.versions += [version] * len(out.tokens[i])
+            if out.topk_logprobs is not None:
+                n = len(out.tokens[i])
+                r.topk.append((out.topk_logprobs[i, :n], out.topk_ids[i, :n]))
             if not stopped[i]:
                 r.done, r.truncated = True, bool(out.truncated[i])
 

@@ -10,6 +10,8 @@ one bucket for the rest (rl_math.topk_divergence, beta 0):
                          drawn token (temperature applied; hf, static and vllm return it: SamplingParams.topk_logprobs)
                          against the trainer's forward with the same weights
     audit/reference_kl   KL(pi_ref || pi_theta) on the reference's top-k (a run with a reference)
+    audit/sampler_kl_behind_S  streamed rollouts (rollout.max_staleness K): audit/sampler_kl over the tokens drawn
+                         S = 0..K steps before the weights audited (the staleness the correction then weighs)
 
 with their maxima over positions (``.../max``) and the audit's seconds (``time/audit``). Both come from one
 forward pass of the policy without gradient over the audited rows, which scores it on both supports (the
@@ -68,6 +70,9 @@ class Audit:
         if sampler is not None:
             kl = rl_math.topk_divergence(policy[..., : self.k], sub.extra["sampler_topk_logp"].double(), 0.0)
             self._log(metrics, "audit/sampler_kl", kl, mask)
+            behind = sub.extra.get("versions_behind")
+            for s in range(self.cfg.rollout.max_staleness + 1 if behind is not None else 0):  # streamed rollouts
+                self._log(metrics, f"audit/sampler_kl_behind_{s}", kl, mask * (behind == s).double())
         if ref_scores is not None:
             kl = rl_math.topk_divergence(policy[..., -self.k:], ref_scores.topk_logprobs.double(), 0.0)
             self._log(metrics, "audit/reference_kl", kl, mask)
@@ -82,10 +87,8 @@ class Audit:
 
     def _no_sampler(self) -> None:
         if not self._said_no_sampler and dist.is_main():
-            why = (f"rollout.max_staleness={self.cfg.rollout.max_staleness}: streamed rows do not carry them yet"
-                   if self.cfg.rollout.max_staleness else f"rollout.engine={self.cfg.rollout.engine!r}; the built-in "
-                   f"engines' single-turn rollouts have them")
-            print(f"audit: the rollout returned no top-k log-probs ({why}), so audit/sampler_kl is not measured; the "
+            print(f"audit: the rollout returned no top-k log-probs (rollout.engine={self.cfg.rollout.engine!r}; the "
+                  f"built-in engines' single-turn rollouts have them), so audit/sampler_kl is not measured; the "
                   f"reference's audit runs when the run has a reference", flush=True)
         self._said_no_sampler = True
 

@@ -81,7 +81,7 @@ def stream(cfg: Config, rollout: Any, dataset: PromptDataset, sampler: PromptSam
         return [(dataset.ids[i], i) for i in sampler.rank_batch(n * world, rank, world)]
 
     return Stream(rollout.engine, rollout.params, cfg.rollout.num_generations, cfg.rollout.prompts_per_step // world,
-                  K, feed)
+                  K, feed, topk=cfg.logging.audit_top_k if cfg.logging.audit_every else 0)
 
 
 def announce(cfg: Config, model: Any, device: Any, dataset: PromptDataset, multi_turn: bool) -> None:
