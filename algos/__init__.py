@@ -30,4 +30,3 @@ def _discover() -> None:
 
 _discover()
 
-get_algorithm = ALGORITHMS.get  # the class ``--algo NAME`` names (a ConfigError naming the choices otherwise)

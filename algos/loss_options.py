@@ -106,7 +106,7 @@ class LossOptions:
         ctx.metrics["distill/share"] = term / total if total > 0 else 0.0
 
     def correct_rollout(self, batch: RolloutBatch, ctx: StepContext) -> None:
-        """``algo.rollout_correction``: the whole batch's weights (rl_math.rollout_correction_weight, applied to each
+        """``algo.rollout_correction``: the whole batch's weights (rl_math.rollout_ratio bounded by bound_ratio, applied to each
         token's policy-gradient term in ``tis``) and the sampler/trainer mismatch, over all ranks: ``rollout_corr/k1``
         and ``/k3`` (estimates of KL(pi_sampler || pi_old) on the sampled tokens), the token ratio's ``/ratio_max``
         and ``/ratio_min``, ``/weight_mean``, and the share of tokens ``/masked_frac`` (mode mask: weight 0) or

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.foundation.plugins import REWARDS, SERVICES, STEP_REWARDS, RewardServiceError  # noqa: F401 (its name here)
@@ -38,22 +38,11 @@ from rewards.worker_pool import Outcome, WarmUp, WorkerPool
 log = logging.getLogger("rewards")
 
 
-class RewardFn(Protocol):
-    def __call__(self, prompts: list[str], completions: list[str], **columns: Any) -> list[float]: ...
-
-
-class StepRewardFn(Protocol):
-    """Process supervision (grpo-ps): one score per reasoning step of one completion."""
-
-    def __call__(self, prompt: str, steps: list[str], example: dict[str, Any]) -> list[float]: ...
-
-
 _BUILT_IN = {"digits_match": digits_match, "math_correct": math_correct, "format_strict": format_strict,
              "format_soft": format_soft, "countdown": countdown, "code_tests": code_tests}
 for _name, _fn in _BUILT_IN.items():
     REWARDS.register(_name, _fn)
 STEP_REWARDS.register("digits_step_match", digits_step_match)
-REGISTRY, STEP_REGISTRY = REWARDS, STEP_REWARDS  # the names these registries had here
 BUILT_IN = frozenset(_BUILT_IN)  # what a worker knows by name (it imports this package)
 
 # built-ins scored one row per call unless the entry says otherwise: math-verify can hang on one input; a row of

@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 
 from grpo.foundation.config import ConfigError, RewardSpec, auto_dtype
+from grpo.foundation.modeling import DTYPES
 from rewards.calls import Rows
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_device(device: Optional[str] = None) -> torch.device:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from algos import get_algorithm
+from algos import ALGORITHMS
 from algos.base import StepContext
 from algos.cppo import kept_count
 from algos.dapo import DynamicSamplingError
@@ -161,7 +161,7 @@ def test_overlong_penalty_piecewise():
 
 def dapo_setup(*overrides):
     cfg = make_cfg("dapo", "algo.num_iterations=2", "algo.dynamic_sampling=false", "algo.overlong_buffer=0", *overrides)
-    algo = get_algorithm("dapo")(cfg)
+    algo = ALGORITHMS.get("dapo")(cfg)
     batch = make_batch(REWARDS, LENGTHS, 4)
     logp, old = policy_tensors()
     batch.old_logp = old
@@ -173,7 +173,7 @@ def test_dapo_defaults():
     a = make_cfg("dapo").algo
     assert (a.clip_eps_low, a.clip_eps_high, a.beta, a.aggregation) == (0.2, 0.28, 0.0, "token-mean")
     assert a.options.dynamic_sampling and a.options.max_gen_batches == 10 and not a.options.overlong_filter
-    assert get_algorithm("dapo")(make_cfg("dapo", width=20)).overlong_buffer == 4  # L_max // 5
+    assert ALGORITHMS.get("dapo")(make_cfg("dapo", width=20)).overlong_buffer == 4  # L_max // 5
     with pytest.raises(ConfigError, match="algo.overlong_buffer"):
         make_cfg("dapo", "algo.overlong_buffer=6")
     with pytest.raises(ConfigError, match="algo.max_gen_batches"):
@@ -207,7 +207,7 @@ def test_dapo_matches_trl_dapo_loss():
 def test_dapo_overlong_shaping_and_filtering():
     cfg = make_cfg("dapo", "algo.dynamic_sampling=false", "algo.overlong_buffer=2", "algo.overlong_filter=true",
                    "algo.overlong_factor=0.5")
-    algo = get_algorithm("dapo")(cfg)
+    algo = ALGORITHMS.get("dapo")(cfg)
     batch = make_batch(REWARDS, LENGTHS, 4)
     out = algo.process_batch(batch, StepContext(cfg, 0))
     # L_max = 5, L_cache = 2: lengths <= 3 free, 4 -> -0.5, 5 -> -1; times 0.5
@@ -235,7 +235,7 @@ def scripted_more(reward_lists, G, start=100):
 def test_dapo_dynamic_sampling_refills_to_the_batch_size():
     G = 2
     cfg = make_cfg("dapo", "algo.overlong_buffer=0", "rollout.num_generations=2", "rollout.prompts_per_step=4")
-    algo = get_algorithm("dapo")(cfg)
+    algo = ALGORITHMS.get("dapo")(cfg)
     first = make_batch([1, 1, 0, 1, 0, 0, 1, 1], [2] * 8, G)  # only group 1 has differing rewards
     more, calls = scripted_more([
         [0, 0, 1, 1, 1, 1, 0, 0],  # none
@@ -261,7 +261,7 @@ def test_dapo_dynamic_sampling_filters_on_the_task_reward_when_asked():
     for filter_on, kept in [("reward", [0, 1, 2]), ("task_reward", [2])]:
         cfg = make_cfg("dapo", "algo.overlong_buffer=2", "rollout.num_generations=2", f"rollout.prompts_per_step={len(kept)}",
                        f"algo.filter_on={filter_on}")
-        out = get_algorithm("dapo")(cfg).process_batch(make_batch(rewards, lengths, G), StepContext(cfg, 0))
+        out = ALGORITHMS.get("dapo")(cfg).process_batch(make_batch(rewards, lengths, G), StepContext(cfg, 0))
         assert [out.prompt_index[g * G] for g in range(out.num_groups)] == kept
         assert out.rewards.tolist() == pytest.approx([r + {2: 0, 3: 0, 5: -1}[l] for r, l in zip(rewards, lengths)][kept[0] * G:])
 
@@ -270,7 +270,7 @@ def test_dapo_dynamic_sampling_clear_error_when_exhausted():
     G = 2
     cfg = make_cfg("dapo", "algo.overlong_buffer=0", "rollout.num_generations=2", "rollout.prompts_per_step=4",
                    "algo.max_gen_batches=3")
-    algo = get_algorithm("dapo")(cfg)
+    algo = ALGORITHMS.get("dapo")(cfg)
     first = make_batch([1, 1, 0, 1, 0, 0, 1, 1], [2] * 8, G)
     more, calls = scripted_more([[0] * 8, [1, 0, 0, 0, 0, 0, 0, 0], [1, 0] * 4], G)
     with pytest.raises(DynamicSamplingError, match=r"after 3 generation batches only 2 of the 4 prompts.*max_gen_batches"):
@@ -282,7 +282,7 @@ def _balance_on(rank: int, out_dir: Path) -> None:
     """dapo's dynamic sampling on 2 ranks (``_two_rank_worker``): rank 0 has a surplus of valid groups."""
     G = 2
     cfg = make_cfg("dapo", "algo.overlong_buffer=0", "rollout.num_generations=2", "rollout.prompts_per_step=4")
-    algo = get_algorithm("dapo")(cfg)
+    algo = ALGORITHMS.get("dapo")(cfg)
     # rank 0 finds 2 valid groups in each batch, rank 1 none: rank 1 takes rank 0's surplus
     rewards = [[1, 0, 0, 1], [0.5, 0, 1, 0]] if rank == 0 else [[0, 0, 1, 1], [1, 1, 1, 1]]
     mk = lambda k: make_batch(rewards[k], [2] * 4, G, prompt_index=[100 * rank + 10 * k + i // G for i in range(4)])  # noqa: E731
@@ -337,7 +337,7 @@ def test_dapo_dynamic_sampling_balances_groups_across_ranks(two_ranks):
 
 def test_gpg_loss_alpha_and_gradient():
     cfg = make_cfg("gpg")
-    algo = get_algorithm("gpg")(cfg)
+    algo = ALGORITHMS.get("gpg")(cfg)
     batch = make_batch(REWARDS, LENGTHS, 4)
     ctx = StepContext(cfg, 0)
     batch = algo.process_batch(batch, ctx)
@@ -360,7 +360,7 @@ def test_gpg_loss_alpha_and_gradient():
 
 def test_gpg_std_option_and_beta_rejected():
     cfg = make_cfg("gpg", "algo.adv_std=unbiased")
-    adv = get_algorithm("gpg")(cfg).advantages(make_batch(REWARDS, LENGTHS, 4), StepContext(cfg, 0))
+    adv = ALGORITHMS.get("gpg")(cfg).advantages(make_batch(REWARDS, LENGTHS, 4), StepContext(cfg, 0))
     assert torch.allclose(adv.double(), ref_group_adv(REWARDS, 4, "unbiased"), atol=1e-12)
     with pytest.raises(ConfigError, match="algo.beta"):
         make_cfg("gpg", "algo.beta=0.04")
@@ -368,7 +368,7 @@ def test_gpg_std_option_and_beta_rejected():
 
 def test_gpg_skips_when_every_group_is_uniform():
     cfg = make_cfg("gpg")
-    algo = get_algorithm("gpg")(cfg)
+    algo = ALGORITHMS.get("gpg")(cfg)
     ctx = StepContext(cfg, 0)
     algo.process_batch(make_batch([1, 1, 0, 0, 0.5, 0.5], [2] * 6, 2), ctx)
     assert ctx.skip_update and "gpg/alpha" not in ctx.metrics and ctx.metrics["gpg/valid_group_frac"] == 0
@@ -377,7 +377,7 @@ def test_gpg_skips_when_every_group_is_uniform():
 def test_gpg_threshold_resampling_replaces_uniform_groups():
     G = 2
     cfg = make_cfg("gpg", "algo.threshold=0.6", "rollout.num_generations=2")
-    algo = get_algorithm("gpg")(cfg)
+    algo = ALGORITHMS.get("gpg")(cfg)
     first = make_batch([1, 0, 1, 1, 0, 0, 1, 1, 0, 0], [2] * 10, G)  # 1 of 5 valid
     more, calls = scripted_more([[0, 1, 1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 0.2, 0.4, 1, 0, 0, 1, 0, 0]], G)
     ctx = StepContext(cfg, 0, generate_more=more)
@@ -398,7 +398,7 @@ def _gpg_on(rank: int, out_dir: Path) -> None:
         "all uniform": ([1, 1, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]),  # skipped on both ranks
     }
     for name, rewards in cases.items():
-        algo = get_algorithm("gpg")(cfg)
+        algo = ALGORITHMS.get("gpg")(cfg)
         ctx = StepContext(cfg, 0)
         algo.process_batch(make_batch(rewards[rank], [2] * 6, 2), ctx)
         results.append(f"{name}:{ctx.skip_update}:{algo.alpha}")
@@ -419,7 +419,7 @@ def test_two_grpo_advantages_are_plus_minus_one_and_pairs_are_kept():
     with pytest.raises(ConfigError, match="rollout.num_generations"):
         make_cfg("2-grpo")
     cfg = make_cfg("2-grpo", "rollout.num_generations=2", "algo.num_iterations=2")
-    algo = get_algorithm("2-grpo")(cfg)
+    algo = ALGORITHMS.get("2-grpo")(cfg)
     rewards = [1.0, 0.0, 0.3, 0.7, 0.4, 0.4, 0.0, 0.0, 0.9, 0.2, 1.0, 1.0]
     lengths = [3, 5, 1, 4, 2, 5, 5, 3, 4, 1, 2, 5]
     batch = make_batch(rewards, lengths, 2)
@@ -445,7 +445,7 @@ def test_two_grpo_advantages_are_plus_minus_one_and_pairs_are_kept():
 
 def test_cppo_prunes_largest_abs_advantage_per_group_lowest_index_on_ties():
     cfg = make_cfg("cppo")
-    algo = get_algorithm("cppo")(cfg)
+    algo = ALGORITHMS.get("cppo")(cfg)
     assert cfg.algo.num_iterations == 2 and cfg.algo.beta == 0.04 and cfg.algo.options.pruning == 0.5
     batch = make_batch(REWARDS, LENGTHS, 4)
     batch.advantages = torch.tensor([0.5, -0.5, 0.9, -0.2, 0.1, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=F64)
@@ -458,7 +458,7 @@ def test_cppo_prunes_largest_abs_advantage_per_group_lowest_index_on_ties():
     assert kept.group_size == 2 and ctx.metrics["cppo/kept_frac"] == 0.5
 
     cfg_b = make_cfg("cppo", "algo.scope=batch", "algo.pruning=0.75")
-    kept_b = get_algorithm("cppo")(cfg_b).prune_batch(batch, StepContext(cfg_b, 0))
+    kept_b = ALGORITHMS.get("cppo")(cfg_b).prune_batch(batch, StepContext(cfg_b, 0))
     assert kept_b.advantages.tolist() == pytest.approx([0.9, -1.0, 1.0])  # top floor(12 * 0.25) = 3, in row order
     assert kept_count(10, 0.9) == 1 and kept_count(16, 0.875) == 2
     with pytest.raises(ConfigError, match="algo.pruning"):
@@ -467,7 +467,7 @@ def test_cppo_prunes_largest_abs_advantage_per_group_lowest_index_on_ties():
 
 def test_cppo_loss_on_kept_rows():
     cfg = make_cfg("cppo")
-    algo = get_algorithm("cppo")(cfg)
+    algo = ALGORITHMS.get("cppo")(cfg)
     batch = make_batch(REWARDS, LENGTHS, 4)
     batch.advantages = algo.advantages(batch, StepContext(cfg, 0))
     kept = algo.prune_batch(batch, StepContext(cfg, 0))
@@ -492,7 +492,7 @@ def test_cppo_loss_on_kept_rows():
 def test_cppo_dynamic_allocation_samples_more_prompts():
     cfg = make_cfg("cppo", "algo.allocation=true", "algo.pruning=0.6", "rollout.num_generations=4",
                    "rollout.prompts_per_step=4")
-    algo = get_algorithm("cppo")(cfg)
+    algo = ALGORITHMS.get("cppo")(cfg)
     more, calls = scripted_more([[0.0] * 24], 4)
     ctx = StepContext(cfg, 0, generate_more=more)
     out = algo.process_batch(make_batch([0.0] * 16, [2] * 16, 4), ctx)
@@ -518,7 +518,7 @@ def test_dcpo_loss_dynamic_clip_and_dual_clip():
     cfg = make_cfg("dcpo", "algo.num_iterations=2")
     a = cfg.algo
     assert (a.clip_eps_low, a.clip_eps_high, a.dual_clip, a.aggregation, a.beta) == (0.16, 0.2, 10.0, "seq-sum-token-mean", 0.0)
-    algo = get_algorithm("dcpo")(cfg)
+    algo = ALGORITHMS.get("dcpo")(cfg)
     batch = make_batch(REWARDS, LENGTHS, 4)
     batch.advantages = ref_group_adv(REWARDS, 4)
     g = torch.Generator().manual_seed(1)
@@ -547,7 +547,7 @@ def test_dcpo_loss_dynamic_clip_and_dual_clip():
 
 def test_dcpo_smooth_advantages_pool_a_prompts_history(tmp_path):
     cfg = make_cfg("dcpo")
-    algo = get_algorithm("dcpo")(cfg)
+    algo = ALGORITHMS.get("dcpo")(cfg)
     G = 4
     r1 = [1.0, 0.0, 0.0, 0.0, 0.3, 0.6, 0.6, 0.9]
     r2 = [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5]  # prompt 7 again, and prompt 8 again with equal rewards
@@ -576,7 +576,7 @@ def test_dcpo_smooth_advantages_pool_a_prompts_history(tmp_path):
 
     # the statistics survive a checkpoint: a fresh instance with the saved state gives the same advantages
     torch.save(saved, tmp_path / "state.pt")
-    again = get_algorithm("dcpo")(cfg)
+    again = ALGORITHMS.get("dcpo")(cfg)
     again.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
     adv2 = again.advantages(make_batch(r2, [2] * 8, G, prompt_index=[7] * 4 + [8] * 4), StepContext(cfg, 1))
     assert torch.equal(adv, adv2)
@@ -593,7 +593,7 @@ def test_dcpo_requires_population_std():
 
 def test_edge_grpo_entropy_normalised_advantage_and_loss():
     cfg = make_cfg("edge-grpo", "algo.num_iterations=2")
-    algo = get_algorithm("edge-grpo")(cfg)
+    algo = ALGORITHMS.get("edge-grpo")(cfg)
     assert algo.needs_entropy and cfg.algo.beta == 0 and not algo.needs_reference
     batch = make_batch(REWARDS, LENGTHS, 4)
     g = torch.Generator().manual_seed(2)
@@ -783,7 +783,7 @@ def test_prorl_resume_brings_a_moved_server_back_and_checks_its_weights(single_r
     initial = tr.cfg.model.name_or_path
     server = HashingServer(initial)
     tr.reference = ReferenceHandle(server)
-    algo = get_algorithm("prorl")(tr.cfg)
+    algo = ALGORITHMS.get("prorl")(tr.cfg)
     algo.attach(tr.context())
     assert (algo.ref_version, algo.ref_hash) == (0, f"hash:{initial}")
     before_reset = algo.state_dict()
@@ -795,17 +795,17 @@ def test_prorl_resume_brings_a_moved_server_back_and_checks_its_weights(single_r
     after_reset = algo.state_dict()
 
     # resumed from the checkpoint before the reset, while the server still serves the reset weights
-    resumed = get_algorithm("prorl")(tr.cfg)
+    resumed = ALGORITHMS.get("prorl")(tr.cfg)
     resumed.load_state_dict(before_reset)
     resumed.attach(tr.context())
     assert server.loaded[-1] == initial and resumed.ref_version == server.version == 2
     # resumed after the reset: the server loads the exported policy again
-    resumed = get_algorithm("prorl")(tr.cfg)
+    resumed = ALGORITHMS.get("prorl")(tr.cfg)
     resumed.load_state_dict(after_reset)
     resumed.attach(tr.context())
     assert server.loaded[-1] == str(folder) and resumed.ref_hash == f"hash:{folder}"
     # the folder no longer holds the weights the checkpoint trained against
-    tampered = get_algorithm("prorl")(tr.cfg)
+    tampered = ALGORITHMS.get("prorl")(tr.cfg)
     tampered.load_state_dict({**after_reset, "ref_hash": "hash:something-else"})
     with pytest.raises(ConfigError, match="this checkpoint trained against hash:something-else"):
         tampered.attach(tr.context())

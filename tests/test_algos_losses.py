@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from algos import get_algorithm
+from algos import ALGORITHMS
 from algos.base import StepContext
 from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
@@ -77,7 +77,7 @@ def norms_of(batch: RolloutBatch) -> rl_math.StepNorms:
 def run_algo(name: str, batch: RolloutBatch, logp: torch.Tensor, step: int = 0, **options):
     """advantages, loss value, d loss / d logp, the algorithm, the processed batch."""
     cfg = make_cfg(name, **options)
-    algo = get_algorithm(name)(cfg)
+    algo = ALGORITHMS.get(name)(cfg)
     ctx = StepContext(cfg, step)
     batch = algo.process_batch(batch, ctx)
     batch.advantages = algo.advantages(batch, ctx)
@@ -355,7 +355,7 @@ def test_pspo_defaults_follow_the_authors_runs():
         a = cfg.algo
         assert (a.options.alpha, a.aggregation, a.beta, a.num_iterations) == (0.1, "token-mean", 0.0, 2)
         assert (a.adv_std, a.adv_scope) == ("unbiased", "group")
-    assert get_algorithm("pspo").tag == "code"
+    assert ALGORITHMS.get("pspo").tag == "code"
 
 
 def test_pspo_with_its_defaults_against_plain_loops():
@@ -714,7 +714,7 @@ def test_grpo_ps_step_segmentation_rewards_and_advantages():
     batch, texts, width = ps_batch()
     logp = policy_logp(batch)
     cfg = load_config(None, "grpo-ps", [f"rollout.max_completion_length={width}"])
-    algo = get_algorithm("grpo-ps")(cfg)
+    algo = ALGORITHMS.get("grpo-ps")(cfg)
     ctx = StepContext(cfg, 0)
     batch = algo.process_batch(batch, ctx)
     adv = algo.advantages(batch, ctx).double()
@@ -764,7 +764,7 @@ def test_grpo_ps_step_reward_by_import_path_and_errors():
     cfg = load_config(None, "grpo-ps", ["algo.step_reward_fn=rewards.digits:digits_step_match"])
     from rewards.digits import digits_step_match
 
-    assert get_algorithm("grpo-ps")(cfg).step_reward is digits_step_match
+    assert ALGORITHMS.get("grpo-ps")(cfg).step_reward is digits_step_match
     with pytest.raises(ConfigError, match=r"algo\.step_reward_fn='nowhere\.mod:fn' cannot be imported"):
         load_config(None, "grpo-ps", ["algo.step_reward_fn=nowhere.mod:fn"])
     with pytest.raises(ConfigError, match=r"algo\.step_reward_fn='nope' is unknown"):

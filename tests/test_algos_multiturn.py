@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from algos import get_algorithm
+from algos import ALGORITHMS
 from algos.base import StepContext
 from grpo.foundation import rl_math
 from grpo.foundation.batch import Turn
@@ -59,7 +59,7 @@ def test_mt_grpo_turn_level_advantages():
     rt, ro = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0], [1.2, 0.2, 0.7, 0.0, 1.2, 0.2]
     b = mt_batch(layouts, [a + c for a, c in zip(rt, ro)], {"turn": rt, "outcome": ro})
     for lam in (1.0, 0.5):
-        algo = get_algorithm("mt-grpo")(config("mt-grpo", **ENV, **{"algo.turn_coef": lam}))
+        algo = ALGORITHMS.get("mt-grpo")(config("mt-grpo", **ENV, **{"algo.turn_coef": lam}))
         adv = algo.advantages(b, StepContext(algo.cfg, 0))
         expected = torch.zeros(6, W, dtype=torch.float64)
         for g in range(2):
@@ -79,7 +79,7 @@ def test_mt_grpo_loss_and_gradient_are_the_token_mean_clipped_surrogate():
     layouts = [CALL, CALL, DIRECT, CALL, DIRECT, CALL]
     rt, ro = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0], [1.2, 0.2, 0.7, 0.0, 1.2, 0.2]
     b = mt_batch(layouts, [a + c for a, c in zip(rt, ro)], {"turn": rt, "outcome": ro})
-    algo = get_algorithm("mt-grpo")(config("mt-grpo", **ENV))
+    algo = ALGORITHMS.get("mt-grpo")(config("mt-grpo", **ENV))
     assert algo.a.aggregation == "token-mean" and algo.a.beta == 0 and algo.a.num_iterations == 2
     b.advantages = algo.advantages(b, StepContext(algo.cfg, 0))
     logp = policy_logp(b, spread=0.5)
@@ -103,7 +103,7 @@ def test_mt_grpo_loss_and_gradient_are_the_token_mean_clipped_surrogate():
 
 
 def test_mt_grpo_needs_multi_turn_batches_and_its_reward_terms():
-    algo = get_algorithm("mt-grpo")(config("mt-grpo", **ENV))
+    algo = ALGORITHMS.get("mt-grpo")(config("mt-grpo", **ENV))
     b = make_batch([3, 3], [1.0, 0.0], 2, W)
     with pytest.raises(ValueError, match="needs multi-turn rollouts: set env.name"):
         algo.advantages(b, StepContext(algo.cfg, 0))
@@ -164,7 +164,7 @@ def gigpo_expected(layouts, gamma, omega, kind, weighted):
 def test_gigpo_episode_and_anchor_state_advantages(kind, weighted, gamma, omega):
     layouts = G0 + G1
     b = mt_batch(layouts, [sum(t[3] for t in lay) for lay in layouts])
-    algo = get_algorithm("gigpo")(config("gigpo", **ENV, **{"algo.norm": kind, "algo.gamma": gamma, "algo.step_coef": omega,
+    algo = ALGORITHMS.get("gigpo")(config("gigpo", **ENV, **{"algo.norm": kind, "algo.gamma": gamma, "algo.step_coef": omega,
                                                      "algo.episode_stats": "step" if weighted else "trajectory"}))
     ctx = StepContext(algo.cfg, 0)
     adv = algo.advantages(b, ctx)
@@ -175,7 +175,7 @@ def test_gigpo_episode_and_anchor_state_advantages(kind, weighted, gamma, omega)
 
 
 def test_gigpo_singletons_give_only_the_episode_advantage_and_returns_are_discounted():
-    algo = get_algorithm("gigpo")(config("gigpo", **ENV))
+    algo = ALGORITHMS.get("gigpo")(config("gigpo", **ENV))
     assert (algo.opt.gamma, algo.opt.step_coef, algo.opt.norm, algo.a.beta) == (0.95, 1.0, "mean_norm", 0.01)
     layouts = G1 + G1
     b = mt_batch(layouts, [sum(t[3] for t in lay) for lay in layouts])
@@ -194,7 +194,7 @@ def test_gigpo_singletons_give_only_the_episode_advantage_and_returns_are_discou
 def test_gigpo_loss_masks_observations_and_adds_the_k3_kl():
     layouts = G0 + G1
     b = mt_batch(layouts, [sum(t[3] for t in lay) for lay in layouts])
-    algo = get_algorithm("gigpo")(config("gigpo", **ENV))
+    algo = ALGORITHMS.get("gigpo")(config("gigpo", **ENV))
     b.advantages = algo.advantages(b, StepContext(algo.cfg, 0))
     logp = policy_logp(b, spread=0.5)
     out = algo.loss(logp, b, rl_math.StepNorms(float(len(b)), float(b.mask.sum()), W))

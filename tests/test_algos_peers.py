@@ -423,14 +423,14 @@ def test_kl_in_reward_is_refused_where_it_does_not_apply_and_names_where_it_does
 
 
 def test_gdpo_normalises_each_reward_function_in_its_group():
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
     from tests.test_algos_losses import norms_of
 
     cfg = load_config(None, "gdpo", [f"rollout.max_completion_length={WIDTH}",
                                      "rewards=[{fn: digits_match, weight: 1.0}, {fn: digits_match, weight: 0.5}, "
                                      "{fn: format_reward, weight: 2.0}]"])
-    algo = get_algorithm("gdpo")(cfg)
+    algo = ALGORITHMS.get("gdpo")(cfg)
     b = batch64()
     terms = {"digits_match": REWARDS, "digits_match_2": REWARDS2,
              "format_reward": [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]}
@@ -458,7 +458,7 @@ def test_gdpo_normalises_each_reward_function_in_its_group():
 
 def test_gdpo_leaves_rows_a_function_skipped_out_of_its_group_statistics():
     """None (nan) rows: TRL's nanmean / unbiased nanstd per group, 0 contribution; < 2 scored rows: 0."""
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
 
     cfg = load_config(None, "gdpo", [f"rollout.max_completion_length={WIDTH}",
@@ -470,7 +470,7 @@ def test_gdpo_leaves_rows_a_function_skipped_out_of_its_group_statistics():
     b = batch64()
     b.reward_terms = {"digits_match": torch.tensor(code, dtype=torch.float64),
                       "format_reward": torch.tensor(fmt, dtype=torch.float64)}
-    adv = get_algorithm("gdpo")(cfg).advantages(b, StepContext(cfg, 0))
+    adv = ALGORITHMS.get("gdpo")(cfg).advantages(b, StepContext(cfg, 0))
     total = [0.0] * N
     for vals, w in ((code, 1.0), (fmt, 0.5)):
         for g0 in range(0, N, 4):
@@ -490,14 +490,14 @@ def test_gdpo_leaves_rows_a_function_skipped_out_of_its_group_statistics():
 
 
 def test_gdpo_names_the_missing_reward_function():
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
 
     cfg = load_config(None, "gdpo", [])
     b = batch64()
     b.reward_terms = {"other": b.rewards}
     with pytest.raises(RuntimeError, match="digits_match"):
-        get_algorithm("gdpo")(cfg).advantages(b, StepContext(cfg, 0))
+        ALGORITHMS.get("gdpo")(cfg).advantages(b, StepContext(cfg, 0))
 
 
 # --------------------------------------------------------------------------- remax
@@ -528,11 +528,11 @@ class GreedyRollout:
 
 
 def test_remax_subtracts_the_greedy_reward():
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
 
     cfg = load_config(None, "remax", [f"rollout.max_completion_length={WIDTH}"])
-    algo = get_algorithm("remax")(cfg)
+    algo = ALGORITHMS.get("remax")(cfg)
     b = batch64()
     b.rewards = torch.tensor(REWARDS2, dtype=torch.float64)
     greedy = {0: 0.5, 1: 1.0, 2: 0.0}
@@ -559,12 +559,12 @@ def test_remax_with_kl_in_reward_is_verls_reward_to_go_minus_the_baseline():
     """Issue 42, item 19: with KL in the reward, verl's remax advantage is a per-token reward-to-go of
     (r - c k1) minus the greedy baseline (core_algos.compute_remax_outcome_advantage); ours gave every token
     s_i - b."""
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
 
     coef = 0.1
     cfg = load_config(None, "remax", [f"rollout.max_completion_length={WIDTH}", f"algo.kl_in_reward={coef}"])
-    algo = get_algorithm("remax")(cfg)
+    algo = ALGORITHMS.get("remax")(cfg)
     b = batch64()
     b.rewards = torch.tensor(REWARDS2, dtype=torch.float64)
     greedy = {0: 0.5, 1: 1.0, 2: 0.0}
@@ -721,12 +721,12 @@ def test_dppo_ratio_cap_must_exceed_one():
 
 def run_prepared(name, b, logp, **options):
     """As the trainer: process_batch, advantages, prepare_loss (the whole-batch options), loss."""
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
     from tests.test_algos_losses import make_cfg, norms_of
 
     cfg = make_cfg(name, **options)
-    algo = get_algorithm(name)(cfg)
+    algo = ALGORITHMS.get(name)(cfg)
     ctx = StepContext(cfg, 0)
     b = algo.process_batch(b, ctx)
     b.advantages = algo.advantages(b, ctx)
@@ -872,7 +872,7 @@ def test_entropy_bonus_subtracts_alpha_times_the_aggregated_entropy(name, aggreg
     """algo.entropy_coef: loss = the algorithm's loss - alpha * aggregate(H), aggregated as the loss; the
     gradient reaches H (the current policy's entropy) with -alpha / (N L_i) per token (seq-mean-token-mean) or
     -alpha / (tokens of the step) (token-mean); micro-batch shares add up to the whole step."""
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from tests.test_algos_losses import make_cfg, norms_of
 
     b = batch64()
@@ -880,7 +880,7 @@ def test_entropy_bonus_subtracts_alpha_times_the_aggregated_entropy(name, aggreg
     alpha = 0.03
     options = {"entropy_coef": alpha, **({"aggregation": aggregation} if aggregation else {})}
     cfg = make_cfg(name, **options)
-    algo = get_algorithm(name)(cfg)
+    algo = ALGORITHMS.get(name)(cfg)
     assert algo.entropy_bonus and not algo.needs_entropy  # a fixed coefficient needs no old-policy pass
     b.advantages = algo.advantages(b, None)
     norms = norms_of(b)
@@ -922,13 +922,13 @@ def test_adaptive_entropy_coefficient_follows_skywork_or1():
     """algo.entropy_target: alpha_k = c_k while the step's token-mean entropy e_k is below the target (else 0),
     then c_{k+1} = c_k +- delta, clipped to [min, max]; c_0 = algo.entropy_coef. The entropy is the old policy's
     (needs_entropy), its mean over every valid token; the coefficient is checkpointed."""
-    from algos import get_algorithm
+    from algos import ALGORITHMS
     from algos.base import StepContext
     from tests.test_algos_losses import make_cfg
 
     cfg = make_cfg("grpo", entropy_coef=0.001, entropy_target=0.5, entropy_coef_delta=0.002,
                    entropy_coef_min=0.0005, entropy_coef_max=0.004)
-    algo = get_algorithm("grpo")(cfg)
+    algo = ALGORITHMS.get("grpo")(cfg)
     assert algo.entropy_bonus and algo.needs_entropy
     means = [0.3, 0.2, 0.45, 0.1, 0.7, 0.5, 0.6, 0.6, 0.2]
     c, alphas, cs = 0.001, [], []
@@ -948,7 +948,7 @@ def test_adaptive_entropy_coefficient_follows_skywork_or1():
         got_c.append(algo.entropy_c)
     assert got == pytest.approx(alphas, abs=1e-15) and got_c == pytest.approx(cs, abs=1e-15)
     assert 0.004 in got_c and 0.0005 in got_c  # both bounds were reached
-    again = get_algorithm("grpo")(cfg)
+    again = ALGORITHMS.get("grpo")(cfg)
     again.load_options_state_dict(algo.options_state_dict())
     assert again.entropy_c == algo.entropy_c
 

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from grpo.foundation.config import ConfigError
-from grpo.training.partitioned import fill_partition, safetensors_index
+from grpo.training.partitioned import fill_pieces, safetensors_index
 
 
 def partition(numel: int, world: int, dtype=torch.float32, device: str = "cpu"):
-    """What fill_partition uses of a ZeRO-3 parameter: its whole size and this rank's flat partition."""
+    """What fill_pieces uses of a ZeRO-3 parameter: its whole size and this rank's flat partition."""
     return SimpleNamespace(ds_numel=numel, ds_tensor=torch.full((-(-numel // world),), 7.0, dtype=dtype, device=device))
 
 
@@ -40,7 +40,7 @@ def test_partitions_put_together_give_the_tensor(weights, world, device):
             parts = []
             for rank in range(world):
                 p = partition(want.numel(), world, device=device)
-                fill_partition(p, f, start, header[name], rank)
+                fill_pieces(p, [(f, start, header[name])], rank)
                 parts.append(p.ds_tensor)
             flat = torch.cat(parts).cpu()
             assert torch.equal(flat[: want.numel()], want.float().reshape(-1)), name
@@ -51,7 +51,7 @@ def test_size_mismatch_is_an_error(weights):
     path, tensors = weights
     start, header = safetensors_index(path)
     with open(path, "rb", buffering=0) as f, pytest.raises(ConfigError, match="35 elements for a parameter of 36"):
-        fill_partition(partition(36, 2), f, start, header["matrix"], 0)
+        fill_pieces(partition(36, 2), [(f, start, header["matrix"])], 0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

@@ -75,13 +75,13 @@ def test_a_home_registers_itself_at_the_first_lookup():
     assert out.stdout.split() == ["algos.dapo", "rewards.math_answer", "envs.maze", "envs.tools", "HFEngine"]
 
 
-def test_the_old_names_are_the_registries():
+def test_the_plug_in_packages_fill_the_registries():
     import algos
     import envs
     import rewards
     from grpo.foundation import plugins
 
-    assert algos.ALGORITHMS is plugins.ALGORITHMS and algos.get_algorithm("grpo").name == "grpo"
-    assert rewards.REGISTRY is plugins.REWARDS and rewards.STEP_REGISTRY is plugins.STEP_REWARDS
+    assert algos.ALGORITHMS is plugins.ALGORITHMS and plugins.ALGORITHMS.get("grpo").name == "grpo"
     assert envs.resolve_env("calculator").__name__ == "CalculatorEnv"
-    assert "digits_match" in rewards.REGISTRY and "nope" not in rewards.REGISTRY
+    assert rewards.REWARDS is plugins.REWARDS and "digits_match" in plugins.REWARDS and "nope" not in plugins.REWARDS
+    assert "digits_step_match" in plugins.STEP_REWARDS

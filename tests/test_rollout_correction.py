@@ -17,6 +17,11 @@ from grpo.foundation.config import ConfigError
 from grpo.foundation.plugins import StepContext
 from tests.helpers import config, make_batch, policy_logp
 
+
+def weight(old_logp, sampler_logp, mask, level, mode, high, low=None):
+    """Rollout correction's weight as the trainer forms it (loss_options.correct_rollout)."""
+    return rl_math.bound_ratio(rl_math.rollout_ratio(old_logp, sampler_logp, mask, level), mode, high, low)
+
 LENGTHS = [3, 5, 1, 4, 2, 2, 5, 3]
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.5]
 G, W = 4, 5
@@ -54,7 +59,7 @@ def hand_weights(old, samp, mask, level, mode, high, low):
 def test_weights_by_hand(level, mode, low):
     batch = make_batch(LENGTHS, REWARDS, G, W)
     samp = sampler_logp(batch)
-    got = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, mode, 1.5, low)
+    got = weight(batch.old_logp, samp, batch.mask, level, mode, 1.5, low)
     want = hand_weights(batch.old_logp, samp, batch.mask, level, mode, 1.5, low)
     m = batch.mask.bool()
     torch.testing.assert_close(got[m], want[m], rtol=1e-15, atol=0)
@@ -65,7 +70,7 @@ def test_weights_by_hand(level, mode, low):
 def test_tis_cap_is_token_truncate_without_a_lower_bound():
     batch = make_batch(LENGTHS, REWARDS, G, W)
     samp = sampler_logp(batch)
-    torch.testing.assert_close(rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, "token", "truncate",
+    torch.testing.assert_close(weight(batch.old_logp, samp, batch.mask, "token", "truncate",
                                                                  1.3),
                                rl_math.tis_weight(batch.old_logp, samp, batch.mask, 1.3), rtol=0, atol=0)
 
@@ -86,7 +91,7 @@ def test_equal_to_trls_vllm_importance_sampling_mode(trl_mode, clip_min):
         lo = clip_min if clip_min is not None else -math.inf
         trl = ratio.masked_fill((ratio < lo) | (ratio > 3.0), 0.0)
     level, mode = trl_mode.split("_")
-    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, mode, 3.0, clip_min)
+    ours = weight(batch.old_logp, samp, batch.mask, level, mode, 3.0, clip_min)
     m = batch.mask.bool()
     torch.testing.assert_close(ours[m], trl.expand_as(ours)[m], rtol=0, atol=0)
 
@@ -111,7 +116,7 @@ def test_truncate_equals_verls_truncated_importance_weights(level):
     batch = make_batch(LENGTHS, REWARDS, G, W)
     samp = sampler_logp(batch, spread=2.4)
     verl = verl_weights(batch.old_logp, samp, batch.mask, level).clamp(max=1.7)
-    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, "truncate", 1.7)
+    ours = weight(batch.old_logp, samp, batch.mask, level, "truncate", 1.7)
     m = batch.mask.bool()
     torch.testing.assert_close(ours[m], verl[m], rtol=1e-15, atol=0)
 
@@ -146,7 +151,7 @@ def test_mask_keeps_what_verls_k1_rejection_keeps(level):
     samp = sampler_logp(batch, spread=2.4)
     high, low = 1.7, 0.8
     keep = verl_k1_keep(batch.old_logp, samp, batch.mask, VERL_RS[level], 1 / high, 1 / low)
-    ours = rl_math.rollout_correction_weight(batch.old_logp, samp, batch.mask, level, "mask", high, low)
+    ours = weight(batch.old_logp, samp, batch.mask, level, "mask", high, low)
     m = batch.mask.bool()
     assert torch.equal(ours[m] != 0, keep[m].bool())
     assert keep[m].any() and (keep[m] == 0).any()  # the bounds bite

@@ -176,14 +176,6 @@ def tis_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.T
     return torch.exp(d).clamp(max=cap)
 
 
-def rollout_correction_weight(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, level: str,
-                              mode: str, high: float, low: Optional[float] = None) -> torch.Tensor:
-    """Rollout correction's weight [rows, T] (no gradient): ``rollout_ratio`` bounded by ``bound_ratio`` (TRL's
-    vllm_importance_sampling_mode *_truncate / *_mask; IcePop = token mask with [1/beta, beta]). tis_weight is token
-    truncate without ``low``."""
-    return bound_ratio(rollout_ratio(old_logp, sampler_logp, mask, level), mode, high, low)
-
-
 def rollout_ratio(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """pi_old / pi_sampler [rows, T], d_t = l_old - l_sampler on completion tokens (0 elsewhere): token r_t = exp(d_t);
     sequence r = exp(sum_t d_t); geometric r = exp(sum_t d_t / |o|) (each row's r on all its tokens)."""
@@ -195,7 +187,9 @@ def rollout_ratio(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torc
 
 
 def bound_ratio(r: torch.Tensor, mode: str, high: float, low: Optional[float] = None) -> torch.Tensor:
-    """truncate: clamp(r, low, high); mask: r where low <= r <= high, else 0 (``low`` None: no lower bound)."""
+    """truncate: clamp(r, low, high); mask: r where low <= r <= high, else 0 (``low`` None: no lower bound).
+    Rollout correction's weight [rows, T] is ``rollout_ratio`` bounded by it (TRL's vllm_importance_sampling_mode
+    *_truncate / *_mask; IcePop = token mask with [1/beta, beta]); tis_weight is token truncate without ``low``."""
     if mode == "truncate":
         return r.clamp(min=low, max=high)
     keep = (r <= high) & (r >= (low if low is not None else -math.inf))

@@ -48,17 +48,12 @@ def safetensors_index(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
-def fill_partition(param: torch.nn.Parameter, f, data_start: int, entry: dict, rank: int) -> None:
-    """Copy this rank's slice of a checkpoint tensor (flattened) into the ZeRO-3 partition of ``param``.
-
-    ``f``: the .safetensors file, open; ``entry``: the tensor's header entry. Only this rank's bytes are read
-    (plain reads, no memory map), so a rank holds neither a whole weight nor mapped pages of the file."""
-    fill_pieces(param, [(f, data_start, entry)], rank)
-
-
 def fill_pieces(param: torch.nn.Parameter, pieces: list[tuple], rank: int) -> None:
-    """``fill_partition`` for a parameter stored as several checkpoint tensors whose flattened concatenation, in
-    order, is the parameter flattened (``pieces``: (file, data start, header entry) each; ``expert_pieces``)."""
+    """Copy this rank's slice of a parameter, flattened, into its ZeRO-3 partition, from the checkpoint tensors
+    whose flattened concatenation, in order, is the parameter flattened (``pieces``: (the .safetensors file, open;
+    its data start; the tensor's header entry) each: one for most weights, several for ``expert_pieces``). Only this
+    rank's bytes are read (plain reads, no memory map), so a rank holds neither a whole weight nor mapped pages of
+    the file."""
     numel = sum(math.prod(entry["shape"]) for _, _, entry in pieces)
     if numel != param.ds_numel:
         raise ConfigError(f"checkpoint tensor of {numel} elements for a parameter of {param.ds_numel}")
