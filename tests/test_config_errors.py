@@ -450,6 +450,6 @@ def test_a_reference_server_the_algorithm_never_asks_is_named(capsys, algo, warn
     and nothing said so; it is named before any model loads (then the probe finds no server here)."""
     train.main(["--algo", algo, "ref.url=http://127.0.0.1:9", "--print-config"])
     err = capsys.readouterr().err
-    warning = (f"config warning: ref.url='http://127.0.0.1:9' is never asked: algorithm 'dapo' uses no reference with "
-               f"algo.beta=0.0 and algo.kl_in_reward=0.0, so the server gets no request")
+    warning = ("config warning: ref.url='http://127.0.0.1:9' is never asked: algorithm 'dapo' uses no reference with "
+               "algo.beta=0.0 and algo.kl_in_reward=0.0, so the server gets no request")
     assert (warning in err) == warned, err

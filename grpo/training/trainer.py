@@ -25,7 +25,7 @@ import torch
 
 from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError, dump_config
+from grpo.foundation.config import Config, dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
 from grpo.foundation.plugins import AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
@@ -107,9 +107,6 @@ class Trainer:
         self._early = None  # this step's early reference request: (prompts, completions, future)
         if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
             self.rollout.on_generated = self._early_reference
-        if cfg.ref.sync_every and self.reference is None:
-            raise ConfigError(f"ref.sync_every={cfg.ref.sync_every}: algorithm {cfg.algo.name!r} uses no reference "
-                              "here; set ref.sync_every=0")
 
         self.step = 0
         self._saved_step = 0  # the step of the newest checkpoint (a resumed run's own)
