@@ -407,6 +407,9 @@ def test_maze_draws_are_bounded(monkeypatch):
     (["data.source=jsonl", f"data.path={GSM8K}", f"data.eval_path={GSM8K}", "data.columns={prompt: question}",
       "rewards=[{fn: math_correct}]"],
      f"config warning: data.eval_path='{GSM8K}' is never evaluated: eval.every=0"),
+    (["teacher.model=builtin:tiny-char-h64", "teacher.coef=0"],  # issue 60 item 3: a teacher nothing asks
+     "config warning: teacher.model='builtin:tiny-char-h64' is never asked: teacher.coef=0.0, so the distillation "
+     "term is off"),
 ])
 def test_settings_that_do_nothing_here_are_named_once(capsys, overrides, warning):
     """Issue 30, item 30: valid settings that this run ignores are printed before any model loads."""

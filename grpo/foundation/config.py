@@ -910,6 +910,11 @@ def config_warnings(cfg: Config) -> list[str]:
         out.append(f"algo.rollout_correction.{bad} with mode=truncate: every on-policy token's weight (ratio 1) is "
                    f"clamped to {rc.high if rc.high < 1 else rc.low!r}, a rescaled gradient, not a correction; the "
                    f"bounds usually hold 1 (low <= 1 <= high)")
+    t = cfg.teacher
+    named = [f"teacher.{k}={getattr(t, k)!r}" for k in ("model", "url", "adapter") if getattr(t, k)]
+    if named and t.coef <= 0:
+        out.append(f"{named[0]} is never asked: teacher.coef={t.coef}, so the distillation term is off and no "
+                   f"teacher loads or gets a request; set teacher.coef > 0 (e.g. 1.0) to distil from it, or leave it out")
     if cfg.ref.sync_every > cfg.train.max_steps:
         out.append(f"ref.sync_every={cfg.ref.sync_every} > train.max_steps={cfg.train.max_steps}: the reference is "
                    f"never synced in this run")
