@@ -243,3 +243,14 @@ def test_ctrl_c_saves_the_step_in_progress_and_says_how_to_resume(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == last + 1 and steps.count(last) == 1, steps  # continued from the saved step
+
+
+@pytest.mark.parametrize("algo, overrides, named", [("grpo", [], False), ("dapo", [], False),
+                                                    ("dapo", ["algo.overlong_filter=true"], True)])
+def test_the_truncation_warning_names_the_overlong_filter_only_where_it_runs(algo, overrides, named):
+    """Issue 60 item 10: the demo's GRPO run was told about "DAPO's overlong filter"; it is named where the run's
+    algorithm filters overlong completions."""
+    health = LearningHealth(load_config(algo=algo, overrides=overrides), patience=1, main=False)
+    (warning,) = health.check(1, {"completion/truncated_frac": 0.95})
+    assert "hit rollout.max_completion_length=256 without EOS" in warning
+    assert ("algo.overlong_filter drops them from the loss" in warning) == named and "DAPO" not in warning

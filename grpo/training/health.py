@@ -49,8 +49,9 @@ CHECKS = {
     "truncation": (
         lambda m: m.get("completion/truncated_frac", 0.0) > 0.9,
         "more than 90% of the completions hit rollout.max_completion_length={L} without EOS: their "
-        "rewards (and DAPO's overlong filter) see cut-off answers. Raise rollout.max_completion_length "
-        "or ask for shorter answers in the prompt.",
+        "rewards see cut-off answers{filtered}. Raise rollout.max_completion_length or ask for shorter answers in "
+        "the prompt (a policy that has not learned to stop yet, where the cap fits the answer, passes this once it "
+        "has).",
     ),
     "zero_advantage": (
         lambda m: m.get("advantage/zero_group_frac", 0.0) > 0.95 and reward_failed_frac(m) <= 0.5,
@@ -89,9 +90,11 @@ class LearningHealth:
             if self.streak[name] >= self.patience and name not in self.warned:
                 self.warned.add(name)
                 r = self.cfg.rollout
+                filtered = (" and algo.overlong_filter drops them from the loss"
+                            if getattr(self.cfg.algo.options, "overlong_filter", False) else "")
                 msg = (f"WARNING (step {step}, {self.patience} steps in a row): "
                        + text.format(L=r.max_completion_length, G=r.num_generations, lr=self.cfg.train.lr,
-                                     engine=r.engine))
+                                     engine=r.engine, filtered=filtered))
                 given.append(msg)
                 if self.main:
                     print(msg, file=sys.stderr, flush=True)
