@@ -456,3 +456,25 @@ def test_a_reference_server_the_algorithm_never_asks_is_named(capsys, algo, warn
     warning = ("config warning: ref.url='http://127.0.0.1:9' is never asked: algorithm 'dapo' uses no reference with "
                "algo.beta=0.0 and algo.kl_in_reward=0.0, so the server gets no request")
     assert (warning in err) == warned, err
+
+
+def test_every_unknown_key_is_reported_at_once(tmp_path):
+    """Issue 60 item 18: a YAML with several typos was reported one typo per run. Every unknown key comes at once,
+    each with its own suggestion: in sections, in the algorithm's options, inside an optional section, at the top."""
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
+
+    yaml = tmp_path / "typos.yaml"
+    yaml.write_text("train: {lrr: 1.0e-5, max_steps: 3}\nrollout: {tempreature: 0.7}\n"
+                    "algo: {overlong_filterr: true, rollout_correction: {mode: mask, hihg: 2.0}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(yaml, "dapo", ["eval.evry=5"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "5 unknown config keys:"
+    for key, close in (("algo.overlong_filterr", "overlong_filter"), ("train.lrr", "lr"),
+                       ("rollout.tempreature", "temperature"), ("algo.rollout_correction.hihg", "high"),
+                       ("eval.evry", "every")):
+        assert any(f"unknown config key {key!r}. Did you mean {close!r}?" in line for line in lines[1:]), (key, lines)
+    with pytest.raises(ConfigError, match=r"^2 unknown config keys:\n  - unknown config key 'trian'. Did you mean "
+                                          r"'train'\?.*\n  - unknown config key 'evl'"):
+        load_config(None, "grpo", ["trian.lr=1", "evl.every=2"])

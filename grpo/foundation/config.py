@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from grpo.foundation.loader import (ConfigError, build_dataclass, deep_merge, dump_yaml, load_yaml, not_finite,
-                                    parse_overrides, to_tree, unknown_key)
+                                    parse_overrides, to_tree, unknown_key, UnknownKeys)
 
 # A key's range is declared on its field, beside its type and default: ``validate`` checks it (``check_ranges``,
 # a key set to null skips it, a list is checked item by item) and scripts/gen_config_docs.py prints it in
@@ -1098,9 +1098,10 @@ def read_user_tree(
         # --algo beats the YAML's algo.name; only an explicit algo.name=... override beats --algo.
         cli_name = cli_tree.get("algo", {}).get("name") if isinstance(cli_tree.get("algo"), dict) else None
         user_tree = deep_merge(user_tree, {"algo": {"name": cli_name or algo}})
-    for key in user_tree:
-        if key not in [f.name for f in dataclasses.fields(Config)]:
-            raise unknown_key("", key, [f.name for f in dataclasses.fields(Config)])
+    sections = [f.name for f in dataclasses.fields(Config)]
+    unknown = [str(unknown_key("", key, sections)) for key in user_tree if key not in sections]
+    if unknown:
+        raise UnknownKeys(unknown)
     algo_tree = user_tree.get("algo", {}) or {}
     if not isinstance(algo_tree, dict):
         raise ConfigError(f"algo must be a mapping, got {algo_tree!r}")
@@ -1116,7 +1117,7 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
     common = {f.name for f in dataclasses.fields(AlgoConfig)} - {"options"}
     option_names = [f.name for f in dataclasses.fields(algorithm.Options)]
     common_user = {k: v for k, v in algo_tree.items() if k in common}
-    option_user = {}
+    option_user, unknown = {}, []
     for k, v in algo_tree.items():
         if k in common:
             continue
@@ -1127,14 +1128,20 @@ def build_config(user_tree: dict, algorithm: Any) -> Config:
                     f"algo.{k} is an option of {' and '.join(owners)}, not of {name}: choose "
                     f"{'that algorithm' if len(owners) == 1 else 'one of them'} (--algo {owners[0]}) or drop "
                     f"algo.{k}. {name}'s own options: {option_names or 'none'}")
-            raise unknown_key("algo", k, sorted(common) + option_names)
+            unknown.append(str(unknown_key("algo", k, sorted(common) + option_names)))
+            continue
         option_user[k] = v
 
     user_tree = _infer_data_source(user_tree)
     tree = deep_merge(user_tree, {"algo": deep_merge(dict(algorithm.defaults), common_user)})
     tree["algo"] = {k: v for k, v in tree["algo"].items() if k in common}  # options go to cfg.algo.options
     tree["algo"]["name"] = name
-    cfg = build_dataclass(Config, tree)
+    try:  # every unknown key at once: the algorithm's section's and the others'
+        cfg = build_dataclass(Config, tree)
+    except UnknownKeys as e:
+        raise UnknownKeys(unknown + e.errors) from None
+    if unknown:
+        raise UnknownKeys(unknown)
     cfg.algo.options = build_dataclass(algorithm.Options, option_user, "algo")
     validate(cfg)
     _require_rewards(user_tree, cfg)

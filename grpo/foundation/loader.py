@@ -97,8 +97,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         real = [a for a in args if a is not type(None)]
-        if len(real) == 1 and dataclasses.is_dataclass(real[0]):  # e.g. Optional[LoraConfig]: its own message
-            raise ConfigError(errors[0])
+        if len(real) == 1 and dataclasses.is_dataclass(real[0]):  # e.g. Optional[LoraConfig]: its own error as
+            return _coerce(path, value, real[0])  # raised (UnknownKeys: every unknown key in it, gathered above)
         raise ConfigError(f"{path}={value!r} has the wrong type: expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -210,15 +210,31 @@ def unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key {where!r}.{hint} Valid keys: {sorted(valid)}")
 
 
+class UnknownKeys(ConfigError):
+    """Every unknown key of a config at once (a YAML with three typos is one error naming the three)."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__(errors[0] if len(errors) == 1 else
+                         f"{len(errors)} unknown config keys:\n  - " + "\n  - ".join(errors))
+
+
 def build_dataclass(cls: type, values: dict, path: str = "") -> Any:
-    """Build ``cls`` from a (partial) mapping, validating every key and type."""
+    """Build ``cls`` from a (partial) mapping, validating every key and type; the unknown keys of every section
+    are reported together (``UnknownKeys``), before any other error."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    kwargs, unknown = {}, []
     for key, value in values.items():
         if key not in names:
-            raise unknown_key(path, str(key), names)
-        kwargs[key] = _coerce(f"{path}.{key}" if path else key, value, hints[key])
+            unknown.append(str(unknown_key(path, str(key), names)))
+            continue
+        try:
+            kwargs[key] = _coerce(f"{path}.{key}" if path else key, value, hints[key])
+        except UnknownKeys as e:  # a section's own: gathered with the others
+            unknown += e.errors
+    if unknown:
+        raise UnknownKeys(unknown)
     return cls(**kwargs)
 
 
