@@ -478,3 +478,17 @@ def test_every_unknown_key_is_reported_at_once(tmp_path):
     with pytest.raises(ConfigError, match=r"^2 unknown config keys:\n  - unknown config key 'trian'. Did you mean "
                                           r"'train'\?.*\n  - unknown config key 'evl'"):
         load_config(None, "grpo", ["trian.lr=1", "evl.every=2"])
+
+
+def test_a_data_file_on_the_command_line_over_a_task_preset_is_read_by_its_extension():
+    """Issue 60 item 19: `--config configs/demo.yaml data.path=FILE.jsonl` was refused (the preset's data.source is its
+    generated task), although the README says a file's format follows its extension: the file named on the command
+    line is read as its extension says. A source the command line sets itself still decides."""
+    from grpo.foundation.config import ConfigError
+    from grpo.training.configure import load_config
+
+    demo = "configs/demo.yaml"
+    cfg = load_config(demo, "grpo", [f"data.path={GSM8K}", "data.columns={prompt: question}"])
+    assert (cfg.data.source, cfg.data.path) == ("jsonl", str(GSM8K))
+    with pytest.raises(ConfigError, match="is not read with data.source='builtin'"):
+        load_config(demo, "grpo", [f"data.path={GSM8K}", "data.source=builtin"])

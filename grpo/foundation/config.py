@@ -1094,6 +1094,12 @@ def read_user_tree(
     cli_tree = parse_overrides(overrides or [])
 
     user_tree = deep_merge(file_tree, cli_tree)
+    cli_data, file_data = cli_tree.get("data"), file_tree.get("data")
+    if (isinstance(cli_data, dict) and cli_data.get("path") and "source" not in cli_data and isinstance(file_data, dict)
+            and file_data.get("source") in TASK_SOURCES):
+        # a file named on the command line over a preset's generated task (configs/demo.yaml): its format follows its
+        # extension, as without the preset (the preset's own task keys are left unused)
+        user_tree["data"] = {k: v for k, v in user_tree["data"].items() if k != "source"}
     if algo is not None:
         # --algo beats the YAML's algo.name; only an explicit algo.name=... override beats --algo.
         cli_name = cli_tree.get("algo", {}).get("name") if isinstance(cli_tree.get("algo"), dict) else None
