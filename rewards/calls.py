@@ -118,10 +118,23 @@ def send_by_value(fn: Callable, name: str) -> bytes:
     """A Python function given to the run (the Python API: a notebook's function, a lambda, a closure) as bytes
     a worker process turns back into it: dill pickles what cannot be imported by name (``__main__``'s functions,
     lambdas, closures and the globals they use) by value. ConfigError when it cannot be sent."""
+    import io
+    import sys
+
     import dill  # through datasets: pickle's by-value successor for functions
 
+    class Sender(dill.Pickler):
+        def persistent_id(self, obj):  # every object on the way: an open file is refused, not re-opened
+            if isinstance(obj, io.IOBase) and obj not in (sys.stdin, sys.stdout, sys.stderr):
+                raise TypeError(f"it holds an open file ({getattr(obj, 'name', obj)!r}, mode "
+                                f"{getattr(obj, 'mode', '?')!r}), which a worker would open again (truncating a file "
+                                f"open for writing) and whose writes it would make in its own process")
+            return None
+
     try:
-        return dill.dumps(fn, recurse=True)
+        out = io.BytesIO()
+        Sender(out, recurse=True).dump(fn)
+        return out.getvalue()
     except Exception as e:  # noqa: BLE001 - whatever the function holds that cannot be pickled
         raise ConfigError(f"the reward function {name!r} cannot be sent to the reward workers ({type(e).__name__}: "
                           f"{e}): run it in the trainer process with isolation: inline on its entry, or define it in "

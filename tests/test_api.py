@@ -167,3 +167,38 @@ def test_every_rank_calls_train_under_the_launcher(tmp_path):
     assert results[0]["metrics"]["reward/length_two/errors"] == 0 and "reward/digits_match/mean" in results[0]["metrics"]
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2
     assert len((tmp_path / "data" / "train.jsonl").read_text().splitlines()) == len(ROWS)
+
+
+def test_a_function_holding_an_open_file_is_refused_and_the_file_kept(tmp_path):
+    """Issue 60 item 16: a closure holding a file open for writing was sent to the workers (dill opens the file again
+    there: the file was truncated and its writes lost), although python-api.md says it is refused at start. It is
+    refused, naming the file and the fix, and the file keeps what it held."""
+    from grpo.foundation.config import RewardPoolConfig, RewardSpec
+    from grpo.api import function_name
+    from rewards import FunctionTerm
+
+    path = tmp_path / "log.txt"
+    log = path.open("w")
+    log.write("kept\n")
+    log.flush()
+
+    def logs_its_scores(prompts, completions, **kw):
+        scores = [float(len(c)) for c in completions]
+        log.write(f"{scores}\n")
+        return scores
+
+    try:
+        with pytest.raises(ConfigError, match=r"'logs_its_scores#\d+' cannot be sent to the reward workers \(TypeError: "
+                                              r"it holds an open file \('.*log.txt', mode 'w'\).*isolation: inline"):
+            FunctionTerm("f", RewardSpec(fn=function_name(logs_its_scores)), RewardPoolConfig(num_workers=1))
+    finally:
+        log.close()
+    assert path.read_text() == "kept\n"
+    assert send_ok(lambda completions, **kw: [0.0] * len(completions))
+
+
+def send_ok(fn) -> bool:
+    """A plain closure still travels by value."""
+    from rewards.calls import received_by_value, send_by_value
+
+    return received_by_value(send_by_value(fn, "f"))(completions=["a", "b"]) == [0.0, 0.0]
