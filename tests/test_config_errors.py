@@ -492,3 +492,14 @@ def test_a_data_file_on_the_command_line_over_a_task_preset_is_read_by_its_exten
     assert (cfg.data.source, cfg.data.path) == ("jsonl", str(GSM8K))
     with pytest.raises(ConfigError, match="is not read with data.source='builtin'"):
         load_config(demo, "grpo", [f"data.path={GSM8K}", "data.source=builtin"])
+
+
+def test_a_missing_reference_server_says_what_the_run_asks_it_for(capsys):
+    """Issue 60 item 14: `--algo opd` over a YAML that sets beta 0.04 stopped on a missing reference server without
+    saying why the run needs one; the error names what the run asks it for, with the values that decide it."""
+    assert train.main(["--algo", "opd", "algo.beta=0.04", "ref.url=http://127.0.0.1:9", "ref.startup_wait=0",
+                       "teacher.model=builtin:tiny-char-h64", "--print-config"]) == 1
+    err = capsys.readouterr().err
+    assert ("nothing is listening at ref.url='http://127.0.0.1:9' (tried for ref.startup_wait=0 s; ConnectionError), "
+            "and the run asks it: algorithm 'opd' takes the reference's log-probs (algo.beta=0.04, "
+            "algo.kl_in_reward=0.0). The reference server must run before training starts") in err, err

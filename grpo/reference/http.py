@@ -159,12 +159,13 @@ def how_to_start(url: str) -> str:
             f"<reference model> --port {port}`), or check ref.url.")
 
 
-def probe(cfg: Config, teacher: bool = False) -> None:
+def probe(cfg: Config, teacher: bool = False, why: str = "") -> None:
     """At start, before any model loads: is anything listening at ``ref.url`` (``teacher``: at ``teacher.url``, the
     distillation teacher's server, with the same ``ref.*`` client settings)? A refused (or unreachable) connection
     is retried for ``ref.startup_wait`` seconds, then :class:`ReferenceServerError` naming the key and how to start
     the server: not the minute of ``ref.retry_window``, which is for outages of a server that was up. Anything that
-    answers, even slowly or with an error, passes: the client's own checks and retries follow."""
+    answers, even slowly or with an error, passes: the client's own checks and retries follow. ``why``: what the run
+    asks the server for, said in the error."""
     r = cfg.ref
     url = cfg.teacher.url if teacher else r.url
     deadline = time.monotonic() + r.startup_wait
@@ -185,7 +186,8 @@ def probe(cfg: Config, teacher: bool = False) -> None:
                         f"trainer: raise ref.startup_wait (docs/distillation.md).") from None
                 raise ReferenceServerError(
                     f"nothing is listening at ref.url={r.url!r} (tried for ref.startup_wait={r.startup_wait:g} s; "
-                    f"{type(e).__name__}). The reference server must run before training starts: "
+                    f"{type(e).__name__}){f', and the run asks it: {why}' if why else ''}. The reference server must "
+                    f"run before training starts: "
                     f"{how_to_start(r.url)} A server started at the same time as the trainer: raise "
                     f"ref.startup_wait. No server at all: ref.url=null keeps the reference in the trainer "
                     f"(docs/troubleshooting.md)."

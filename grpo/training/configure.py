@@ -170,9 +170,13 @@ def probe_services(cfg: Config) -> None:
     distillation teacher's server."""
     from grpo.reference.http import check_reload, probe
 
-    uses_server = any(s.kind == "model" and s.where == "server" for s in cfg.rewards)
-    if cfg.ref.url and (uses_server or ALGORITHMS.get(cfg.algo.name)(cfg).needs_reference):
-        probe(cfg)
+    hosted = [s.name or str(s.model) for s in cfg.rewards if s.kind == "model" and s.where == "server"]
+    a = cfg.algo
+    why = [f"algorithm {a.name!r} takes the reference's log-probs (algo.beta={a.beta}, algo.kl_in_reward="
+           f"{a.kl_in_reward})"] if ALGORITHMS.get(a.name)(cfg).needs_reference else []
+    why += [f"the reward model {name!r} is hosted there" for name in hosted]
+    if cfg.ref.url and why:
+        probe(cfg, why="; ".join(why))
         check_reload(cfg)
     if cfg.teacher.url and distilling(cfg):
         probe(cfg, teacher=True)
