@@ -83,7 +83,7 @@ class Stream:
         self.need, self.K, self.feed = groups_per_step, max_staleness, feed
         self.pending: list[Group] = []  # issued and not handed out, oldest first
         self.serial = 0
-        self.counts = {"regenerated": 0, "calls": 0}
+        self.counts = {"regenerated": 0}
 
     # -- the queue
     def _issue(self, need: int) -> None:
@@ -114,22 +114,25 @@ class Stream:
         need = self.need if need is None else need
         self._issue(need)
         self._regenerate(version)
-        while not self._ready(version, {}, need) and not all(g.whole for g in self.pending):
+        while not self._ready(version, need)({}) and not all(g.whole for g in self.pending):
             self._decode(version, need)
         whole = [g for g in self.pending if g.whole][: need]
         taken = {id(g) for g in whole}
         self.pending = [g for g in self.pending if id(g) not in taken]
         return whole
 
-    def _ready(self, version: int, ended: dict[int, int], need: int) -> bool:
-        """Whether the step can end: ``need`` groups whole, and every group K versions behind whole (``ended``: rows
-        of each group, by id, finished in the call under way)."""
-        def whole(g: Group) -> bool:
-            return sum(not r.done for r in g.rows) == ended.get(id(g), 0)
+    def _ready(self, version: int, need: int) -> Callable[[dict[int, int]], bool]:
+        """Whether the step can end, given the rows of each group (by id) finished in the call under way: ``need``
+        groups whole, and every group K versions behind whole. The groups are read once here, not at every host
+        read of the call."""
+        left = {id(g): sum(not r.done for r in g.rows) for g in self.pending}
+        behind = [id(g) for g in self.pending if (o := g.oldest()) is not None and version - o >= self.K]
 
-        if sum(whole(g) for g in self.pending) < need:
-            return False
-        return all(whole(g) for g in self.pending if (o := g.oldest()) is not None and version - o >= self.K)
+        def ready(ended: dict[int, int]) -> bool:
+            whole = {gid for gid, n in left.items() if n == ended.get(gid, 0)}
+            return len(whole) >= need and all(gid in whole for gid in behind)
+
+        return ready
 
     def _decode(self, version: int, need: int) -> None:
         """One engine call over every unfinished row, stopped once enough groups are whole."""
@@ -139,16 +142,16 @@ class Stream:
         if params.forced_eos_lengths:
             params = replace(params, forced_eos_lengths=tuple(self._forced(g, j, r) for g, j, r in calls))
         group_of = [id(g) for g, _, _ in calls]
+        ready = self._ready(version, need)
 
         def stop(finished: list[int]) -> bool:
             ended: dict[int, int] = {}
             for i in finished:
                 ended[group_of[i]] = ended.get(group_of[i], 0) + 1
-            return self._ready(version, ended, need)
+            return ready(ended)
 
         out = self.engine.generate([g.prompt + r.tokens for g, _, r in calls], params, 1,
                                    room=[T - len(r.tokens) for _, _, r in calls], stop=stop)
-        self.counts["calls"] += 1
         stopped = out.stopped.tolist() if out.stopped is not None else [False] * len(calls)
         for i, (g, j, r) in enumerate(calls):
             r.tokens += out.tokens[i]
