@@ -12,7 +12,7 @@ its new tokens, not the whole trajectory again. The store is dropped when the we
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from transformers import DynamicCache
@@ -285,6 +285,9 @@ def generate(
     keep: Optional[PrefixStore] = None,
     check_every: Optional[int] = None,
     logprobs: bool = False,
+    room: Optional[list[int]] = None,
+    stop: Optional[Callable[[list[int]], bool]] = None,
+    tally: Optional[list[int]] = None,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
 
@@ -297,6 +300,10 @@ def generate(
     draws its uniforms from one [rows] draw per step, so the tokens do not depend on ``check_every``.
     ``logprobs``: also the sampler's log-prob of each drawn token (``Completions.logprobs``; one log-softmax
     over the vocabulary per step, so only when asked).
+    Streaming (grpo/rollout/stream.py): ``room`` caps each prompt's rows at their own token count (at most
+    ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call when it
+    returns True, the unfinished rows returned as they stand (``Completions.stopped``). Not with ``synced``.
+    ``tally``: [tokens drawn by decode steps, their row-steps over the call's first batch, decode steps] added to.
     """
     G, cfg = n, params
     device = next(model.parameters()).device
@@ -307,6 +314,12 @@ def generate(
     eos = torch.tensor([] if cfg.ignore_eos else sorted(eos_ids), dtype=torch.long, device=device)
     P = len(prompts)
     R, T = P * G, cfg.max_tokens
+    if room is not None and (len(room) != P or not all(0 < x <= T for x in room)):
+        raise ValueError(f"room: one count per prompt in 1..{T} (max_tokens), got {room}")
+    if synced and stop is not None:
+        raise ValueError("stop: a synced (ZeRO-3) generation call ends on every rank at once; it cannot stop one")
+    # each row's last token index: it ends there (truncated unless that token is an EOS)
+    last = torch.tensor([(T if room is None else room[r // G]) - 1 for r in range(R)], dtype=torch.long, device=device)
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     forced = None if cfg.ignore_eos or not eos_ids else forced_eos(cfg, R, device)
     result_lp = torch.zeros((R, T), dtype=torch.float64, device=device) if logprobs else None
@@ -316,7 +329,7 @@ def generate(
     lengths = torch.full((R,), T, dtype=torch.long, device=device)
     finished = torch.zeros(R, dtype=torch.bool, device=device)  # EOS drawn (the row may not have left yet)
     active = torch.arange(R, device=device)
-    reused = 0
+    reused, cut, steps = 0, False, 0
     if P:
         cache, logits, att, last_pos, reused = _prefill(model, prompts, pad_id, device, reuse)
         Lp = att.shape[1]
@@ -348,13 +361,18 @@ def generate(
                 top = torch.log_softmax(logits.float() / cfg.temperature, dim=-1).topk(K, dim=-1)
                 top_lp[active, t], top_ids[active, t] = top.values, top.indices
             was = finished[active]
-            if eos.numel():
-                now = torch.isin(tok, eos) & ~was
+            ends = last[active] == t  # the row's room is full (at max_tokens every row ends)
+            if eos.numel() or room is not None:
+                now = ((torch.isin(tok, eos) if eos.numel() else torch.zeros_like(ends)) | ends) & ~was
                 lengths[active] = torch.where(now, t + 1, lengths[active])
                 was = was | now
                 finished[active] = was
             if check:
                 leave = was if t < T - 1 else torch.ones_like(was)  # at T every row ends (truncated unless EOS)
+                if stop is not None and stop(finished.nonzero(as_tuple=True)[0].tolist()):
+                    cut = True  # the rows still decoding keep their t + 1 tokens
+                    lengths[active] = torch.where(was, lengths[active], t + 1)
+                    break
                 stay = (~leave).nonzero(as_tuple=True)[0]  # the loop's one host read of these k steps
                 if stay.numel() < active.numel():
                     if keep is not None:
@@ -382,6 +400,7 @@ def generate(
         )
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
+        steps += 1
     if was_training:
         model.train()
     lengths_l = lengths.tolist()
@@ -389,8 +408,14 @@ def generate(
     tokens = [row[:n] for row, n in zip(rows, lengths_l)]
     eos_set = set(int(e) for e in eos_ids)
     truncated = torch.tensor([not (len(tk) and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
+    stopped = ~finished.cpu() if cut else None
+    if stopped is not None:
+        truncated &= ~stopped
     lps = None if result_lp is None else [row[:m] for row, m in zip(result_lp.tolist(), lengths_l)]
-    out = Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused)
+    out = Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused, stopped=stopped)
+    if tally is not None:  # a row's first token came from the prefill
+        for j, x in enumerate((sum(lengths_l) - sum(m > 0 for m in lengths_l), steps * R, steps)):
+            tally[j] += x
     if K:  # zeros past each row's end (a finished row's slots may hold its last steps' values)
         past = (torch.arange(T, device=device).unsqueeze(0) >= lengths.unsqueeze(1)).unsqueeze(-1)
         out.topk_logprobs = top_lp.masked_fill(past, 0.0).cpu()
@@ -409,14 +434,17 @@ class HFEngine:
         self.keeps = bool(setup.cfg.env.name)
         self.store: Optional[PrefixStore] = None
         self.metrics: dict[str, float] = {}
+        self.decoded = [0, 0, 0]  # since the last pop_metrics: tokens drawn by decode steps, their row-steps, steps
         a = setup.cfg.algo  # the sampler's log-probs, when the run uses them
         self.logprobs = a.tis_cap is not None or a.rollout_correction is not None
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, room: Optional[list[int]] = None,
+                 stop: Optional[Callable[[list[int]], bool]] = None) -> Completions:
+        """``room`` and ``stop``: a streamed call (``generate``'s)."""
         s = self.setup
         keep = PrefixStore() if self.keeps else None
         out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store, keep=keep,
-                       logprobs=self.logprobs)
+                       logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded)
         self.store = keep
         if self.keeps:
             fed = sum(len(p) for p in prompts) - out.reused
@@ -433,5 +461,14 @@ class HFEngine:
         self.store = None
 
     def pop_metrics(self) -> dict[str, float]:
+        """The engine's counts since the last call: prefix reuse (multi-turn), and ``rollout/occupancy``, the share
+        of decode row-steps that drew a token of an unfinished row, over each call's first batch (finished rows
+        leave the batch, but on an accelerator a decode step costs about its weights' reads however few rows are
+        left)."""
         out, self.metrics = self.metrics, {}
+        tokens, row_steps, steps = self.decoded
+        if steps:
+            out.update({"rollout/occupancy": tokens / row_steps, "rollout/decode_steps": float(steps),
+                        "rollout/decoded_tokens": float(tokens)})
+        self.decoded = [0, 0, 0]
         return out

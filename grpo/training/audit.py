@@ -96,7 +96,10 @@ class Audit:
         limit, cfg = self.cfg.logging.audit_warn_kl, self.cfg
         if not dist.is_main():
             return
-        kl, first = m.get("audit/sampler_kl"), self._first
+        # streamed rollouts: tokens drawn by earlier weights differ from the trainer's by design (their correction
+        # weighs them); only the current weights' tokens say whether the engine computes as the trainer does
+        name = "audit/sampler_kl_behind_0" if "audit/sampler_kl_behind_0" in m else "audit/sampler_kl"
+        kl, first = m.get(name), self._first
         if kl is not None and first is None:
             self._first = first = kl  # the first audit of this run: before any of its updates, fresh weights
         if kl is not None and kl > limit:
@@ -109,7 +112,7 @@ class Audit:
             else:  # it grew since
                 cause = f"it grew since this run's first audit ({first:.3g} nats, before any update), so {stale}"
             warnings.warn(
-                f"step {step}: audit/sampler_kl={kl:.4g} nats > logging.audit_warn_kl={limit:g}: the generation "
+                f"step {step}: {name}={kl:.4g} nats > logging.audit_warn_kl={limit:g}: the generation "
                 f"engine's next-token distributions are not the trainer's. Likely cause: {cause}. "
                 f"algo.rollout_correction corrects or masks the affected tokens.", RuntimeWarning, stacklevel=2)
         if step == 0 and m.get("audit/reference_kl", 0.0) > limit:

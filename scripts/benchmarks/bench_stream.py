@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Streaming rollouts against a step at a time (issue 56): decode slot occupancy and generated tokens per decode step,
-counted by the static engine, at EOS lengths like a reasoning run's (bench.py's reasoning_lengths: 10% at the cap).
+counted by the static (or hf) engine, at EOS lengths like a reasoning run's (bench.py's reasoning_lengths: 10% at the cap).
 
     python scripts/benchmarks/bench_stream.py                                 # a narrow random Llama, cap 64, CPU
     python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1,2:32:1 --out runs/stream.json
+    python scripts/benchmarks/bench_stream.py --engine hf --cap 256 --runs 1:0:1,2:0:1   # the hf engine: no slots
 
 Each decode step reads every weight once whatever the number of live rows, so tokens per decode step is the time per
 token on a GPU; a CPU decodes compute-bound, so its wall time is reported but says little. ``today``: each step's
@@ -29,21 +30,28 @@ sys.path.insert(0, str(ROOT))
 from scripts.benchmarks.bench import reasoning_lengths  # noqa: E402
 
 
-def engine_for(model, eos: int, *overrides: str):
+def engine_for(model, eos: int, *overrides: str, kind: str = "static"):
+    """The static engine, or the hf engine (``kind``; it keeps the sampler's log-probs as a streamed run's does)."""
     from grpo.rollout import static
     from grpo.rollout.engine import EngineSetup
+    from grpo.rollout.hf import HFEngine
     from grpo.training.configure import load_config
 
-    cfg = load_config(None, "grpo", ["rollout.engine=static", *overrides])
-    return static.StaticEngine(EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[eos], pad_id=0))
+    cfg = load_config(None, "grpo", [f"rollout.engine={kind}", "algo.tis_cap=2.0",
+                                     *(o for o in overrides if kind == "static" or not o.startswith("rollout.s"))])
+    setup = EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[eos], pad_id=0)
+    return static.StaticEngine(setup) if kind == "static" else HFEngine(setup)
 
 
 def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap: int, steps: int,
             runs: list[tuple[int, int, int]], today_check: int = 16, seed: int = 0,
-            sync: Callable[[], None] = lambda: None) -> dict:
+            sync: Callable[[], None] = lambda: None, kind: str = "static") -> dict:
     """{"today": figures, "K=..,slots=..,check=..": figures, "lengths": the recorded distribution}: per side the
     decoded tokens, decode steps, slot-steps (their ratio: occupancy), tokens per decode step, wall seconds, and for
-    the streams the staleness and the groups drawn again."""
+    the streams the staleness and the groups drawn again. ``kind``: the engine (hf: no slots, its own host reads;
+    each run's SLOTS must be 0)."""
+    if kind == "hf" and any(slots for _, slots, _ in runs):
+        raise ValueError(f"runs {runs}: the hf engine has no slots (rollout.slots is the static engine's): give K:0:1")
     from grpo.rollout.engine import SamplingParams
     from grpo.rollout.stream import Stream
 
@@ -66,7 +74,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
         into["tokens_per_decode_step"] = into["decoded_tokens"] / max(1.0, into["decode_steps"])
         return into
 
-    engine = engine_for(model, eos, f"rollout.static.check_every={today_check}")
+    engine = engine_for(model, eos, f"rollout.static.check_every={today_check}", kind=kind)
     today = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0)
     for s in range(steps + 1):
         batch = [prompts[(s * groups + g) % len(prompts)] for g in range(groups)]
@@ -84,7 +92,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
         def feed(n):
             return [(prompts[i % len(prompts)], i) for i in (next(counter) for _ in range(n))]
 
-        engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}")
+        engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}", kind=kind)
         stream = Stream(engine, params, group_size=G, groups_per_step=groups, max_staleness=K, feed=feed)
         res = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0, staleness_max=0.0,
                    staleness_mean=0.0, regenerated=0.0, handed_out=0)
@@ -115,6 +123,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=6, help="measured steps a side (after one that fills the pipeline)")
     p.add_argument("--runs", default="1:64:1,1:32:1,2:32:1", help="K:SLOTS:CHECK, comma-separated")
     p.add_argument("--today-check", type=int, default=16, help="rollout.static.check_every of the step-at-a-time side")
+    p.add_argument("--engine", choices=["static", "hf"], default="static",
+                   help="the engine (hf: every row at once, no slots: give --runs K:0:1)")
     p.add_argument("--out", help="a JSON file for the figures")
     args = p.parse_args(argv)
 
@@ -130,7 +140,9 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, model.config.vocab_size, (40,), generator=g).tolist() for _ in range(64)]
     runs = [tuple(int(x) for x in r.split(":")) for r in args.runs.split(",")]
-    res = measure(model, 2, prompts, args.groups, args.G, args.cap, args.steps, runs, args.today_check)
+    res = measure(model, 2, prompts, args.groups, args.G, args.cap, args.steps, runs, args.today_check,
+                  kind=args.engine)
+    res["engine"] = args.engine
     res["model"] = "Llama, vocabulary 49,152, hidden 64, 2 layers, random init (seed 0); prompts of 40 random tokens"
     res["command"] = "python " + " ".join(sys.argv)
     print(json.dumps(res, indent=1))
