@@ -28,7 +28,9 @@ def test_reference_request_overlaps_the_rewards(single_rank_env, tmp_path):
             tr.rollout.score = score_and_look
             history = tr._train()  # (train() would close the client the rest of this test still uses)
             assert seen == [True, True]
-            assert all(h["ref/early_request"] == 1.0 and h["ref/requests"] == 1 for h in history)
+            # one request a step for the log-probs (the first step's also the pre-flight check's top-k)
+            assert all(h["ref/early_request"] == 1.0 and h["ref/requests"] == 1 + (i == 0)
+                       for i, h in enumerate(history))
 
             # rows changed after the early request (as a filtering or refilling algorithm does): asked again
             batch = tr._last_batch

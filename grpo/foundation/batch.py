@@ -75,6 +75,12 @@ class RolloutBatch:
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(-1)
 
+    def sampled_mask(self) -> torch.Tensor:
+        """``mask`` without the rows an algorithm rewrote (``extra["rewritten"]``: EDGE-GRPO's corrections), whose
+        tokens the engine did not draw: where the sampler's log-probs and top-k say something of the tokens."""
+        rewritten = self.extra.get("rewritten")
+        return self.mask if rewritten is None else self.mask * (1 - rewritten.to(self.mask.dtype)).unsqueeze(-1)
+
     def packed(self, rows: Optional[list[int]] = None, pad_id: int = 0) -> Packed:
         rows = list(range(len(self))) if rows is None else rows
         return pack([self.prompt_ids[i] for i in rows], [self.completion_ids[i] for i in rows], pad_id, self.width)

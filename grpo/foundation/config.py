@@ -513,6 +513,11 @@ class LoggingConfig:
     audit_top_k: int = ranged(8, "in [1, 64]")  # the support of each audited position: the k most likely tokens
     audit_rows: int = positive(8)  # rows of each rank's batch audited, drawn at random (what bounds its cost)
     audit_warn_kl: float = positive(0.05)  # nats: an audited KL above it prints a warning naming the likely causes
+    # the pre-flight check (docs/metrics.md#pre-flight-check): before the first update of a run (or of a resumed
+    # one), one audit of the sampler against the trainer (and, on a fresh run, of the reference against the policy);
+    # a mean KL above preflight_kl stops the run naming the likely cause. false: no such audit
+    preflight: bool = True
+    preflight_kl: float = positive(0.1)  # nats, mean over the audited positions
 
 
 @dataclass

@@ -267,13 +267,17 @@ class RolloutService:
         self._time("reward", t0)
 
     def rewrite(self, batch: RolloutBatch, rows: list[int], completions: list[tuple[list[int], bool]]) -> None:
-        """Replace the completions of ``rows`` (tokens, truncated) in place, then decode and re-score them."""
+        """Replace the completions of ``rows`` (tokens, truncated) in place, then decode and re-score them. The rows
+        are marked ``extra["rewritten"]``: the engine did not draw their tokens (``RolloutBatch.sampled_mask``)."""
         if not rows:
             return
         for i, (toks, truncated) in zip(rows, completions):
             batch.completion_ids[i] = toks
             batch.truncated[i] = truncated
         batch.mask = completion_mask([len(c) for c in batch.completion_ids], batch.width)
+        rewritten = batch.extra.get("rewritten", torch.zeros(len(batch))).clone()
+        rewritten[torch.tensor(rows)] = 1.0
+        batch.extra = {**batch.extra, "rewritten": rewritten}
         for i, t in zip(rows, self.decode([batch.completion_ids[i] for i in rows])):
             batch.completion_text[i] = t
         sub = batch.select(rows)

@@ -34,15 +34,23 @@ from grpo.foundation.config import Config
 from grpo.foundation.logprobs import completion_scores
 
 
+class PreflightError(RuntimeError):
+    """The pre-flight audit found the sampler (or the reference) far from the trainer's policy before any update."""
+
+
 class Audit:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, first_step: int = 0, fresh: bool = True):
+        """``first_step``: the run's first step (a resumed run's is its checkpoint's); ``fresh``: the policy is the
+        starting weights there (not resumed), so the reference should equal it."""
         self.cfg, self.every, self.k = cfg, cfg.logging.audit_every, cfg.logging.audit_top_k
         self._said_no_sampler = False
         self._first: float | None = None  # audit/sampler_kl at this run's first audit (before any of its updates)
+        self.preflight_step = first_step if cfg.logging.preflight else None
+        self.fresh = fresh
 
     def top_k(self, step: int) -> int:
         """The engine's top-k to ask for in this step's rollout (0: no audit this step)."""
-        return self.k if self.every and step % self.every == 0 else 0
+        return self.k if (self.every and step % self.every == 0) or step == self.preflight_step else 0
 
     def run(self, step: int, batch: RolloutBatch, model: torch.nn.Module, reference, pad_id: int,
             metrics: dict[str, float]) -> None:
@@ -57,7 +65,7 @@ class Audit:
         packed, temperature = sub.packed(None, pad_id), self.cfg.rollout.temperature
         ref = None if reference is None else reference.submit_topk(packed, temperature, self.k)
         sampler = sub.extra.get("sampler_topk_ids")
-        if sampler is None:
+        if sampler is None and self.every:  # the pre-flight alone checks what the rollout has, quietly
             self._no_sampler()
         ref_scores = None if ref is None else ref.result()
         supports = [x for x in (sampler, None if ref_scores is None else ref_scores.topk_ids) if x is not None]
@@ -69,15 +77,41 @@ class Audit:
         policy = s.gathered.double().cpu()
         if sampler is not None:
             kl = rl_math.topk_divergence(policy[..., : self.k], sub.extra["sampler_topk_logp"].double(), 0.0)
-            self._log(metrics, "audit/sampler_kl", kl, mask)
+            drawn = mask * sub.sampled_mask().double()  # not the rows an algorithm rewrote (the engine's top-k is
+            # of the tokens it drew)
+            self._log(metrics, "audit/sampler_kl", kl, drawn)
             behind = sub.extra.get("versions_behind")
             for s in range(self.cfg.rollout.max_staleness + 1 if behind is not None else 0):  # streamed rollouts
-                self._log(metrics, f"audit/sampler_kl_behind_{s}", kl, mask * (behind == s).double())
+                self._log(metrics, f"audit/sampler_kl_behind_{s}", kl, drawn * (behind == s).double())
         if ref_scores is not None:
             kl = rl_math.topk_divergence(policy[..., -self.k:], ref_scores.topk_logprobs.double(), 0.0)
             self._log(metrics, "audit/reference_kl", kl, mask)
         metrics["time/audit"] = time.perf_counter() - t0
+        if step == self.preflight_step:
+            self._preflight(step, metrics)
         self._warn(step, metrics)
+
+    def _preflight(self, step: int, m: dict[str, float]) -> None:
+        """Stop the run when the sampler (or, fresh, the reference) disagrees with the policy before any update. Every
+        rank holds the same all-reduced means, so every rank stops alike."""
+        cfg, limit = self.cfg, self.cfg.logging.preflight_kl
+        off = f"(logging.preflight_kl={limit:g} nats; logging.preflight=false runs anyway)"
+        name = "audit/sampler_kl_behind_0" if "audit/sampler_kl_behind_0" in m else "audit/sampler_kl"
+        if m.get(name, 0.0) > limit:
+            raise PreflightError(
+                f"pre-flight check, step {step}, before any update: {name}={m[name]:.4g} nats between the generation "
+                f"engine's next-token distributions and the trainer's, with the same weights {off}. Likely cause: the "
+                f"engine computes differently from the trainer: its dtype (bf16 / fp16 sampling against model.dtype="
+                f"{cfg.model.dtype!r}), its kernels (rollout.engine={cfg.rollout.engine!r}: CUDA graphs, vLLM), a "
+                f"head transform it lacks (logit scaling, soft-capping), or it never got the trainer's weights. Try "
+                f"rollout.engine=hf (the training model itself samples) to tell which")
+        if self.fresh and m.get("audit/reference_kl", 0.0) > limit:
+            raise PreflightError(
+                f"pre-flight check, step {step}, before any update: audit/reference_kl={m['audit/reference_kl']:.4g} "
+                f"nats between the reference and the policy's starting weights {off}. Likely cause: the reference is "
+                f"another model (ref.model={cfg.ref.model!r}, ref.url={cfg.ref.url!r}: another checkpoint, or a "
+                f"server started with another --model), or another dtype than model.dtype={cfg.model.dtype!r}. The "
+                f"KL penalty (algo.beta) would pull the policy towards it from the first step")
 
     @staticmethod
     def _log(metrics: dict[str, float], name: str, kl: torch.Tensor, mask: torch.Tensor) -> None:

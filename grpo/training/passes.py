@@ -99,7 +99,7 @@ class PolicyPasses:
                                 scale_wrt_gas=False)
                 continue
             if gap is not None:  # before any update of this step: logp is pi_old
-                gap.add(mb.old_logp if mb.old_logp is not None else logp, mb.sampler_logp, mb.mask)
+                gap.add(mb.old_logp if mb.old_logp is not None else logp, mb.sampler_logp, mb.sampled_mask())
             out = self.algo.loss_with_bonus(logp.float(), ent.float() if ent is not None else None, mb, norms,
                                             s.gathered.float() if s.gathered is not None else None)
             # DeepSpeed averages gradients over ranks: multiply by the world size so the

@@ -118,7 +118,8 @@ class Trainer:
         self.logger = MetricsLogger(cfg, start_step=self.step)
         self.health = LearningHealth(cfg, cfg.logging.health_patience, dist.is_main())
         self.gc_timer = GcTimer()  # time/gc: the garbage collector's pauses inside each step
-        self.audit = Audit(cfg)  # whole next-token distributions, every logging.audit_every steps
+        # whole next-token distributions, every logging.audit_every steps, and once before the first update
+        self.audit = Audit(cfg, first_step=self.step, fresh=self.step == 0)
         self.memory = MemoryPeaks(self.device)  # memory/<phase>_gib on CUDA: where a step's peak comes from
         self.step_watch = OutlierWatch(verbose=dist.is_main())  # a step > 1.5x the running median is named
         self.watchdog = NonFiniteWatchdog(cfg, cfg.train.max_nonfinite_steps)
