@@ -136,19 +136,27 @@ def test_streaming_draws_more_tokens_a_decode_step_at_reasoning_lengths():
     assert k2["occupancy"] > today["occupancy"] and k1["occupancy"] > today["occupancy"]
 
 
-def test_max_staleness_config_needs_a_stopping_engine_a_correction_and_single_turn():
+def test_max_staleness_needs_a_stopping_engine_a_correction_and_single_turn():
     from grpo.foundation.config import ConfigError
     from grpo.training.configure import load_config
 
     ok = ["rollout.engine=static", "rollout.max_staleness=1", "algo.rollout_correction={mode: truncate}"]
     assert load_config(None, "grpo", ok).rollout.max_staleness == 1
     assert load_config(None, "grpo", [*ok[:2], "algo.tis_cap=2.0"]).rollout.max_staleness == 1
-    for engine in ("hf", "auto"):
+    for engine in ("hf", "auto", "vllm"):
         assert load_config(None, "grpo", [f"rollout.engine={engine}", *ok[1:]]).rollout.engine == engine
-    with pytest.raises(ConfigError, match=r"rollout.max_staleness=1 streams rollouts through an engine that stops a "
-                                          r"call part-way, and rollout.engine='vllm' cannot: set rollout.engine to one "
-                                          r"of \['auto', 'hf', 'static'\]"):
-        load_config(None, "grpo", ["rollout.engine=vllm", *ok[1:]])
+
+    class Plain:  # a custom engine without room / stop
+        def generate(self, prompts, params, n):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match=r"Plain cannot stop a generation call part-way \(generate\(..., room=, "
+                                         r"stop=\)\), which rollout.max_staleness needs: use a built-in engine"):
+        Stream(Plain(), SamplingParams(max_tokens=4), group_size=2, groups_per_step=1, max_staleness=1,
+               feed=feed_of(PROMPTS))
+    with pytest.raises(ConfigError, match="rollout.vllm.tensor_parallel_size=2: the ranks of a tensor-parallel group "
+                                          "share one engine"):
+        load_config(None, "grpo", ["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2", *ok[1:]])
     with pytest.raises(ConfigError, match=r"without a correction such runs collapse. Set algo.rollout_correction="
                                           r"\{mode: truncate\}"):
         load_config(None, "grpo", ok[:2])

@@ -114,6 +114,43 @@ def test_top_k_logprobs_are_those_of_the_truncated_distribution(tiny):
             assert abs(float(torch.log_softmax(kept, -1)[t]) - comp.logprobs[i][j]) <= FP32_TOL
 
 
+def test_a_streamed_call_stops_part_way_and_carried_rows_are_the_rows_one_call_draws(tiny):
+    """Streaming (rollout.max_staleness, grpo/rollout/stream.py) through vLLM's own scheduler: ``stop`` ends the call
+    after a step, the unfinished rows returned as they stand (a prefix of the uncut rows under greedy decoding; their
+    log-probs and top-k with them), ``room`` caps each prompt; a Stream handing out one group a step gives the rows
+    one uncut call draws."""
+    import itertools
+
+    from grpo.rollout.stream import Stream
+
+    prompts = prompts_of(tiny)
+    greedy = SamplingParams(max_tokens=8, topk_logprobs=3).greedy()
+    full = tiny.generate(prompts, greedy, 1)
+    seen = []
+    cut = tiny.generate(prompts, greedy, 1, room=[8] * 4, stop=lambda done: seen.append(list(done)) or len(seen) >= 2)
+    assert cut.stopped.any() and seen
+    for a, b, st, lp in zip(cut.tokens, full.tokens, cut.stopped.tolist(), cut.logprobs):
+        assert (b[: len(a)] == a and len(a) < len(b)) if st else a == b
+        assert len(lp) == len(a)
+    assert not cut.truncated[cut.stopped].any() and cut.topk_ids.shape == (4, 8, 3)
+    capped = tiny.generate(prompts, greedy, 1, room=[2, 8, 3, 1])
+    assert capped.tokens == [b[:c] for b, c in zip(full.tokens, [2, 8, 3, 1])] and not capped.stopped.any()
+    with pytest.raises(ValueError, match="one row a prompt"):
+        tiny.generate(prompts, greedy, 2, room=[8] * 4)
+
+    counter = itertools.count()
+
+    def feed(n):
+        return [(prompts[i % 4], i) for i in (next(counter) for _ in range(n))]
+
+    want = {tuple(p): tiny.generate([p], greedy, 2).tokens for p in prompts}
+    stream = Stream(tiny, greedy, group_size=2, groups_per_step=1, max_staleness=2, feed=feed)
+    for version in range(6):
+        (g,) = stream.next(version)
+        assert [r.tokens for r in g.rows] == want[tuple(g.prompt)]
+        assert all(r.done and len(r.versions) == len(r.tokens) == len(r.logprobs) for r in g.rows)
+
+
 def test_greedy_samples_equal_the_hf_engines(tiny):
     prompts = prompts_of(tiny)
     params = SamplingParams(max_tokens=8).greedy()
@@ -207,6 +244,14 @@ def test_a_run_on_the_vllm_engine_audits_its_sampler(tmp_path):
     """Two steps of train.py with rollout.engine=vllm and the audit every step (its own process, as a run is: a vLLM
     engine and DeepSpeed's process groups are not made twice in one process): vLLM's top-8 at each drawn token against
     the training forward, before and after a weight sync, ~0 in fp32 (the sampled-token gap here: 5e-7 nats)."""
+    history = train_py(tmp_path, "train.max_steps=2")
+    assert len(history) == 2
+    for h in history:
+        assert 0 <= h["audit/sampler_kl"] <= h["audit/sampler_kl_max"] < FP32_TOL
+
+
+def train_py(tmp_path, *extra: str) -> list[dict]:
+    """train.py on the demo with rollout.engine=vllm, the audit every step, in its own process; its metrics."""
     import os
     import subprocess
     import sys
@@ -218,15 +263,24 @@ def test_a_run_on_the_vllm_engine_audits_its_sampler(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/demo.yaml", f"model.name_or_path={TINY}",
                            "rollout.engine=vllm", "rollout.vllm.cpu_kv_cache_gb=0.25", "rollout.vllm.check_every=0",
-                           f"train.output_dir={tmp_path}", "train.max_steps=2", "algo.beta=0", "train.lr=1e-2",
+                           f"train.output_dir={tmp_path}", "algo.beta=0", "train.lr=1e-2",
                            "rollout.prompts_per_step=4", "rollout.num_generations=2", "reward_pool.num_workers=0",
                            "logging.progress_bar=false", "logging.plot=false", "logging.audit_every=1",
-                           "train.save_every=0"], cwd=root, env=env, capture_output=True, text=True, timeout=LAUNCH_S)
+                           "train.save_every=0", *extra], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    history = read_metrics(tmp_path / "metrics.jsonl")
-    assert len(history) == 2
-    for h in history:
-        assert 0 <= h["audit/sampler_kl"] <= h["audit/sampler_kl_max"] < FP32_TOL
+    return read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_a_run_streams_through_vllm_within_the_bound(tmp_path):
+    """rollout.max_staleness=1 on the vllm engine (truncated IS): each step trains whole groups, none more than one
+    step behind, the later groups one step late; the audit's current-weights tokens ~0 in fp32."""
+    history = train_py(tmp_path, "train.max_steps=3", "rollout.max_staleness=1", "algo.tis_cap=2.0",
+                       "rollout.max_completion_length=8")
+    assert len(history) == 3
+    assert all(h["rollout/staleness_max"] <= 1 for h in history) and any(h["rollout/staleness_mean"] > 0
+                                                                          for h in history)
+    assert all(h["audit/sampler_kl_behind_0_max"] < FP32_TOL for h in history)
 
 
 def test_an_architecture_vllm_cannot_run_is_named(tmp_path, single_rank_env):

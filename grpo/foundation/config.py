@@ -260,7 +260,7 @@ class RolloutConfig:
     # rows, not every row of a call. Rounded up to the engine's row bucket (a power of two up to 64, then a
     # multiple of 64). 0: one slot per row of the call (every row starts at once, as the hf engine decodes).
     slots: int = at_least_zero(0)
-    # Streaming rollouts (docs/streaming.md; rollout.engine: auto, hf or static): K >= 1 ends a step as soon as it has its
+    # Streaming rollouts (docs/streaming.md; every built-in engine): K >= 1 ends a step as soon as it has its
     # prompts_per_step whole groups, the other rows carrying on under the next weights, no token trained on more
     # than K optimizer steps after the weights that drew it. Needs algo.rollout_correction or algo.tis_cap (the
     # sampler is then up to K steps behind the trainer). 0: every step's groups drawn and finished within the step.
@@ -701,16 +701,15 @@ def check_ranges(node: Any, path: str = "") -> None:
                     check_ranges(item, f"{key}[{i}]")
 
 
-STREAMING_ENGINES = ("auto", "hf", "static")  # generate(..., room=, stop=) (grpo/rollout/stream.py); auto: one of them
-
-
 def _validate_streaming(cfg: Config) -> None:
-    """rollout.max_staleness >= 1 (streaming rollouts): what it needs and what it cannot run with yet."""
+    """rollout.max_staleness >= 1 (streaming rollouts): what it needs and what it cannot run with yet. (Every built-in
+    engine streams; a custom one must take generate(..., room=, stop=): grpo/rollout/stream.py checks it.)"""
     r, K = cfg.rollout, cfg.rollout.max_staleness
-    if r.engine not in STREAMING_ENGINES:
-        raise ConfigError(f"rollout.max_staleness={K} streams rollouts through an engine that stops a call part-way, "
-                          f"and rollout.engine={r.engine!r} cannot: set rollout.engine to one of "
-                          f"{list(STREAMING_ENGINES)}, or rollout.max_staleness=0")
+    if r.engine == "vllm" and r.vllm.tensor_parallel_size > 1:
+        raise ConfigError(f"rollout.max_staleness={K} with rollout.vllm.tensor_parallel_size="
+                          f"{r.vllm.tensor_parallel_size}: the ranks of a tensor-parallel group share one engine, and "
+                          f"streamed calls end at different steps on each rank; set tensor_parallel_size=1 or "
+                          f"rollout.max_staleness=0")
     if cfg.algo.rollout_correction is None and cfg.algo.tis_cap is None:
         raise ConfigError(f"rollout.max_staleness={K} trains on tokens drawn up to {K} optimizer steps before the "
                           f"weights they train: without a correction such runs collapse. Set "

@@ -12,7 +12,7 @@ would starve the prompts with long completions, the hard ones); a group that is 
 the weights it would train on (whole, but beyond the step's share) is drawn again from the start (counted), never
 handed out.
 
-The engine needs ``generate(..., room=, stop=)`` (the static and hf engines'). Why prefill again rather than keep the old
+The engine needs ``generate(..., room=, stop=)`` (every built-in engine's). Why prefill again rather than keep the old
 KV: a kept KV mixes two policies inside one row's attention, and the prefill is one compute-bound pass over tokens
 the step already paid for (docs/streaming.md).
 """
@@ -60,7 +60,7 @@ class Group:
 
 
 def can_stream(engine: Any) -> bool:
-    """Whether ``engine.generate`` takes ``room`` and ``stop`` (the static and hf engines')."""
+    """Whether ``engine.generate`` takes ``room`` and ``stop`` (every built-in engine's)."""
     params = inspect.signature(engine.generate).parameters
     return "room" in params and "stop" in params
 
@@ -75,7 +75,8 @@ class Stream:
             raise ValueError(f"max_staleness={max_staleness}: a stream carries rows over at least one update (K >= 1)")
         if not can_stream(engine):
             raise ValueError(f"{type(engine).__name__} cannot stop a generation call part-way (generate(..., room=, "
-                             f"stop=)): streaming needs rollout.engine=static or hf")
+                             f"stop=)), which rollout.max_staleness needs: use a built-in engine (auto, hf, static, vllm), "
+                             f"or give it those arguments (grpo/rollout/stream.py)")
         self.engine, self.G = engine, group_size
         # topk: the audit's (logging.audit_top_k, when it audits): every token keeps the k most likely tokens of the
         # distribution it was drawn from, since an audited step's rows hold tokens of earlier calls

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -163,7 +164,40 @@ class VLLMEngine:
         self.wake()
         return self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> Completions:
+    def _run_streamed(self, prompts: list[list[int]], sps: list, stop) -> tuple[list, list[bool]]:
+        """Each prompt's request submitted at once to vLLM's scheduler (its own continuous batching), the engine
+        stepped here: ``stop`` is asked after every step with the requests finished so far; when it says so, the
+        others are aborted and returned as they stand. (outputs, stopped): an unstarted request's output is None."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.wake()
+        engine = self.llm.llm_engine
+        self._serial = getattr(self, "_serial", 0) + 1
+        ids = [f"stream-{self._serial}-{i}" for i in range(len(prompts))]
+        row = {rid: i for i, rid in enumerate(ids)}
+        for rid, p, sp in zip(ids, prompts, sps):
+            sp.output_kind = RequestOutputKind.CUMULATIVE  # every step: each running request's tokens so far
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
+        latest: list = [None] * len(prompts)
+        done: set[int] = set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                latest[row[out.request_id]] = out
+                if out.finished:
+                    done.add(row[out.request_id])
+            if len(done) < len(prompts) and stop(sorted(done)):
+                engine.abort_request([rid for i, rid in enumerate(ids) if i not in done])
+                break
+        return latest, [i not in done for i in range(len(prompts))]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, room: Optional[list[int]] = None,
+                 stop=None) -> Completions:
+        """``room`` and ``stop``: a streamed call (grpo/rollout/stream.py; one engine a rank, ``n`` = 1): ``room``
+        caps each prompt's tokens, ``stop`` ends the call at a step, the unfinished rows returned as they stand
+        (``Completions.stopped``)."""
+        if room is not None or stop is not None:
+            return self._streamed(prompts, params, n, room, stop)
         mine = len(prompts)
         if self.tp > 1:  # the ranks of a TP group run one engine: it generates all their prompts at once
             groups = self._tp_gather(prompts)
@@ -189,6 +223,37 @@ class VLLMEngine:
         out = Completions(tokens=tokens, truncated=truncated, logprobs=logprobs)
         if K:
             out.topk_logprobs, out.topk_ids = topk_of(steps, K, params.max_tokens)
+        return out
+
+    def _streamed(self, prompts: list[list[int]], params: SamplingParams, n: int, room: Optional[list[int]],
+                  stop) -> Completions:
+        T = params.max_tokens
+        if self.tp > 1 or n != 1:
+            raise ValueError(f"a streamed vllm call takes one row a prompt on one engine a rank (n={n}, "
+                             f"rollout.vllm.tensor_parallel_size={self.tp})")
+        if room is not None and (len(room) != len(prompts) or not all(0 < x <= T for x in room)):
+            raise ValueError(f"room: one count per prompt in 1..{T} (max_tokens), got {room}")
+        if not prompts:
+            return Completions.empty()
+        K = params.topk_logprobs
+        caps = room or [T] * len(prompts)
+        sps = [self._params(dataclasses.replace(params, max_tokens=c), 1, logprobs=K) for c in caps]
+        outs, stopped = self._run_streamed(prompts, sps, stop or (lambda done: False))
+        tokens, logprobs, steps = [], [], []
+        for out in outs:
+            c = out.outputs[0] if out is not None and out.outputs else None
+            ids = list(c.token_ids) if c is not None else []
+            tokens.append(ids)
+            logprobs.append([float(step[t].logprob) for step, t in zip(c.logprobs or [], ids)] if c else [])
+            steps.append(list(c.logprobs or [])[: len(ids)] if c else [])
+        eos = set(int(e) for e in self.setup.eos_ids)
+        truncated = torch.tensor([not st and not (t and t[-1] in eos) for t, st in zip(tokens, stopped)],
+                                 dtype=torch.bool)
+        if any(tokens):  # the probe's sequences: the rows that drew a token
+            self._last = ([p for p, t in zip(prompts, tokens) if t], [t for t in tokens if t])
+        out = Completions(tokens=tokens, truncated=truncated, logprobs=logprobs, stopped=torch.tensor(stopped))
+        if K:
+            out.topk_logprobs, out.topk_ids = topk_of(steps, K, T)
         return out
 
     def _tp_gather(self, prompts: list[list[int]]) -> list[list[list[int]]]:
