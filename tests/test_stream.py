@@ -171,13 +171,14 @@ STATIC_SLOTS = ["rollout.engine=static", "rollout.slots=4", "rollout.static.chec
 HF_LENGTHS = ["rollout.engine=hf", "rollout.forced_eos_lengths=[3, 3, 2, 3, 12, 12, 12, 12]"]
 
 
-@pytest.mark.parametrize("engine", [STATIC_SLOTS, HF_LENGTHS], ids=["static", "hf"])
+@pytest.mark.parametrize("engine", [STATIC_SLOTS, HF_LENGTHS, [*STATIC_SLOTS, "model.lora={r: 4}"],
+                                    [*HF_LENGTHS, "model.lora={r: 4}"]], ids=["static", "hf", "static-lora", "hf-lora"])
 def test_a_streamed_run_trains_whole_groups_within_the_bound_and_resumes_every_group_in_flight(single_rank_env,
                                                                                               tmp_path, engine):
-    """The demo through the Trainer with rollout.max_staleness=1 (static or hf engine on CPU, truncated IS): each step
-    trains prompts_per_step whole groups, no token more than one step behind, rows carried over; the checkpoint
-    keeps the groups in flight and --resume draws them again first, so every prompt the sampler issued is trained
-    exactly once across the stop."""
+    """The demo through the Trainer with rollout.max_staleness=1 (static or hf engine on CPU, with and without LoRA,
+    truncated IS): each step trains prompts_per_step whole groups, no token more than one step behind, rows carried
+    over; the checkpoint keeps the groups in flight and --resume draws them again first, so every prompt the sampler
+    issued is trained exactly once across the stop."""
     from pathlib import Path
 
     from grpo.training.configure import load_config
@@ -293,3 +294,34 @@ def test_the_hf_engine_counts_its_decode_steps_and_occupancy():
     assert engine.pop_metrics() == {"rollout/occupancy": 6 / 12, "rollout/decode_steps": 3.0,
                                     "rollout/decoded_tokens": 6.0}
     assert engine.pop_metrics() == {}
+
+
+def test_an_engine_error_inside_a_streamed_step_stops_the_run_with_that_error(single_rank_env, tmp_path):
+    """Fails loud (issue 56 item 6): the stream decodes in the trainer's own thread, so an engine's error at any call
+    of a streamed step is the run's error, raised from train(), nothing left waiting."""
+    from pathlib import Path
+
+    from grpo.training.configure import load_config
+    from grpo.training.trainer import Trainer
+
+    demo = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    tr = Trainer(load_config(demo, "grpo", [
+        f"train.output_dir={tmp_path}", "logging.progress_bar=false", "logging.plot=false", "train.max_steps=4",
+        "rollout.prompts_per_step=4", "rollout.num_generations=4", "reward_pool.num_workers=0", "algo.beta=0",
+        *HF_LENGTHS, "rollout.max_staleness=1", "algo.tis_cap=2.0", "train.save_every=0",
+        "rollout.max_completion_length=12"]))
+    real, calls = tr.stream.engine.generate, []
+
+    def generate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # a later call of the run, with rows carried over
+            raise RuntimeError("the engine broke")
+        return real(*args, **kwargs)
+
+    tr.stream.engine.generate = generate
+    try:
+        with pytest.raises(RuntimeError, match="the engine broke"):
+            tr.train()
+    finally:
+        tr.close()
+    assert len(calls) == 3
