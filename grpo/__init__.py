@@ -7,6 +7,9 @@ package's modules load light:
 import importlib
 from typing import Any
 
+from grpo.foundation.console import quiet_libraries
+
+quiet_libraries()  # before DeepSpeed's import: its "Setting accelerator to CPU" notice, once per process
 __all__ = ["train", "make_config", "RunResult"]
 
 

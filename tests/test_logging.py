@@ -121,6 +121,31 @@ def test_the_progress_bar_shows_the_console_lines_fields(tmp_path):
     assert seen == [{"reward": "0.250", "distill_kl": "0.5", "s/step": "1.00"}]
 
 
+def test_the_console_holds_the_bar_and_the_runs_own_lines_only(tmp_path):
+    """issue 60 item 11: train.py with its progress bar, a JSONL file of its own and a checkpoint on the way: no
+    DeepSpeed accelerator notice, no "Writing model shards" or "Generating train split" bars, and the run's own lines
+    each on a line of their own (printed above the bar, not glued onto it)."""
+    import os
+
+    from tests.conftest import LAUNCHER_VARS
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{n:02d}=", "answer": f"{n:02d}"}) + "\n" for n in range(40)))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/demo.yaml", f"data.path={data}",
+                           f"train.output_dir={tmp_path / 'run'}", "train.max_steps=3", "train.save_every=2",
+                           "rollout.prompts_per_step=4", "rollout.num_generations=2", "reward_pool.num_workers=0",
+                           "logging.plot=false"], cwd=Path(__file__).resolve().parent.parent, env=env,
+                          capture_output=True, text=True, timeout=LAUNCH_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    everything = proc.stdout + proc.stderr
+    for chatter in ("Setting accelerator to CPU", "Writing model shards", "Generating train split"):
+        assert chatter not in everything, chatter
+    assert "train: 100%" in proc.stderr  # the bar is there
+    lines = proc.stdout.replace("\r", "\n").splitlines()
+    assert "policy builtin:tiny-char: fp32 on cpu" in lines and any(x.startswith("final checkpoint: ") for x in lines)
+
+
 class FakeRun:
     id = "abc123"
 

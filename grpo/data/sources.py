@@ -8,10 +8,11 @@ sees exactly the prompts an uninterrupted one would.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -98,6 +99,18 @@ def _parquet_rows(path: Path) -> int:
         ) from e
 
 
+@contextlib.contextmanager
+def quiet_datasets(datasets) -> Iterator[None]:
+    """The datasets library's progress bars off while the block runs, as they were after."""
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
 class TableSource:
     """A JSONL / Parquet / CSV file or hub dataset with our column names mapped onto its own."""
 
@@ -113,7 +126,8 @@ class TableSource:
                 ds = datasets.load_dataset(path, cfg.hub_config, split=split or cfg.split)
             else:
                 kind = {"jsonl": "json", "parquet": "parquet", "csv": "csv"}[cfg.source]
-                ds = datasets.load_dataset(kind, data_files=path, split="train")
+                with quiet_datasets(datasets):  # a local file: no "Generating train split" bar at every run
+                    ds = datasets.load_dataset(kind, data_files=path, split="train")
         except FileNotFoundError as e:
             raise ConfigError(f"data: {where}: no such file or dataset ({e})") from e
         except datasets.exceptions.DatasetGenerationError as e:

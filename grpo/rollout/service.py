@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from grpo.foundation.console import say
 from grpo.foundation import dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import ConfigError
@@ -40,8 +41,7 @@ def auto_engine(setup: EngineSetup) -> GenerationEngine:
     device = next(setup.model.parameters()).device
     reason = "the policy is not on CUDA" if device.type != "cuda" else unsupported_reason(setup.model)
     if dist.is_main():
-        print(f"rollout.engine=auto: {'static (CUDA, a supported model)' if reason is None else f'hf ({reason})'}",
-              flush=True)
+        say(f"rollout.engine=auto: {'static (CUDA, a supported model)' if reason is None else f'hf ({reason})'}")
     return StaticEngine(setup) if reason is None else HFEngine(setup)
 
 

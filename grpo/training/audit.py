@@ -28,6 +28,7 @@ import time
 import warnings
 import torch
 
+from grpo.foundation.console import say
 from grpo.foundation import dist, rl_math
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config
@@ -121,9 +122,9 @@ class Audit:
 
     def _no_sampler(self) -> None:
         if not self._said_no_sampler and dist.is_main():
-            print(f"audit: the rollout returned no top-k log-probs (rollout.engine={self.cfg.rollout.engine!r}; the "
-                  f"built-in engines' single-turn rollouts have them), so audit/sampler_kl is not measured; the "
-                  f"reference's audit runs when the run has a reference", flush=True)
+            say(f"audit: the rollout returned no top-k log-probs (rollout.engine={self.cfg.rollout.engine!r}; the "
+                f"built-in engines' single-turn rollouts have them), so audit/sampler_kl is not measured; the "
+                f"reference's audit runs when the run has a reference")
         self._said_no_sampler = True
 
     def _warn(self, step: int, m: dict[str, float]) -> None:

@@ -3,9 +3,9 @@ rollouts, and the lines printed at start."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Optional
 
+from grpo.foundation.console import say
 from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, load_source
 from grpo.data.tasks import system_prompt
 from grpo.foundation import dist
@@ -92,12 +92,12 @@ def announce(cfg: Config, model: Any, device: Any, dataset: PromptDataset, multi
     length_key = "max_trajectory_tokens" if multi_turn else "max_completion_length"
     longest = cfg.rollout.max_prompt_length + getattr(cfg.rollout, length_key)
     if context and longest > context:
-        print(f"config warning: rollout.max_prompt_length + rollout.{length_key} = {longest} tokens, beyond the "
-              f"model's context of {context} (max_position_embeddings): the longest sequences would run past the "
-              f"positions it was trained on", file=sys.stderr, flush=True)
-    print(f"policy {cfg.model.name_or_path}: {cfg.model.dtype} on {device}"
-          f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}", flush=True)
+        say(f"config warning: rollout.max_prompt_length + rollout.{length_key} = {longest} tokens, beyond the "
+            f"model's context of {context} (max_position_embeddings): the longest sequences would run past the "
+            f"positions it was trained on", err=True)
+    say(f"policy {cfg.model.name_or_path}: {cfg.model.dtype} on {device}"
+        f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}")
     if dataset.dropped:
-        print(f"dropped {dataset.dropped} prompts longer than rollout.max_prompt_length", flush=True)
+        say(f"dropped {dataset.dropped} prompts longer than rollout.max_prompt_length")
     if dataset.unusable:
-        print(f"data: {describe_unusable(dataset.unusable)}: null, empty or not text", flush=True)
+        say(f"data: {describe_unusable(dataset.unusable)}: null, empty or not text")

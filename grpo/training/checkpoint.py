@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from grpo.foundation import dist
+from grpo.foundation.console import no_save_bars
 from grpo.foundation.config import ConfigError
 from grpo.foundation.lora import has_lora, merged_state_dict, same_base, save_adapter, state_dict_for_save
 from grpo.foundation.modeling import ASIDE, LATEST, latest_in
@@ -235,7 +236,8 @@ def write_weights(model, state_dict: dict, tokenizer, folder: str | Path) -> Non
     """An HF folder (``from_pretrained`` loads it) with ``model``'s config and these weights (transformers'
     names, e.g. a mixed reference's); an image-text-to-text model's processor files come along from the local
     folder it was loaded from (the trainer reads text through the tokenizer alone). Call it on one rank."""
-    model.save_pretrained(str(folder), state_dict=state_dict_for_save(model, state_dict), safe_serialization=True)
+    with no_save_bars():  # transformers draws a "Writing model shards" bar per save
+        model.save_pretrained(str(folder), state_dict=state_dict_for_save(model, state_dict), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     loaded_from = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     source = Path(loaded_from)

@@ -20,12 +20,12 @@ no checkpoint ever holds weights from a skipped update.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 from typing import Any, Callable, Optional
 
 import torch
 
+from grpo.foundation.console import say
 from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.plugins import RewardServiceError
@@ -97,7 +97,7 @@ class LearningHealth:
                                      engine=r.engine, filtered=filtered))
                 given.append(msg)
                 if self.main:
-                    print(msg, file=sys.stderr, flush=True)
+                    say(msg, err=True)
         return given
 
 
@@ -130,8 +130,7 @@ class CtrlC:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nCtrl-C: stopping after this step, which will be saved (Ctrl-C again to stop at once)",
-              file=sys.stderr, flush=True)
+        say("\nCtrl-C: stopping after this step, which will be saved (Ctrl-C again to stop at once)", err=True)
 
     def __exit__(self, *exc: Any) -> None:
         if self._old is not None:
@@ -253,6 +252,6 @@ def stop_reached(cfg: Config, step: int, history: list[dict], evaluator: Optiona
     reached = dist.any_rank(dist.is_main() and len(window) == sw.window and step >= sw.min_steps
                             and mean >= sw.at_least)
     if reached and dist.is_main():
-        print(f"train.stop_when: the mean of {sw.metric} over the last {sw.window} steps is {mean:.4g} >= "
-              f"{sw.at_least:g} at step {step}: stopping before train.max_steps={cfg.train.max_steps}", flush=True)
+        say(f"train.stop_when: the mean of {sw.metric} over the last {sw.window} steps is {mean:.4g} >= "
+            f"{sw.at_least:g} at step {step}: stopping before train.max_steps={cfg.train.max_steps}")
     return reached

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from grpo.foundation.console import say
 from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
 from grpo.foundation.config import Config, ConfigError
@@ -156,7 +156,7 @@ def _clean(v: Any) -> Any:
 
 
 def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    say(f"warning: {message}", err=True)
 
 
 def _read_lines(path: Path) -> list[tuple[str, dict]]:

@@ -3,10 +3,10 @@ the reference it synced to), and how ``--resume`` brings it all back (docs/check
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from grpo.foundation.console import say
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.training.checkpoint import (checkpoint_to_resume, export_model, load_checkpoint, prune_reference_folders,
@@ -32,8 +32,8 @@ def save_before_stopping(trainer: Any) -> None:
     if trainer.step > trainer._saved_step:
         path = trainer.save()
         if dist.is_main():
-            print(f"saved the last finished step before stopping: {path} (continue with --resume once the service "
-                  f"is back)", file=sys.stderr, flush=True)
+            say(f"saved the last finished step before stopping: {path} (continue with --resume once the service "
+                f"is back)", err=True)
 
 
 def finish(trainer: Any, last_saved: Optional[Path]) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import gc
 import statistics
-import sys
 import time
 from collections import deque
 from typing import Optional
 
 import torch
+
+from grpo.foundation.console import say
 
 
 class MemoryPeaks:
@@ -136,9 +137,8 @@ class OutlierWatch:
                 if self.verbose and (self._printed_at is None or step - self._printed_at >= self.quiet_steps):
                     more = (f" ({self._unprinted} more outlier steps since step {self._printed_at}: "
                             f"time/outlier in the metrics)" if self._unprinted else "")
-                    print(f"step {step}: {times['time/step']:.2f} s is {ratio:.1f}x the running median "
-                          f"({median:.2f} s); {phase} grew the most (+{excess.get(phase, 0.0):.2f} s){more}",
-                          file=sys.stderr, flush=True)
+                    say(f"step {step}: {times['time/step']:.2f} s is {ratio:.1f}x the running median "
+                        f"({median:.2f} s); {phase} grew the most (+{excess.get(phase, 0.0):.2f} s){more}", err=True)
                     self._printed_at, self._unprinted = step, 0
                 else:
                     self._unprinted += 1
