@@ -1,7 +1,7 @@
 """Serve a frozen reference model over HTTP for the trainer (``ref.url``); docs/reference-server.md.
 
     CUDA_VISIBLE_DEVICES=7 python ref_client.py                                  # the trainer's default model
-    deepspeed train.py --algo dapo ref.url=http://127.0.0.1:59875                # ... and the run that uses it
+    deepspeed train.py --algo grpo ref.url=http://127.0.0.1:59875                # ... and a run that uses it (beta 0.04)
     CUDA_VISIBLE_DEVICES=7 python ref_client.py --config configs/grpo.yaml      # the config's ref.model
     python ref_client.py --model path/or/hub-name --port 59875 --dtype bf16     # or without a config
     GRPO_REF_TOKEN=secret python ref_client.py --config c.yaml --host 0.0.0.0   # other machines: token required

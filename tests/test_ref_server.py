@@ -391,4 +391,4 @@ def test_the_design_commands_pair_runs_on_the_trainers_defaults(capsys):
         train.parse_args(["--help"])
     text = capsys.readouterr().out
     assert RefConfig().port == 59875 and "python ref_client.py\n" in text
-    assert "deepspeed train.py --algo dapo ref.url=http://127.0.0.1:59875" in text
+    assert "deepspeed train.py --algo grpo ref.url=http://127.0.0.1:59875" in text
