@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
               f"--config for your own", flush=True)
     finished = False
     try:
-        trainer = Trainer(cfg, resume=args.resume)
+        trainer = Trainer(cfg, resume=args.resume, parts=parts)  # composed once, by check_run
         trainer.train()
         finished = True
     except ConfigError as e:

@@ -526,3 +526,23 @@ def test_the_bare_command_runs_the_demo_task_and_own_settings_keep_the_defaults(
     assert resolved("--config", "configs/smollm2_arith.yaml").rollout.max_completion_length == 12  # --config wins
     assert train.main(["--algo", "dapo", "--print-config"]) == 0
     assert "no --config" not in capsys.readouterr().out  # said when a run starts, not for --print-config
+
+
+def test_a_run_composes_its_parts_once(tmp_path, monkeypatch, single_rank_env):
+    """issue 59 item 2: train.py composed the run twice (check_run's parts dropped, the Trainer composing again);
+    the parts check_run returns reach the Trainer."""
+    from grpo.training import compose as compose_module, configure, trainer
+
+    calls = []
+    real = compose_module.compose
+
+    def counted(cfg):
+        calls.append(cfg.algo.name)
+        return real(cfg)
+
+    monkeypatch.setattr(configure, "compose", counted)
+    monkeypatch.setattr(trainer, "compose", counted)
+    assert train.main(["--algo", "grpo", f"train.output_dir={tmp_path}", "train.max_steps=1", "algo.beta=0",
+                       "rollout.prompts_per_step=2", "rollout.num_generations=2", "reward_pool.num_workers=0",
+                       "logging.progress_bar=false", "logging.plot=false", "train.save_every=0"]) == 0
+    assert calls == ["grpo"]
