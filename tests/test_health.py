@@ -153,7 +153,7 @@ def test_every_exit_of_train_py_shuts_the_process_group_down(monkeypatch):
     monkeypatch.setattr(dist, "shutdown", lambda wait=True: calls.append(wait))
 
     class Finishes:
-        def __init__(self, cfg, resume=False):
+        def __init__(self, cfg, resume=False, parts=None):
             pass
 
         def train(self):
