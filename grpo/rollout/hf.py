@@ -318,8 +318,8 @@ def generate(
         raise ValueError(f"room: one count per prompt in 1..{T} (max_tokens), got {room}")
     if synced and stop is not None:
         raise ValueError("stop: a synced (ZeRO-3) generation call ends on every rank at once; it cannot stop one")
-    # each row's last token index: it ends there (truncated unless that token is an EOS)
-    last = torch.tensor([(T if room is None else room[r // G]) - 1 for r in range(R)], dtype=torch.long, device=device)
+    # streamed: each row's last token index, where it ends (truncated unless that token is an EOS)
+    last = None if room is None else torch.tensor([room[r // G] - 1 for r in range(R)], dtype=torch.long, device=device)
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     forced = None if cfg.ignore_eos or not eos_ids else forced_eos(cfg, R, device)
     result_lp = torch.zeros((R, T), dtype=torch.float64, device=device) if logprobs else None
@@ -361,9 +361,11 @@ def generate(
                 top = torch.log_softmax(logits.float() / cfg.temperature, dim=-1).topk(K, dim=-1)
                 top_lp[active, t], top_ids[active, t] = top.values, top.indices
             was = finished[active]
-            ends = last[active] == t  # the row's room is full (at max_tokens every row ends)
-            if eos.numel() or room is not None:
-                now = ((torch.isin(tok, eos) if eos.numel() else torch.zeros_like(ends)) | ends) & ~was
+            if eos.numel() or last is not None:
+                now = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(was)
+                if last is not None:  # the row's room is full (at max_tokens every row ends anyway)
+                    now = now | (last[active] == t)
+                now = now & ~was
                 lengths[active] = torch.where(now, t + 1, lengths[active])
                 was = was | now
                 finished[active] = was
