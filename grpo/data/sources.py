@@ -8,16 +8,16 @@ sees exactly the prompts an uninterrupted one would.
 
 from __future__ import annotations
 
-import contextlib
 import random
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.foundation.config import ConfigError, DataConfig, DigitsTaskConfig
+from grpo.foundation.console import no_dataset_bars
 from grpo.foundation.modeling import max_token_chars
 from grpo.data.tasks import TASKS, ArithmeticTask, CountdownTask, system_prompt
 
@@ -99,18 +99,6 @@ def _parquet_rows(path: Path) -> int:
         ) from e
 
 
-@contextlib.contextmanager
-def quiet_datasets(datasets) -> Iterator[None]:
-    """The datasets library's progress bars off while the block runs, as they were after."""
-    was = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was:
-            datasets.enable_progress_bars()
-
-
 class TableSource:
     """A JSONL / Parquet / CSV file or hub dataset with our column names mapped onto its own."""
 
@@ -126,7 +114,7 @@ class TableSource:
                 ds = datasets.load_dataset(path, cfg.hub_config, split=split or cfg.split)
             else:
                 kind = {"jsonl": "json", "parquet": "parquet", "csv": "csv"}[cfg.source]
-                with quiet_datasets(datasets):  # a local file: no "Generating train split" bar at every run
+                with no_dataset_bars():  # a local file: no "Generating train split" bar at every run
                     ds = datasets.load_dataset(kind, data_files=path, split="train")
         except FileNotFoundError as e:
             raise ConfigError(f"data: {where}: no such file or dataset ({e})") from e

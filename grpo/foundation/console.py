@@ -4,7 +4,8 @@ per logged step, nothing glued onto the bar, no library chatter).
 ``say`` prints a line above the progress bar when one is on screen (tqdm's ``write``: the bar is cleared, the line
 printed, the bar drawn again), else a plain line. ``quiet_libraries`` (called once per process, at import of the
 package's entry points) drops DeepSpeed's "Setting accelerator to CPU" notice (the run names its device itself);
-``no_save_bars`` keeps transformers' "Writing model shards" bars off the console while a checkpoint is written.
+``no_save_bars`` keeps transformers' "Writing model shards" bars off the console while a checkpoint is written,
+``no_dataset_bars`` the datasets library's "Generating train split" while a local file is read.
 """
 
 from __future__ import annotations
@@ -61,3 +62,17 @@ def no_save_bars() -> Iterator[None]:
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def no_dataset_bars() -> Iterator[None]:
+    """The datasets library's progress bars off while the block runs, as they were after."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
