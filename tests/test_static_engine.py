@@ -669,15 +669,103 @@ def test_continuous_batching_under_forced_lengths_and_ignored_eos():
             assert {len(t) for t in want} == {12}
 
 
-def test_slots_need_the_static_engine():
+# Mistral 4: latent attention (keys and values of different widths); Qwen2-VL: multimodal positions; Gemma 3n: a
+# shared KV
+@pytest.mark.parametrize("kind", ["qwen2", "mistral4", "qwen2_vl", "gemma3n"])
+def test_hf_continuous_batching_gives_every_row_the_tokens_it_draws_whatever_its_slots(kind):
+    """rollout.slots in the hf engine: 18 rows through 1, 4 or 64 slots, a leaving row's place taken by the next
+    waiting row (its prompt prefilled and joined to the batch, the columns no row attends dropped): every row's
+    tokens and log-probs are those it draws with a slot each (row r draws uniform [k, r] for its token k); one slot
+    read every step decodes one token a step."""
+    from grpo.rollout.hf import generate
+
+    model = build(kind)
+    params = SamplingParams(max_tokens=24, temperature=1.0)
+    outs = []
+    for slots, every in ((64, 1), (1, 1), (4, 3), (4, 8)):
+        torch.manual_seed(0)
+        tally = [0, 0, 0]
+        outs.append((generate(model, PROMPTS * 2, params, [3, 4], 0, n=3, check_every=every, logprobs=True,
+                              slots=slots, tally=tally), tally))
+    (want, t_all), *rest = outs
+    assert any(len(t) < 24 for t in want.tokens) and any(len(t) == 24 for t in want.tokens)
+    assert len({tuple(t) for t in want.tokens}) > 3
+    for got, _ in rest:
+        assert got.tokens == want.tokens and torch.equal(got.truncated, want.truncated)
+        for x, y in zip(got.logprobs, want.logprobs):
+            torch.testing.assert_close(torch.tensor(x), torch.tensor(y), rtol=0, atol=1e-12)
+    (_, one), (_, four), (_, lazy) = rest
+    drawn = sum(len(t) - 1 for t in want.tokens)  # tokens drawn by decode steps (the first: by the prefill)
+    assert t_all[0] == one[0] == drawn and one[1] == one[2] == drawn  # [tokens, slot-steps, steps]
+    assert t_all[0] / t_all[1] < lazy[0] / lazy[1] < four[0] / four[1] < 1
+
+
+def test_hf_continuous_batching_under_forced_lengths_ignored_eos_and_greedy():
+    """Rows ended by forced lengths, all at the cap under ignore_eos, or greedy: the tokens through 2 slots are those
+    of a slot each; greedy, they are the tokens of the hf engine without slots."""
+    from grpo.rollout.hf import generate
+
+    model = build("qwen2")
+    for params in (SamplingParams(max_tokens=12, forced_eos_lengths=(1, 3, 12, 5, 2, 7, 9)),
+                   SamplingParams(max_tokens=12, ignore_eos=True), GREEDY):
+        outs = []
+        for slots in (64, 2):
+            torch.manual_seed(0)
+            outs.append(generate(model, PROMPTS * 2, params, [2], 0, n=4, slots=slots).tokens)
+        assert outs[0] == outs[1], params
+        if params.ignore_eos:
+            assert {len(t) for t in outs[0]} == {12}
+    assert outs[0] == generate(model, PROMPTS * 2, GREEDY, [2], 0, n=4).tokens
+
+
+def test_hf_continuous_batching_keeps_and_reuses_each_rows_cache():
+    """Multi-turn: with slots, every finished row's cache kept for the next turn is the one a call without slots
+    keeps (same columns, same values), and the next turn through one slot reuses as much of it."""
+    from grpo.rollout.hf import PrefixStore, generate
+
+    model = build("qwen2")
+    eos = [eos_mid_run(model, PROMPTS)]
+    stores = []
+    for slots in (0, 2):
+        keep = PrefixStore()
+        stores.append((generate(model, PROMPTS, GREEDY, eos, 0, n=2, keep=keep, slots=slots), keep))
+    (a, ka), (b, kb) = stores
+    assert a.tokens == b.tokens and sorted(ka.rows) == sorted(kb.rows)
+    for row, kv in zip(ka.rows, ka.kv):
+        other = kb.kv[kb.rows.index(row)]
+        for (k1, v1), (k2, v2) in zip(kv, other):
+            torch.testing.assert_close(k2, k1, rtol=0, atol=1e-12)
+            torch.testing.assert_close(v2, v1, rtol=0, atol=1e-12)
+    turn = [r + [20, 21] for r in ka.rows[:3]]
+    x = generate(model, turn, GREEDY, eos, 0, reuse=ka)
+    y = generate(model, turn, GREEDY, eos, 0, reuse=kb, slots=1)
+    assert x.tokens == y.tokens and x.reused == y.reused > 0
+
+
+def test_hf_slots_refuse_recurrent_layers_and_zero3_by_name():
+    """A model with recurrent (DeltaNet) layers cannot join rows mid-call; ZeRO-3 over several ranks keeps every
+    forward in lockstep: both refused, naming rollout.slots and the way out."""
+    from grpo.foundation.config import ConfigError
+    from grpo.rollout.hf import HFEngine, generate
+
+    with pytest.raises(ValueError, match="rollout.slots: the hf engine refills slots in plain attention caches; "
+                                         "Qwen3_5ForCausalLM has sliding-window or recurrent layers: set rollout.slots=0"):
+        generate(build("qwen3_5"), PROMPTS, GREEDY, [2], 0, n=2, slots=2)
+    setup = dataclasses.replace(setup_for(build("qwen2"), ["rollout.engine=hf", "rollout.slots=4"]), synced=True)
+    with pytest.raises(ConfigError, match="rollout.slots=4 with the hf engine and train.zero_stage=3 over several "
+                                          "ranks: .* set rollout.slots=0, or rollout.engine=static"):
+        HFEngine(setup)
+
+
+def test_slots_need_an_engine_with_slots():
     from grpo.foundation.config import ConfigError
     from grpo.training.configure import load_config
 
-    assert load_config(None, "grpo", ["rollout.engine=static", "rollout.slots=16"]).rollout.slots == 16
-    for engine in ("auto", "hf", "vllm"):
-        with pytest.raises(ConfigError, match=f"rollout.slots=16 is continuous batching in the static engine, and "
-                                              f"rollout.engine='{engine}': set rollout.engine=static"):
-            load_config(None, "grpo", [f"rollout.engine={engine}", "rollout.slots=16"])
+    for engine in ("static", "hf", "auto"):
+        assert load_config(None, "grpo", [f"rollout.engine={engine}", "rollout.slots=16"]).rollout.slots == 16
+    with pytest.raises(ConfigError, match="rollout.slots=16 is continuous batching in the static and hf engines, and "
+                                          "rollout.engine='vllm' schedules its own batch: set rollout.slots=0"):
+        load_config(None, "grpo", ["rollout.engine=vllm", "rollout.slots=16"])
     with pytest.raises(ConfigError, match="rollout.slots"):
         load_config(None, "grpo", ["rollout.engine=static", "rollout.slots=-1"])
 

@@ -55,7 +55,7 @@ def test_stop_returns_the_unfinished_rows_as_they_stand_and_room_caps_each_promp
         engine.generate(PROMPTS, greedy, 2, room=[3, 13, 5])
 
 
-@pytest.mark.parametrize("kind,slots", [("static", 0), ("static", 4), ("hf", 0)])
+@pytest.mark.parametrize("kind,slots", [("static", 0), ("static", 4), ("hf", 0), ("hf", 4)])
 def test_greedy_rows_carried_across_calls_are_the_rows_one_call_draws(kind, slots):
     """K = 2, one group a step: the other groups' rows stop part-way and carry on at the next call, fed again as
     prompt + tokens so far. Under greedy decoding (the weights unchanged) each group handed out holds exactly the
@@ -77,14 +77,14 @@ def test_greedy_rows_carried_across_calls_are_the_rows_one_call_draws(kind, slot
     assert len(set(served)) == 8 and set(served) <= set(range(stream.serial))
 
 
-@pytest.mark.parametrize("kind", ["static", "hf"])
-def test_a_step_waits_for_a_group_k_versions_behind_rather_than_let_it_go_stale(kind):
+@pytest.mark.parametrize("kind,slots", [("static", 2), ("hf", 0), ("hf", 2)])
+def test_a_step_waits_for_a_group_k_versions_behind_rather_than_let_it_go_stale(kind, slots):
     """K = 1, two slots, one group a step; one recorded length is the cap: the step that would leave that group's
     rows two versions behind waits for them instead (no group drawn again, none dropped), so no token handed out is
     more than one version behind, and every row ends with its EOS."""
     model = build("qwen2")
     params = SamplingParams(max_tokens=40, temperature=1.0, forced_eos_lengths=(2, 3, 40, 2, 3, 2))
-    engine = engine_of(kind, model, ["rollout.slots=2"] if kind == "static" else [])
+    engine = engine_of(kind, model, [f"rollout.slots={slots}"])
     stream = Stream(engine, params, group_size=3, groups_per_step=1, max_staleness=1, feed=feed_of(PROMPTS))
     carried = 0
     for version in range(10):

@@ -254,11 +254,12 @@ class RolloutConfig:
     # KV buffers, a functional decode step, compiled and CUDA-graphed on CUDA), "vllm", or
     # "package.module:Class" implementing grpo.rollout.engine.GenerationEngine.
     engine: str = "auto"
-    # Continuous batching (rollout.engine: static): the rows decoded at once; a finished row's slot is refilled from
-    # the rows still waiting when the host next reads which rows finished (rollout.static.check_every: fewer steps,
-    # fewer idle slot-steps), its prompt's KV copied in while the others decode on; the KV buffers hold this many
-    # rows, not every row of a call. Rounded up to the engine's row bucket (a power of two up to 64, then a
-    # multiple of 64). 0: one slot per row of the call (every row starts at once, as the hf engine decodes).
+    # Continuous batching (rollout.engine: static or hf): the rows decoded at once; a finished row's slot is refilled
+    # from the rows still waiting when the host next reads which rows finished (rollout.static.check_every: fewer
+    # steps, fewer idle slot-steps), its prompt's KV copied in while the others decode on; the KV buffers hold this
+    # many rows, not every row of a call. The static engine rounds it up to its row bucket (a power of two up to 64,
+    # then a multiple of 64); the hf engine reads every step on a CPU, every 8 on an accelerator, and joins the
+    # waiting rows' prefilled KV to its batch. 0: one slot per row of the call (every row starts at once).
     slots: int = at_least_zero(0)
     # Streaming rollouts (docs/streaming.md; every built-in engine): K >= 1 ends a step as soon as it has its
     # prompts_per_step whole groups, the other rows carrying on under the next weights, no token trained on more
@@ -736,10 +737,10 @@ def validate(cfg: Config) -> None:
                               "set one of them")
         if r.engine == "vllm":
             raise ConfigError("rollout.forced_eos_lengths is not supported by rollout.engine=vllm: use hf or static")
-    if r.slots and r.engine != "static":
-        raise ConfigError(f"rollout.slots={r.slots} is continuous batching in the static engine, and "
-                          f"rollout.engine={r.engine!r}: set rollout.engine=static (CUDA or CPU), or rollout.slots=0 "
-                          f"(the hf engine starts every row at once; vllm schedules its own batch)")
+    if r.slots and r.engine == "vllm":
+        raise ConfigError(f"rollout.slots={r.slots} is continuous batching in the static and hf engines, and "
+                          f"rollout.engine='vllm' schedules its own batch: set rollout.slots=0, or "
+                          f"rollout.engine=static or hf")
     if r.max_staleness:
         _validate_streaming(cfg)
     if r.static.mode not in STATIC_MODES:

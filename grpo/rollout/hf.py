@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - a transformers without them has no suc
     LinearAttentionCacheLayerMixin = ()
 
 from grpo.foundation import dist
+from grpo.foundation.config import ConfigError
 from grpo.foundation.modeling import CACHE_ARG, cache_of, new_cache
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
 
@@ -146,6 +147,14 @@ class _GrowLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx.to(self._k.device))
 
+    def drop_columns(self, d: int) -> None:
+        """Drop the first ``d`` columns (no row attends them any more): the rest move to the buffer's start."""
+        L = self.length
+        self._k[..., : L - d, :] = self._k[..., d:L, :].clone()
+        self._v[..., : L - d, :] = self._v[..., d:L, :].clone()
+        self.length = L - d
+        self._views()
+
     def reset(self) -> None:
         self.length = 0
         self._views()
@@ -170,6 +179,23 @@ def _make_room(cache: DynamicCache, extra: int) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
             cache.layers[i] = _GrowLayer(layer.keys, layer.values, extra)
+
+
+def _join_rows(cache: DynamicCache, att: torch.Tensor, new: DynamicCache, new_att: torch.Tensor,
+               extra: int) -> tuple[DynamicCache, torch.Tensor]:
+    """Continuous batching: the rows of ``new`` (just prefilled) after those of ``cache``, both right-aligned at the
+    column the next step writes (the narrower side left-padded with masked zero columns), every layer with room for
+    ``extra`` more positions; (the joined cache, its attention mask)."""
+    W, Wn = att.shape[1], new_att.shape[1]
+    Wm = max(W, Wn)
+
+    def left(x: torch.Tensor, d: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, 0, d, 0)) if d else x
+
+    for i, (a, b) in enumerate(zip(cache.layers, new.layers)):
+        cache.layers[i] = _GrowLayer(torch.cat([left(a.keys, Wm - W), left(b.keys, Wm - Wn)]),
+                                     torch.cat([left(a.values, Wm - W), left(b.values, Wm - Wn)]), extra)
+    return cache, torch.cat([torch.nn.functional.pad(att, (Wm - W, 0)), torch.nn.functional.pad(new_att, (Wm - Wn, 0))])
 
 
 class PrefixStore:
@@ -243,13 +269,14 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, devi
     return cache_of(out), out.logits[:, -1], att, pos[:, -1], sum(c for _, c in matches)
 
 
-def _keep_rows(cache: DynamicCache, rows: torch.Tensor, att: Optional[torch.Tensor], prompt_width: int,
+def _keep_rows(cache: DynamicCache, rows: torch.Tensor, att: Optional[torch.Tensor],
                prompts: list[list[int]], tokens: list[list[int]], store: PrefixStore) -> None:
-    """Copy the cache of the batch rows ``rows`` into ``store``: the attended ones of their first
-    ``prompt_width + len(tokens) - 1`` columns (every fed position: the last token was never fed)."""
+    """Copy the cache of the batch rows ``rows`` into ``store``: their first ``len(prompt) + len(tokens) - 1``
+    attended columns (every fed position: the last token was never fed; a row that finished before the host read
+    ran on past them)."""
     for b, prompt, toks in zip(rows.tolist(), prompts, tokens):
-        width = prompt_width + len(toks) - 1
-        cols = att[b, :width].nonzero(as_tuple=True)[0] if att is not None else slice(0, width)
+        fed = len(prompt) + len(toks) - 1
+        cols = att[b].nonzero(as_tuple=True)[0][:fed] if att is not None else slice(0, fed)
         store.add(prompt, toks, [(layer.keys[b][:, cols].clone(), layer.values[b][:, cols].clone())
                                  for layer in cache.layers])
 
@@ -288,6 +315,7 @@ def generate(
     room: Optional[list[int]] = None,
     stop: Optional[Callable[[list[int]], bool]] = None,
     tally: Optional[list[int]] = None,
+    slots: int = 0,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
 
@@ -303,7 +331,12 @@ def generate(
     Streaming (grpo/rollout/stream.py): ``room`` caps each prompt's rows at their own token count (at most
     ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call when it
     returns True, the unfinished rows returned as they stand (``Completions.stopped``). Not with ``synced``.
-    ``tally``: [tokens drawn by decode steps, their row-steps over the call's first batch, decode steps] added to.
+    ``slots`` (continuous batching, ``rollout.slots``): at most that many rows decode at once; a row that leaves
+    (at a host read) gives its place to the next waiting row, whose prompt is prefilled and joined to the batch (its
+    KV right-aligned with the other rows' columns; the columns no row attends any more are dropped). Row r then draws
+    uniform [k, r] for its k-th token, so its tokens do not depend on the slot count. Not with ``synced``.
+    ``tally``: [tokens drawn by decode steps, their row-steps (over the call's slots, or its first batch), decode
+    steps] added to.
     """
     G, cfg = n, params
     device = next(model.parameters()).device
@@ -318,24 +351,65 @@ def generate(
         raise ValueError(f"room: one count per prompt in 1..{T} (max_tokens), got {room}")
     if synced and stop is not None:
         raise ValueError("stop: a synced (ZeRO-3) generation call ends on every rank at once; it cannot stop one")
-    # streamed: each row's last token index, where it ends (truncated unless that token is an EOS)
-    last = None if room is None else torch.tensor([room[r // G] - 1 for r in range(R)], dtype=torch.long, device=device)
+    slotted = slots > 0 and R > 0
+    if slotted and synced:
+        raise ValueError("slots: a synced (ZeRO-3) generation call runs one forward a step on every rank, which a row's "
+                         "prefill mid-call would break; set rollout.slots=0")
+    S = min(slots, R) if slotted else R  # rows decoding at once
+    # streamed or slotted: each row's last token index, where it ends (truncated unless that token is an EOS)
+    caps = None if room is None and not slotted else [T if room is None else room[r // G] for r in range(R)]
+    last = None if caps is None else torch.tensor([c - 1 for c in caps], dtype=torch.long, device=device)
     result = torch.full((R, T), pad_id, dtype=torch.long, device=device)
     forced = None if cfg.ignore_eos or not eos_ids else forced_eos(cfg, R, device)
     result_lp = torch.zeros((R, T), dtype=torch.float64, device=device) if logprobs else None
     K = cfg.topk_logprobs  # the audit's: the k most likely tokens of each step's distribution
     top_lp = torch.zeros((R, T, K), dtype=torch.float32, device=device) if K else None
     top_ids = torch.zeros((R, T, K), dtype=torch.long, device=device) if K else None
-    lengths = torch.full((R,), T, dtype=torch.long, device=device)
+    # slotted: a row's length is set when it ends (or is cut); rows never started have none
+    lengths = torch.full((R,), 0 if slotted else T, dtype=torch.long, device=device)
     finished = torch.zeros(R, dtype=torch.bool, device=device)  # EOS drawn (the row may not have left yet)
-    active = torch.arange(R, device=device)
+    active = torch.arange(R if not slotted else 0, device=device)
     reused, cut, steps = 0, False, 0
-    if P:
+    # slotted: row r draws uniform [k, r] for its k-th token, whichever rows decode beside it
+    U = torch.rand((T, R), device=device) if slotted else None
+    waiting = 0 if slotted else R  # slotted: the first row not yet started
+    start = active.new_zeros(0)  # slotted: the step of each active row's first token
+    ends: list[int] = []  # slotted: the step at which each active row reaches its cap (the host reads it then)
+    att = None  # slotted: the attention mask over the cache's columns
+
+    def admit(m: int) -> None:
+        """Slotted: the next ``m`` waiting rows join the batch at step t, their prompts prefilled (each once)."""
+        nonlocal cache, logits, att, next_pos, active, start, waiting, reused
+        rows = list(range(waiting, waiting + m))
+        waiting += m
+        firsts = {q: i for i, q in enumerate(sorted({r // G for r in rows}))}
+        c2, lg, a2, lpos, re = _prefill(model, [prompts[q] for q in firsts], pad_id, device, reuse)
+        reused += re
+        _make_room(c2, T)
+        if not all(isinstance(layer, _GrowLayer) for layer in c2.layers):
+            raise ValueError(f"rollout.slots: the hf engine refills slots in plain attention caches; "
+                             f"{type(model).__name__} has sliding-window or recurrent layers: set rollout.slots=0, or "
+                             f"rollout.engine=static")
+        at = torch.tensor([firsts[r // G] for r in rows], device=device)
+        select_rows(c2, at)
+        if active.numel():
+            cache, att = _join_rows(cache, att, c2, a2[at], T)
+            logits, next_pos = torch.cat([logits, lg[at]]), torch.cat([next_pos, lpos[at] + 1])
+        else:
+            cache, att, logits, next_pos = c2, a2[at], lg[at], lpos[at] + 1
+        active = torch.cat([active, torch.tensor(rows, device=device)])
+        start = torch.cat([start, start.new_full((m,), t)])
+        ends.extend(t + caps[r] - 1 for r in rows)
+
+    t = 0
+    if slotted:
+        cache = logits = next_pos = None
+        admit(S)
+        Lp, att_all = 0, None
+    elif P:
         cache, logits, att, last_pos, reused = _prefill(model, prompts, pad_id, device, reuse)
         Lp = att.shape[1]
         _make_room(cache, T)
-        if keep is not None and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
-            keep = None  # sliding-window or other special layers: their rows are not kept
         if G > 1:  # each prompt's keys, values and states, G times
             select_rows(cache, torch.arange(P, device=device).repeat_interleave(G))
         logits = logits.repeat_interleave(G, dim=0)
@@ -345,64 +419,84 @@ def generate(
         next_pos = last_pos.repeat_interleave(G) + 1
     elif synced:
         _join_forward(model, pad_id, device)  # the other ranks' prefill
+    if P and keep is not None and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
+        keep = None  # sliding-window or other special layers: their rows are not kept
 
-    t = 0
     while True:
-        check = (t + 1) % k == 0 or t >= T - 1 or (not synced and not active.numel())
+        deadline = min(ends, default=t) if slotted else T - 1  # a row at its cap must leave at this read
+        check = (t + 1) % k == 0 or t >= deadline or (not synced and not active.numel())
         if active.numel():
-            u = torch.rand((R, 1), device=device)[active]  # row r's uniform whichever rows are still here
+            at = t if not slotted else t - start  # each row's token index
+            # row r's uniform whichever rows are still here
+            u = torch.rand((R, 1), device=device)[active] if not slotted else U[at, active].unsqueeze(1)
             tok = sample_next(logits, cfg.temperature, cfg.top_p, cfg.top_k, u)
             if forced is not None:  # benchmarks: the row's recorded length is reached
-                tok = torch.where(forced[active] == t + 1, eos[0], tok)
-            result[active, t] = tok
+                tok = torch.where(forced[active] == at + 1, eos[0], tok)
+            result[active, at] = tok
             if result_lp is not None:
-                result_lp[active, t] = token_logprobs(logits, tok, cfg.temperature, cfg.top_p, cfg.top_k).double()
+                result_lp[active, at] = token_logprobs(logits, tok, cfg.temperature, cfg.top_p, cfg.top_k).double()
             if K:
                 top = torch.log_softmax(logits.float() / cfg.temperature, dim=-1).topk(K, dim=-1)
-                top_lp[active, t], top_ids[active, t] = top.values, top.indices
+                top_lp[active, at], top_ids[active, at] = top.values, top.indices
             was = finished[active]
             if eos.numel() or last is not None:
                 now = torch.isin(tok, eos) if eos.numel() else torch.zeros_like(was)
                 if last is not None:  # the row's room is full (at max_tokens every row ends anyway)
-                    now = now | (last[active] == t)
+                    now = now | (last[active] == at)
                 now = now & ~was
-                lengths[active] = torch.where(now, t + 1, lengths[active])
+                lengths[active] = torch.where(now, at + 1, lengths[active])
                 was = was | now
                 finished[active] = was
             if check:
-                leave = was if t < T - 1 else torch.ones_like(was)  # at T every row ends (truncated unless EOS)
+                leave = was if slotted or t < T - 1 else torch.ones_like(was)  # at T every row ends (truncated unless EOS)
                 if stop is not None and stop(finished.nonzero(as_tuple=True)[0].tolist()):
-                    cut = True  # the rows still decoding keep their t + 1 tokens
-                    lengths[active] = torch.where(was, lengths[active], t + 1)
+                    cut = True  # the rows still decoding keep their tokens so far
+                    lengths[active] = torch.where(was, lengths[active], at + 1)
                     break
                 stay = (~leave).nonzero(as_tuple=True)[0]  # the loop's one host read of these k steps
                 if stay.numel() < active.numel():
                     if keep is not None:
                         gone = leave.nonzero(as_tuple=True)[0]
                         rows = active[gone].tolist()
-                        ends = lengths[active[gone]].tolist()
-                        _keep_rows(cache, gone, att_all, Lp, [prompts[r // G] for r in rows],
-                                   [result[r, :e].tolist() for r, e in zip(rows, ends)], keep)
+                        ends_at = lengths[active[gone]].tolist()
+                        _keep_rows(cache, gone, att if slotted else att_all, [prompts[r // G] for r in rows],
+                                   [result[r, :e].tolist() for r, e in zip(rows, ends_at)], keep)
                     if not stay.numel():
                         active = active[:0]
+                        if slotted:
+                            start, ends[:] = start[:0], []
                     else:  # finished rows leave the batch and its KV cache
                         select_rows(cache, stay)
                         active, tok, next_pos = active[stay], tok[stay], next_pos[stay]
                         if att_all is not None:
                             att_all = att_all[stay]
+                        if slotted:
+                            start, att = start[stay], att[stay]
+                            ends[:] = [ends[i] for i in stay.tolist()]
+                            lead = int(att.any(0).to(torch.int8).argmax())  # columns no row attends any more
+                            if lead:
+                                for layer in cache.layers:
+                                    layer.drop_columns(lead)
+                                att = att[:, lead:]
         t += 1
-        if check and not (dist.any_rank(active.numel() > 0) if synced else active.numel() > 0):
+        if check and not (dist.any_rank(active.numel() > 0) if synced else active.numel() > 0 or waiting < R):
             break
-        if not active.numel():
+        if active.numel():
+            if slotted:
+                att = torch.cat([att, att.new_ones(att.shape[0], 1)], dim=1)
+            out = model(
+                input_ids=tok.unsqueeze(1),
+                attention_mask=att if slotted else None if att_all is None else att_all[:, : Lp + t],
+                position_ids=next_pos.unsqueeze(1), **{CACHE_ARG: cache}, use_cache=True,
+            )
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+            steps += 1
+        elif not slotted:
             _join_forward(model, pad_id, device)
             continue
-        out = model(
-            input_ids=tok.unsqueeze(1), attention_mask=None if att_all is None else att_all[:, : Lp + t],
-            position_ids=next_pos.unsqueeze(1), **{CACHE_ARG: cache}, use_cache=True,
-        )
-        logits = out.logits[:, -1]
-        next_pos = next_pos + 1
-        steps += 1
+        if waiting < R and active.numel() < S:  # slotted: the free slots take the next rows
+            admit(min(S - active.numel(), R - waiting))
     if was_training:
         model.train()
     lengths_l = lengths.tolist()
@@ -416,7 +510,7 @@ def generate(
     lps = None if result_lp is None else [row[:m] for row, m in zip(result_lp.tolist(), lengths_l)]
     out = Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused, stopped=stopped)
     if tally is not None:  # a row's first token came from the prefill
-        for j, x in enumerate((sum(lengths_l) - sum(m > 0 for m in lengths_l), steps * R, steps)):
+        for j, x in enumerate((sum(lengths_l) - sum(m > 0 for m in lengths_l), steps * S, steps)):
             tally[j] += x
     if K:  # zeros past each row's end (a finished row's slots may hold its last steps' values)
         past = (torch.arange(T, device=device).unsqueeze(0) >= lengths.unsqueeze(1)).unsqueeze(-1)
@@ -439,6 +533,11 @@ class HFEngine:
         self.decoded = [0, 0, 0]  # since the last pop_metrics: tokens drawn by decode steps, their row-steps, steps
         a = setup.cfg.algo  # the sampler's log-probs, when the run uses them
         self.logprobs = a.tis_cap is not None or a.rollout_correction is not None
+        self.slots = setup.cfg.rollout.slots  # continuous batching: rows decoded at once (0: every row of a call)
+        if self.slots and setup.synced:
+            raise ConfigError(f"rollout.slots={self.slots} with the hf engine and train.zero_stage=3 over several ranks: "
+                              f"ZeRO-3 makes every forward a collective, and a row's prefill mid-call would put the "
+                              f"ranks out of step; set rollout.slots=0, or rollout.engine=static")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, room: Optional[list[int]] = None,
                  stop: Optional[Callable[[list[int]], bool]] = None) -> Completions:
@@ -446,7 +545,7 @@ class HFEngine:
         s = self.setup
         keep = PrefixStore() if self.keeps else None
         out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store, keep=keep,
-                       logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded)
+                       logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded, slots=self.slots)
         self.store = keep
         if self.keeps:
             fed = sum(len(p) for p in prompts) - out.reused
@@ -464,7 +563,8 @@ class HFEngine:
 
     def pop_metrics(self) -> dict[str, float]:
         """The engine's counts since the last call: prefix reuse (multi-turn), and ``rollout/occupancy``, the share
-        of decode row-steps that drew a token of an unfinished row, over each call's first batch (finished rows
+        of decode row-steps that drew a token of an unfinished row, over each call's slots (``rollout.slots``) or else its
+        first batch (finished rows
         leave the batch, but on an accelerator a decode step costs about its weights' reads however few rows are
         left)."""
         out, self.metrics = self.metrics, {}

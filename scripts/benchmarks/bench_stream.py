@@ -4,7 +4,7 @@ counted by the static (or hf) engine, at EOS lengths like a reasoning run's (ben
 
     python scripts/benchmarks/bench_stream.py                                 # a narrow random Llama, cap 64, CPU
     python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1,2:32:1 --out runs/stream.json
-    python scripts/benchmarks/bench_stream.py --engine hf --cap 256 --runs 1:0:1,2:0:1   # the hf engine: no slots
+    python scripts/benchmarks/bench_stream.py --engine hf --cap 256 --runs 1:0:1,1:64:1,2:64:1   # the hf engine
 
 Each decode step reads every weight once whatever the number of live rows, so tokens per decode step is the time per
 token on a GPU; a CPU decodes compute-bound, so its wall time is reported but says little. ``today``: each step's
@@ -38,7 +38,7 @@ def engine_for(model, eos: int, *overrides: str, kind: str = "static"):
     from grpo.training.configure import load_config
 
     cfg = load_config(None, "grpo", [f"rollout.engine={kind}", "algo.tis_cap=2.0",
-                                     *(o for o in overrides if kind == "static" or not o.startswith("rollout.s"))])
+                                     *(o for o in overrides if kind == "static" or not o.startswith("rollout.static."))])
     setup = EngineSetup(cfg=cfg, model=model, tokenizer=None, eos_ids=[eos], pad_id=0)
     return static.StaticEngine(setup) if kind == "static" else HFEngine(setup)
 
@@ -48,10 +48,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
             sync: Callable[[], None] = lambda: None, kind: str = "static") -> dict:
     """{"today": figures, "K=..,slots=..,check=..": figures, "lengths": the recorded distribution}: per side the
     decoded tokens, decode steps, slot-steps (their ratio: occupancy), tokens per decode step, wall seconds, and for
-    the streams the staleness and the groups drawn again. ``kind``: the engine (hf: no slots, its own host reads;
-    each run's SLOTS must be 0)."""
-    if kind == "hf" and any(slots for _, slots, _ in runs):
-        raise ValueError(f"runs {runs}: the hf engine has no slots (rollout.slots is the static engine's): give K:0:1")
+    the streams the staleness and the groups drawn again. ``kind``: the engine (static or hf; both take SLOTS)."""
     from grpo.rollout.engine import SamplingParams
     from grpo.rollout.stream import Stream
 
@@ -124,7 +121,7 @@ def main(argv=None) -> None:
     p.add_argument("--runs", default="1:64:1,1:32:1,2:32:1", help="K:SLOTS:CHECK, comma-separated")
     p.add_argument("--today-check", type=int, default=16, help="rollout.static.check_every of the step-at-a-time side")
     p.add_argument("--engine", choices=["static", "hf"], default="static",
-                   help="the engine (hf: every row at once, no slots: give --runs K:0:1)")
+                   help="the engine (SLOTS 0: every row of a call at once)")
     p.add_argument("--out", help="a JSON file for the figures")
     args = p.parse_args(argv)
 
