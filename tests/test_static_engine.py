@@ -677,6 +677,7 @@ def test_hf_continuous_batching_gives_every_row_the_tokens_it_draws_whatever_its
     waiting row (its prompt prefilled and joined to the batch, the columns no row attends dropped): every row's
     tokens and log-probs are those it draws with a slot each (row r draws uniform [k, r] for its token k); one slot
     read every step decodes one token a step."""
+    from grpo.rollout.engine import DecodeTally
     from grpo.rollout.hf import generate
 
     model = build(kind)
@@ -684,9 +685,10 @@ def test_hf_continuous_batching_gives_every_row_the_tokens_it_draws_whatever_its
     outs = []
     for slots, every in ((64, 1), (1, 1), (4, 3), (4, 8)):
         torch.manual_seed(0)
-        tally = [0, 0, 0]
-        outs.append((generate(model, PROMPTS * 2, params, [3, 4], 0, n=3, check_every=every, logprobs=True,
-                              slots=slots, tally=tally), tally))
+        tally = DecodeTally()
+        out = generate(model, PROMPTS * 2, params, [3, 4], 0, n=3, check_every=every, logprobs=True, slots=slots,
+                       tally=tally)
+        outs.append((out, [tally.tokens, tally.slot_steps, tally.steps]))
     (want, t_all), *rest = outs
     assert any(len(t) < 24 for t in want.tokens) and any(len(t) == 24 for t in want.tokens)
     assert len({tuple(t) for t in want.tokens}) > 3

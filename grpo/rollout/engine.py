@@ -12,9 +12,11 @@ token it drew.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -100,6 +102,57 @@ class EngineSetup:
     eos_ids: list[int]
     pad_id: int
     synced: bool = False  # ZeRO-3 over > 1 rank: every generation call is collective (see hf.needs_synced_generation)
+
+
+class DecodeTally:
+    """An engine's decode figures since the last ``pop`` (the static and hf engines'): the tokens drawn by decode
+    steps, their slot-steps (each step counts every slot of its call, since a decode step reads every weight however
+    few rows are left), the decode steps, and the time split of the generation calls between their prefill forwards
+    and the rest (decode steps, slot refills, host reads). On CUDA a prefill is timed by events read at ``pop``, so
+    timing adds no synchronisation to the call."""
+
+    def __init__(self):
+        self.tokens = self.slot_steps = self.steps = 0
+        self.prefill_s = self.call_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def add(self, tokens: int, slot_steps: int, steps: int) -> None:
+        self.tokens, self.slot_steps, self.steps = self.tokens + tokens, self.slot_steps + slot_steps, self.steps + steps
+
+    @contextlib.contextmanager
+    def prefill(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self._events.append((a, b))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.prefill_s += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.call_s += time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        """``rollout/occupancy``, ``decode_steps``, ``decoded_tokens``, ``prefill_s`` and ``decode_s``, then zero."""
+        for a, b in self._events:
+            b.synchronize()
+            self.prefill_s += a.elapsed_time(b) / 1000
+        out: dict[str, float] = {}
+        if self.steps:
+            out.update({"rollout/occupancy": self.tokens / self.slot_steps, "rollout/decode_steps": float(self.steps),
+                        "rollout/decoded_tokens": float(self.tokens)})
+        if self.call_s:
+            out.update({"rollout/prefill_s": self.prefill_s, "rollout/decode_s": max(0.0, self.call_s - self.prefill_s)})
+        self.__init__()
+        return out
 
 
 @runtime_checkable

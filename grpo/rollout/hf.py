@@ -12,6 +12,7 @@ its new tokens, not the whole trajectory again. The store is dropped when the we
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover - a transformers without them has no suc
 from grpo.foundation import dist
 from grpo.foundation.config import ConfigError
 from grpo.foundation.modeling import CACHE_ARG, cache_of, new_cache
-from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
+from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingParams, forced_eos
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
@@ -314,7 +315,7 @@ def generate(
     logprobs: bool = False,
     room: Optional[list[int]] = None,
     stop: Optional[Callable[[list[int]], bool]] = None,
-    tally: Optional[list[int]] = None,
+    tally: Optional[DecodeTally] = None,
     slots: int = 0,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
@@ -335,8 +336,8 @@ def generate(
     (at a host read) gives its place to the next waiting row, whose prompt is prefilled and joined to the batch (its
     KV right-aligned with the other rows' columns; the columns no row attends any more are dropped). Row r then draws
     uniform [k, r] for its k-th token, so its tokens do not depend on the slot count. Not with ``synced``.
-    ``tally``: [tokens drawn by decode steps, their row-steps (over the call's slots, or its first batch), decode
-    steps] added to.
+    ``tally``: the call's decode figures added to (row-steps over the call's slots, or its first batch), its prefills
+    timed.
     """
     G, cfg = n, params
     device = next(model.parameters()).device
@@ -377,13 +378,17 @@ def generate(
     ends: list[int] = []  # slotted: the step at which each active row reaches its cap (the host reads it then)
     att = None  # slotted: the attention mask over the cache's columns
 
+    def timed():  # a prefill, timed into ``tally``
+        return tally.prefill(device) if tally is not None else contextlib.nullcontext()
+
     def admit(m: int) -> None:
         """Slotted: the next ``m`` waiting rows join the batch at step t, their prompts prefilled (each once)."""
         nonlocal cache, logits, att, next_pos, active, start, waiting, reused
         rows = list(range(waiting, waiting + m))
         waiting += m
         firsts = {q: i for i, q in enumerate(sorted({r // G for r in rows}))}
-        c2, lg, a2, lpos, re = _prefill(model, [prompts[q] for q in firsts], pad_id, device, reuse)
+        with timed():
+            c2, lg, a2, lpos, re = _prefill(model, [prompts[q] for q in firsts], pad_id, device, reuse)
         reused += re
         _make_room(c2, T)
         if not all(isinstance(layer, _GrowLayer) for layer in c2.layers):
@@ -407,7 +412,8 @@ def generate(
         admit(S)
         Lp, att_all = 0, None
     elif P:
-        cache, logits, att, last_pos, reused = _prefill(model, prompts, pad_id, device, reuse)
+        with timed():
+            cache, logits, att, last_pos, reused = _prefill(model, prompts, pad_id, device, reuse)
         Lp = att.shape[1]
         _make_room(cache, T)
         if G > 1:  # each prompt's keys, values and states, G times
@@ -510,8 +516,7 @@ def generate(
     lps = None if result_lp is None else [row[:m] for row, m in zip(result_lp.tolist(), lengths_l)]
     out = Completions(tokens=tokens, truncated=truncated, logprobs=lps, reused=reused, stopped=stopped)
     if tally is not None:  # a row's first token came from the prefill
-        for j, x in enumerate((sum(lengths_l) - sum(m > 0 for m in lengths_l), steps * S, steps)):
-            tally[j] += x
+        tally.add(sum(lengths_l) - sum(m > 0 for m in lengths_l), steps * S, steps)
     if K:  # zeros past each row's end (a finished row's slots may hold its last steps' values)
         past = (torch.arange(T, device=device).unsqueeze(0) >= lengths.unsqueeze(1)).unsqueeze(-1)
         out.topk_logprobs = top_lp.masked_fill(past, 0.0).cpu()
@@ -530,7 +535,7 @@ class HFEngine:
         self.keeps = bool(setup.cfg.env.name)
         self.store: Optional[PrefixStore] = None
         self.metrics: dict[str, float] = {}
-        self.decoded = [0, 0, 0]  # since the last pop_metrics: tokens drawn by decode steps, their row-steps, steps
+        self.decoded = DecodeTally()  # since the last pop_metrics
         a = setup.cfg.algo  # the sampler's log-probs, when the run uses them
         self.logprobs = a.tis_cap is not None or a.rollout_correction is not None
         self.slots = setup.cfg.rollout.slots  # continuous batching: rows decoded at once (0: every row of a call)
@@ -544,8 +549,9 @@ class HFEngine:
         """``room`` and ``stop``: a streamed call (``generate``'s)."""
         s = self.setup
         keep = PrefixStore() if self.keeps else None
-        out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store, keep=keep,
-                       logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded, slots=self.slots)
+        with self.decoded.call():
+            out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store,
+                           keep=keep, logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded, slots=self.slots)
         self.store = keep
         if self.keeps:
             fed = sum(len(p) for p in prompts) - out.reused
@@ -568,9 +574,5 @@ class HFEngine:
         leave the batch, but on an accelerator a decode step costs about its weights' reads however few rows are
         left)."""
         out, self.metrics = self.metrics, {}
-        tokens, row_steps, steps = self.decoded
-        if steps:
-            out.update({"rollout/occupancy": tokens / row_steps, "rollout/decode_steps": float(steps),
-                        "rollout/decoded_tokens": float(tokens)})
-        self.decoded = [0, 0, 0]
+        out.update(self.decoded.pop())
         return out

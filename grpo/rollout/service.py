@@ -199,6 +199,7 @@ class RolloutService:
                                               * n1) / max(1, n0 + n1))
             now["rollout/staleness_max"] = max(before["rollout/staleness_max"], now["rollout/staleness_max"])
             now["rollout/regenerated"] += before["rollout/regenerated"]
+            now["rollout/refed_tokens"] += before["rollout/refed_tokens"]
             now["_tokens"] = n0 + n1
         self.stream_metrics = now
         return self.rollout_groups(groups, [items(g.item) for g in groups], version)

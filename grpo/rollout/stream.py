@@ -84,7 +84,7 @@ class Stream:
         self.need, self.K, self.feed = groups_per_step, max_staleness, feed
         self.pending: list[Group] = []  # issued and not handed out, oldest first
         self.serial = 0
-        self.counts = {"regenerated": 0}
+        self.counts = {"regenerated": 0, "refed": 0}
 
     # -- the queue
     def _issue(self, need: int) -> None:
@@ -151,6 +151,7 @@ class Stream:
                 ended[group_of[i]] = ended.get(group_of[i], 0) + 1
             return ready(ended)
 
+        self.counts["refed"] += sum(len(r.tokens) for _, _, r in calls)  # carried tokens fed again as prompt
         out = self.engine.generate([g.prompt + r.tokens for g, _, r in calls], params, 1,
                                    room=[T - len(r.tokens) for _, _, r in calls], stop=stop)
         stopped = out.stopped.tolist() if out.stopped is not None else [False] * len(calls)
@@ -179,11 +180,12 @@ class Stream:
 
     def pop_metrics(self, taken: list[Group], version: int) -> dict[str, float]:
         """The step's streaming figures: token-weighted staleness of ``taken`` (versions behind ``version``), the
-        rows carried to the next step, the groups drawn again since the last call."""
+        rows carried to the next step, the groups drawn again and the carried tokens fed again (prefilled under the
+        new weights) since the last call."""
         behind = [version - v for g in taken for r in g.rows for v in r.versions]
         out = {"_tokens": float(len(behind)), "rollout/staleness_mean": sum(behind) / max(1, len(behind)),
                "rollout/staleness_max": float(max(behind, default=0)),
                "rollout/carried_rows": float(sum(bool(r.tokens) and not r.done for g in self.pending for r in g.rows)),
-               "rollout/regenerated": float(self.counts["regenerated"])}
-        self.counts["regenerated"] = 0
+               "rollout/regenerated": float(self.counts["regenerated"]), "rollout/refed_tokens": float(self.counts["refed"])}
+        self.counts["regenerated"] = self.counts["refed"] = 0
         return out

@@ -64,6 +64,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
             into["decoded_tokens"] += m["rollout/decoded_tokens"]
             into["decode_steps"] += m["rollout/decode_steps"]
             into["slot_steps"] += m["rollout/decoded_tokens"] / m["rollout/occupancy"]
+        into["prefill_s"] += m.get("rollout/prefill_s", 0.0)  # the decode time split
         into["seconds"] += seconds
 
     def finish(into: dict) -> dict:
@@ -72,7 +73,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
         return into
 
     engine = engine_for(model, eos, f"rollout.static.check_every={today_check}", kind=kind)
-    today = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0)
+    today = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, prefill_s=0.0, seconds=0.0)
     for s in range(steps + 1):
         batch = [prompts[(s * groups + g) % len(prompts)] for g in range(groups)]
         at = lengths[s * groups * G: (s + 1) * groups * G]
@@ -91,8 +92,8 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
 
         engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}", kind=kind)
         stream = Stream(engine, params, group_size=G, groups_per_step=groups, max_staleness=K, feed=feed)
-        res = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, seconds=0.0, staleness_max=0.0,
-                   staleness_mean=0.0, regenerated=0.0, handed_out=0)
+        res = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, prefill_s=0.0, seconds=0.0, staleness_max=0.0,
+                   staleness_mean=0.0, regenerated=0.0, refed_tokens=0.0, handed_out=0)
         for version in range(steps + 1):
             sync()
             t0 = time.perf_counter()
@@ -107,6 +108,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
             res["staleness_max"] = max(res["staleness_max"], m["rollout/staleness_max"])
             res["staleness_mean"] += m["rollout/staleness_mean"] / steps
             res["regenerated"] += m["rollout/regenerated"]
+            res["refed_tokens"] += m["rollout/refed_tokens"]
             res["handed_out"] += len(taken)
         out[f"K={K},slots={slots},check={check}"] = finish(res)
     return out
@@ -148,8 +150,10 @@ def main(argv=None) -> None:
         if isinstance(r, dict) and "occupancy" in r:
             print(f"{name:>24}: occupancy {r['occupancy']:.0%}, {r['tokens_per_decode_step']:.1f} tokens a decode step "
                   f"({r['tokens_per_decode_step'] / base:.2f}x today), {r['decode_steps']:.0f} decode steps, "
-                  f"{r['seconds']:.1f} s" + (f", staleness max {r['staleness_max']:.0f}, mean {r['staleness_mean']:.2f},"
-                                              f" regenerated {r['regenerated']:.0f}" if "regenerated" in r else ""))
+                  f"{r['seconds']:.1f} s ({r['prefill_s']:.1f} s prefill)"
+                  + (f", staleness max {r['staleness_max']:.0f}, mean {r['staleness_mean']:.2f}, regenerated "
+                     f"{r['regenerated']:.0f}, carried tokens fed again {r['refed_tokens']:.0f}" if "regenerated" in r
+                     else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

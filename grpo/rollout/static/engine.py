@@ -10,7 +10,7 @@ import torch
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import partitioned
-from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, forced_eos
+from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingParams, forced_eos
 from grpo.rollout.static import delta_net
 from grpo.rollout.static.layers import forward, sample
 from grpo.rollout.static.spec import LENGTH_BUCKET, ModelSpec, model_spec, unsupported_reason
@@ -116,7 +116,7 @@ class StaticEngine:
         self.mode = resolve_mode(cfg.mode, self.device)
         self.check_every, self.length_bucket = cfg.check_every, cfg.length_bucket
         self.slots = setup.cfg.rollout.slots  # continuous batching: rows decoded at once (0: every row of a call)
-        self.decoded = [0, 0, 0]  # since the last pop_metrics: tokens drawn by decode steps, their slot-steps, steps
+        self.decoded = DecodeTally()  # since the last pop_metrics
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(setup.cfg.train.seed * 1_000_003 + dist.rank())  # the engine's own stream
         self.merged: Optional[dict[str, torch.Tensor]] = None  # LoRA: the merged copy (adapted weights only)
@@ -185,11 +185,7 @@ class StaticEngine:
         share of decode slot-steps that drew a token of a row, a call's slots being its row bucket at the start
         (a decode step reads every weight however few rows are left, compaction or not)."""
         out, self.metrics = self.metrics, {}
-        tokens, slot_steps, steps = self.decoded
-        if steps:
-            out.update({"rollout/occupancy": tokens / slot_steps, "rollout/decode_steps": float(steps),
-                        "rollout/decoded_tokens": float(tokens)})
-        self.decoded = [0, 0, 0]
+        out.update(self.decoded.pop())
         return out
 
     def offload(self) -> None:
@@ -256,7 +252,6 @@ class StaticEngine:
         return self.kv
 
     # -- generation
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  room: Optional[list[int]] = None, stop: Optional[Callable[[list[int]], bool]] = None) -> Completions:
         """``n`` completions per prompt, group-major. Every distinct prompt is prefilled once; its rows then take
@@ -268,7 +263,16 @@ class StaticEngine:
 
         Streaming (grpo/rollout/stream.py): ``room`` caps each prompt's rows at their own token count (at most
         ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call
-        when it returns True, the unfinished rows returned as they stand (``Completions.stopped``)."""
+        when it returns True, the unfinished rows returned as they stand (``Completions.stopped``).
+
+        The call's wall time is counted (``rollout/prefill_s`` and ``decode_s``)."""
+        with self.decoded.call():
+            return self._generate(prompts, params, n, room, stop)
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                  room: Optional[list[int]] = None, stop: Optional[Callable[[list[int]], bool]] = None) -> Completions:
+        """``generate``'s body."""
         P, G, T = len(prompts), n, params.max_tokens
         w = self.weights()  # under ZeRO-3 a collective: every rank calls generate alike, with or without prompts
         if not P:
@@ -300,7 +304,8 @@ class StaticEngine:
         ids, pos = ids.to(dev), pos.to(dev)
         pk, pv = new_buffers(s, D, Lp, w.embed.dtype, dev)
         pkpos = torch.full((D, Lp), -1, dtype=torch.long, device=dev)
-        first_logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
+        with self.decoded.prefill(dev):
+            first_logits = forward(s, w, ids, pos, torch.zeros(1, dtype=torch.long, device=dev), pk, pv, pkpos, Lp)
 
         out_tok = torch.full((R + 1, T), pad, dtype=torch.long, device=dev)  # row R: padding slots' and finished
         out_lp = torch.zeros((R + 1, T), dtype=torch.float32, device=dev)  # rows' writes land there
@@ -446,8 +451,7 @@ class StaticEngine:
         if cut:  # the rows still decoding: their tokens so far (t - began + 1); rows never started: none
             stopped = [not f for f in finished[:R].tolist()]
             lengths_l = [(t - b0 + 1 if b0 >= 0 else 0) if st else m for st, b0, m in zip(stopped, began, lengths_l)]
-        for j, x in enumerate((sum(lengths_l) - R, slot_steps, steps)):  # the first tokens came from the prefill
-            self.decoded[j] += x
+        self.decoded.add(sum(lengths_l) - R, slot_steps, steps)  # the first tokens came from the prefill
         tokens = [row[:m] for row, m in zip(toks, lengths_l)]
         eos_set = set(self.setup.eos_ids)
         truncated = torch.tensor([not (tk and tk[-1] in eos_set) for tk in tokens], dtype=torch.bool)
