@@ -254,3 +254,19 @@ def test_the_truncation_warning_names_the_overlong_filter_only_where_it_runs(alg
     (warning,) = health.check(1, {"completion/truncated_frac": 0.95})
     assert "hit rollout.max_completion_length=256 without EOS" in warning
     assert ("algo.overlong_filter drops them from the loss" in warning) == named and "DAPO" not in warning
+
+
+def test_health_skip_silences_the_checks_a_run_expects_and_says_so(capsys):
+    """Issue 60 item 10: the demo warned at step 5 against its own 3-token cap (its random model hits it until it
+    learns to stop). logging.health_skip names the checks a run expects to fail: said at the start, the others
+    still warn; a name that is no check is refused with the valid ones; the demo skips truncation."""
+    cfg = load_config(overrides=["logging.health_skip=[truncation]"])
+    health = LearningHealth(cfg, patience=1, main=True)
+    assert "logging.health_skip: no warning for truncation in this run" in capsys.readouterr().out
+    (warning,) = health.check(1, {"completion/truncated_frac": 1.0, "grad_norm": 0.0})
+    assert "gradient norm is 0" in warning
+    with pytest.raises(ConfigError, match=r"logging.health_skip\[0\]='truncated' is not a check: choose from "
+                                          r"\['reward_errors', 'truncation', 'zero_advantage'"):
+        load_config(overrides=["logging.health_skip=[truncated]"])
+    demo = LearningHealth(load_config(DEMO), patience=1, main=False)
+    assert demo.check(1, {"completion/truncated_frac": 1.0}) == []

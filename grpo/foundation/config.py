@@ -204,6 +204,8 @@ class VllmConfig:
 
 # rollout.static.mode: how the static engine runs its decode step (grpo/rollout/static/)
 STATIC_MODES = ("auto", "eager", "compile", "graphs", "compile+graphs")
+# the checks of a run that looks stuck (grpo/training/health.py), by the name logging.health_skip gives them
+HEALTH_CHECKS = ("reward_errors", "truncation", "zero_advantage", "sampler_mismatch", "zero_gradient")
 
 
 @dataclass
@@ -508,6 +510,9 @@ class LoggingConfig:
     # warn when a run looks stuck (truncation, all-equal groups, zero gradient, a mismatched sampler) this many steps
     # in a row
     health_patience: int = positive(5)
+    # checks that give no warning in this run (from HEALTH_CHECKS), for a condition the run expects: the demo's
+    # truncation while its random model learns to stop within a cap that fits the answer. Said at the run's start
+    health_skip: list[str] = field(default_factory=list)
     # the audit of whole next-token distributions (docs/metrics.md#audit): every this many steps, the top-k KL of the
     # sampler against the trainer and of the reference against the policy, on a few rows (0 = off)
     audit_every: int = at_least_zero(0)
@@ -783,6 +788,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"logging.report_to[{i}]={target!r} is invalid: choose from ['tensorboard', 'wandb']"
             )
+    for i, name in enumerate(cfg.logging.health_skip):
+        if name not in HEALTH_CHECKS:
+            raise ConfigError(f"logging.health_skip[{i}]={name!r} is not a check: choose from {list(HEALTH_CHECKS)}")
     _validate_teacher(cfg)  # (an empty rewards list: the algorithm's check_capabilities decides)
     _validate_lora(cfg)
     _validate_data(cfg.data)

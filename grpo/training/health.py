@@ -7,7 +7,8 @@
       rewards themselves work: the task is too hard or too easy,
     - the gradient norm is 0,
     - the engine's log-probs of its own tokens are more than 0.1 nats per token from the trainer's (a stale or
-      mismatched sampler).
+      mismatched sampler);
+``logging.health_skip`` names the checks a run expects to fail (said at its start).
 ``NonFiniteWatchdog`` counts steps whose loss or gradient norm is not finite (their update is
 skipped) and stops the run after ``limit`` of them in a row, naming the step and the likely causes;
 no checkpoint ever holds weights from a skipped update.
@@ -27,7 +28,7 @@ import torch
 
 from grpo.foundation.console import say
 from grpo.foundation import dist
-from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config import HEALTH_CHECKS, Config, ConfigError
 from grpo.foundation.plugins import RewardServiceError
 from grpo.reference.protocol import ReferenceServerError
 
@@ -76,11 +77,17 @@ CHECKS = {
 }
 
 
+assert tuple(CHECKS) == HEALTH_CHECKS, "config.py's HEALTH_CHECKS names these checks"
+
+
 class LearningHealth:
     def __init__(self, cfg: Config, patience: int, main: bool):
         self.cfg, self.patience, self.main = cfg, patience, main
         self.streak = {name: 0 for name in CHECKS}
-        self.warned: set[str] = set()
+        # logging.health_skip: checks the run expects to fail (said once, at the start)
+        self.warned: set[str] = set(cfg.logging.health_skip)
+        if self.warned and main:
+            say(f"logging.health_skip: no warning for {', '.join(sorted(self.warned))} in this run")
 
     def check(self, step: int, metrics: dict[str, float]) -> list[str]:
         """Update the streaks with one step's (rank-reduced) metrics; returns the warnings given now."""
