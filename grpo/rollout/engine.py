@@ -105,11 +105,11 @@ class EngineSetup:
 
 
 class DecodeTally:
-    """An engine's decode figures since the last ``pop`` (the static and hf engines'): the tokens drawn by decode
-    steps, their slot-steps (each step counts every slot of its call, since a decode step reads every weight however
-    few rows are left), the decode steps, and the time split of the generation calls between their prefill forwards
-    and the rest (decode steps, slot refills, host reads). On CUDA a prefill is timed by events read at ``pop``, so
-    timing adds no synchronisation to the call."""
+    """An engine's decode figures (the static and hf engines'): the tokens drawn by decode steps, their slot-steps
+    (each step counts every slot of its call, since a decode step reads every weight however few rows are left) and
+    the decode steps since the last ``pop``; the time split of the generation calls between their prefill forwards
+    and the rest (decode steps, slot refills, host reads) since the last ``pop_timings``. On CUDA a prefill is timed
+    by events read at ``pop_timings``, so timing adds no synchronisation to the call."""
 
     def __init__(self):
         self.tokens = self.slot_steps = self.steps = 0
@@ -141,17 +141,24 @@ class DecodeTally:
             self.call_s += time.perf_counter() - t0
 
     def pop(self) -> dict[str, float]:
-        """``rollout/occupancy``, ``decode_steps``, ``decoded_tokens``, ``prefill_s`` and ``decode_s``, then zero."""
-        for a, b in self._events:
-            b.synchronize()
-            self.prefill_s += a.elapsed_time(b) / 1000
+        """``rollout/occupancy``, ``decode_steps`` and ``decoded_tokens``, then zero the counts."""
         out: dict[str, float] = {}
         if self.steps:
             out.update({"rollout/occupancy": self.tokens / self.slot_steps, "rollout/decode_steps": float(self.steps),
                         "rollout/decoded_tokens": float(self.tokens)})
-        if self.call_s:
-            out.update({"rollout/prefill_s": self.prefill_s, "rollout/decode_s": max(0.0, self.call_s - self.prefill_s)})
-        self.__init__()
+        self.tokens = self.slot_steps = self.steps = 0
+        return out
+
+    def pop_timings(self) -> dict[str, float]:
+        """The time split, seconds: ``generation_prefill`` and ``generation_decode`` (logged as ``time/...``, the
+        slowest rank's), then zero it; empty when no call ran."""
+        for a, b in self._events:
+            b.synchronize()
+            self.prefill_s += a.elapsed_time(b) / 1000
+        out = ({"generation_prefill": self.prefill_s, "generation_decode": max(0.0, self.call_s - self.prefill_s)}
+               if self.call_s else {})
+        self.prefill_s = self.call_s = 0.0
+        self._events = []
         return out
 
 

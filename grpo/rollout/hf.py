@@ -576,3 +576,7 @@ class HFEngine:
         out, self.metrics = self.metrics, {}
         out.update(self.decoded.pop())
         return out
+
+    def pop_timings(self) -> dict[str, float]:
+        """The generation calls' time split since the last call (``DecodeTally.pop_timings``)."""
+        return self.decoded.pop_timings()

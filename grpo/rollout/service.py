@@ -117,7 +117,10 @@ class RolloutService:
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
     def pop_timings(self) -> dict[str, float]:
-        out, self.timings = self.timings, {}
+        """The phases' seconds since the last call, the engine's own split of the generation among them (the static
+        and hf engines': ``generation_prefill``, ``generation_decode``)."""
+        pop = getattr(self.engine, "pop_timings", None)
+        out, self.timings = {**self.timings, **(pop() if pop is not None else {})}, {}
         return out
 
     # ----------------------------------------------------------------- generation

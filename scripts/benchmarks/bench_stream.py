@@ -64,7 +64,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
             into["decoded_tokens"] += m["rollout/decoded_tokens"]
             into["decode_steps"] += m["rollout/decode_steps"]
             into["slot_steps"] += m["rollout/decoded_tokens"] / m["rollout/occupancy"]
-        into["prefill_s"] += m.get("rollout/prefill_s", 0.0)  # the decode time split
+        into["prefill_s"] += engine.pop_timings().get("generation_prefill", 0.0)  # the decode time split
         into["seconds"] += seconds
 
     def finish(into: dict) -> dict:
@@ -102,7 +102,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
             secs = time.perf_counter() - t0
             m = stream.pop_metrics(taken, version)
             if not version:
-                engine.pop_metrics()
+                engine.pop_metrics(), engine.pop_timings()
                 continue
             tally(engine, res, secs)
             res["staleness_max"] = max(res["staleness_max"], m["rollout/staleness_max"])

@@ -188,6 +188,10 @@ class StaticEngine:
         out.update(self.decoded.pop())
         return out
 
+    def pop_timings(self) -> dict[str, float]:
+        """The generation calls' time split since the last call (``DecodeTally.pop_timings``)."""
+        return self.decoded.pop_timings()
+
     def offload(self) -> None:
         """Before the training passes (``rollout.static.offload``): free the KV buffers and the graphs' memory,
         rebuilt and captured again at the next call."""
@@ -265,7 +269,7 @@ class StaticEngine:
         ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call
         when it returns True, the unfinished rows returned as they stand (``Completions.stopped``).
 
-        The call's wall time is counted (``rollout/prefill_s`` and ``decode_s``)."""
+        The call's wall time is counted (``time/generation_prefill`` and ``time/generation_decode``)."""
         with self.decoded.call():
             return self._generate(prompts, params, n, room, stop)
 
