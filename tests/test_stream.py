@@ -357,3 +357,70 @@ def test_an_engine_error_inside_a_streamed_step_stops_the_run_with_that_error(si
     finally:
         tr.close()
     assert len(calls) == 3
+
+
+class _Texts:
+    """A tokenizer's batch_decode: ids as text."""
+
+    @staticmethod
+    def batch_decode(ids, **_):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+@pytest.mark.parametrize("kind,slots", [("static", 2), ("hf", 0), ("hf", 3)])
+def test_groups_whole_mid_call_are_scored_while_the_others_decode_and_score_as_at_the_end(kind, slots):
+    """Issue 56 item 4: a group that becomes whole in the middle of an engine call is scored at once on another
+    thread (its G rows in one call of the reward sources) while the other rows decode; the rest are scored together
+    at the end. Every row's reward is the one a single call over the step's batch gives, no call is left running
+    when the step's batch is returned, and a reward error stops the step with that error."""
+    import dataclasses
+    import functools
+    import threading
+    from concurrent.futures import Future
+
+    from grpo.rollout.service import RolloutService
+
+    model = build("qwen2")
+    params = SamplingParams(max_tokens=30, temperature=1.0, forced_eos_lengths=(2, 3, 30, 2, 3, 2, 4, 5, 2))
+    engine = engine_of(kind, model, [f"rollout.slots={slots}"] if slots else [])
+    in_call = threading.Event()
+    generate = engine.generate
+
+    @functools.wraps(generate)
+    def marked(*args, **kw):
+        in_call.set()
+        try:
+            return generate(*args, **kw)
+        finally:
+            in_call.clear()
+
+    engine.generate = marked
+    calls = []  # (rows, whether an engine call was running, thread)
+
+    def scorer(prompts, completions, columns, raw_prompts=None, completion_ids=None, fail=None):
+        calls.append((len(completions), in_call.is_set(), threading.current_thread().name))
+        if fail is not None and any(fail in c for c in completions):
+            raise RuntimeError("reward source down")
+        lengths = [float(len(c)) for c in completion_ids]
+        return [x + 0.5 * int(col) for x, col in zip(lengths, columns["col"])], {"length": lengths}
+
+    svc = RolloutService(dataclasses.replace(engine.setup, tokenizer=_Texts()), scorer, engine=engine)
+    svc.cfg = dataclasses.replace(svc.cfg, num_generations=3)
+    stream = Stream(engine, params, group_size=3, groups_per_step=2, max_staleness=1, feed=feed_of(PROMPTS))
+    items = lambda i: {"prompt": "p", "col": i % 2}  # noqa: E731
+    ahead = 0
+    for version in range(4):
+        calls.clear()
+        batch = svc.rollout_stream(stream, version, items)
+        assert not any(g.ahead.running() for g in stream.pending if isinstance(g.ahead, Future))
+        early = [c for c in calls if c[1]]
+        assert all(n == 3 and name.startswith("rewards-ahead") for n, _, name in early)
+        ahead += len(early)
+        one, per = scorer(batch.prompt_text, batch.completion_text, batch.columns(),
+                          completion_ids=[list(c) for c in batch.completion_ids])
+        assert batch.rewards.tolist() == one and batch.reward_terms["length"].tolist() == per["length"]
+    assert ahead > 0
+    svc.scorer = lambda *a, **kw: scorer(*a, **kw, fail=" ")
+    with pytest.raises(RuntimeError, match="reward source down"):
+        svc.rollout_stream(stream, 4, items)
+    svc.close()

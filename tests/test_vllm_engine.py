@@ -133,8 +133,11 @@ def test_a_streamed_call_stops_part_way_and_carried_rows_are_the_rows_one_call_d
         assert (b[: len(a)] == a and len(a) < len(b)) if st else a == b
         assert len(lp) == len(a)
     assert not cut.truncated[cut.stopped].any() and cut.topk_ids.shape == (4, 8, 3)
-    capped = tiny.generate(prompts, greedy, 1, room=[2, 8, 3, 1])
+    fetched = {}  # stop's fetch: the finished rows' tokens after a step (the stream scores whole groups from them)
+    capped = tiny.generate(prompts, greedy, 1, room=[2, 8, 3, 1],
+                           stop=lambda done, fetch: fetched.update(zip(done, fetch(done))) or False)
     assert capped.tokens == [b[:c] for b, c in zip(full.tokens, [2, 8, 3, 1])] and not capped.stopped.any()
+    assert fetched and all(capped.tokens[i] == t for i, t in fetched.items())
     with pytest.raises(ValueError, match="one row a prompt"):
         tiny.generate(prompts, greedy, 2, room=[8] * 4)
 

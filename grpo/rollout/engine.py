@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -102,6 +103,17 @@ class EngineSetup:
     eos_ids: list[int]
     pad_id: int
     synced: bool = False  # ZeRO-3 over > 1 rank: every generation call is collective (see hf.needs_synced_generation)
+
+
+def with_fetch(stop: Optional[Callable[..., bool]]) -> Optional[Callable[..., bool]]:
+    """A streamed call's ``stop`` as the engines call it, ``stop(finished, fetch)`` (``fetch(rows)``: finished rows'
+    tokens, grpo/rollout/stream.py's early scoring): one that takes the finished rows only is called without it."""
+    if stop is None:
+        return None
+    params = list(inspect.signature(stop).parameters.values())
+    if len(params) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return stop
+    return lambda finished, fetch=None: stop(finished)
 
 
 class DecodeTally:

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - a transformers without them has no suc
 from grpo.foundation import dist
 from grpo.foundation.config import ConfigError
 from grpo.foundation.modeling import CACHE_ARG, cache_of, new_cache
-from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingParams, forced_eos
+from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingParams, forced_eos, with_fetch
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
@@ -330,8 +330,9 @@ def generate(
     ``logprobs``: also the sampler's log-prob of each drawn token (``Completions.logprobs``; one log-softmax
     over the vocabulary per step, so only when asked).
     Streaming (grpo/rollout/stream.py): ``room`` caps each prompt's rows at their own token count (at most
-    ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call when it
-    returns True, the unfinished rows returned as they stand (``Completions.stopped``). Not with ``synced``.
+    ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read (and a function giving
+    finished rows' tokens), ends the call when it returns True, the unfinished rows returned as they stand
+    (``Completions.stopped``). Not with ``synced``.
     ``slots`` (continuous batching, ``rollout.slots``): at most that many rows decode at once; a row that leaves
     (at a host read) gives its place to the next waiting row, whose prompt is prefilled and joined to the batch (its
     KV right-aligned with the other rows' columns; the columns no row attends any more are dropped). Row r then draws
@@ -339,7 +340,7 @@ def generate(
     ``tally``: the call's decode figures added to (row-steps over the call's slots, or its first batch), its prefills
     timed.
     """
-    G, cfg = n, params
+    G, cfg, stop = n, params, with_fetch(stop)
     device = next(model.parameters()).device
     k = check_every or default_check_every(device)
     was_training = model.training
@@ -377,6 +378,10 @@ def generate(
     start = active.new_zeros(0)  # slotted: the step of each active row's first token
     ends: list[int] = []  # slotted: the step at which each active row reaches its cap (the host reads it then)
     att = None  # slotted: the attention mask over the cache's columns
+
+    def fetch(rows: list[int]) -> list[list[int]]:  # finished rows' tokens, for ``stop``
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        return [row[:m] for row, m in zip(result[idx].tolist(), lengths[idx].tolist())]
 
     def timed():  # a prefill, timed into ``tally``
         return tally.prefill(device) if tally is not None else contextlib.nullcontext()
@@ -455,7 +460,7 @@ def generate(
                 finished[active] = was
             if check:
                 leave = was if slotted or t < T - 1 else torch.ones_like(was)  # at T every row ends (truncated unless EOS)
-                if stop is not None and stop(finished.nonzero(as_tuple=True)[0].tolist()):
+                if stop is not None and stop(finished.nonzero(as_tuple=True)[0].tolist(), fetch):
                     cut = True  # the rows still decoding keep their tokens so far
                     lengths[active] = torch.where(was, lengths[active], at + 1)
                     break

@@ -3,7 +3,8 @@
     generate(prompts, params, n)           n completions per prompt (ids, truncation, sampler log-probs)
     continue_sequences(prompts, prefixes)  extend partial completions (guided correction; multi-turn)
     rollout(prompts, items, index)         the step's groups as a scored RolloutBatch
-    rollout_stream(stream, version, items) a streamed step's whole groups (grpo/rollout/stream.py), scored
+    rollout_stream(stream, version, items) a streamed step's whole groups (grpo/rollout/stream.py), scored (a group
+                                           whole mid-call on a thread of its own, while the others decode)
     score(batch)                           the reward functions on a batch's texts
     sync_weights()                         after every optimizer step (a no-op for the ``hf`` engine)
     offload()                              before the training passes (vllm on CUDA: the engine sleeps)
@@ -17,7 +18,9 @@ the same calls on every rank (``collective_rounds`` says how many when their wor
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
@@ -90,6 +93,9 @@ class RolloutService:
         # batch.extra["sampler_topk_logp" / "sampler_topk_ids"]; 0: not asked
         self.audit_top_k = 0
         self.stream_metrics: dict[str, float] = {}  # a streamed step's staleness, carried rows, regenerated groups
+        # a streamed run's groups scored as they become whole, while the other rows decode: one thread, so that the
+        # reward sources see one call at a time (their workers run the calls' rows in parallel)
+        self._ahead: Optional[ThreadPoolExecutor] = None
 
     @classmethod
     def build(cls, cfg, model: torch.nn.Module, tokenizer, eos_ids: list[int],
@@ -165,6 +171,9 @@ class RolloutService:
 
     def close(self) -> None:
         """The engine lets go of what it holds beyond this process's lifetime rules (idempotent)."""
+        if self._ahead is not None:
+            self._ahead.shutdown()
+            self._ahead = None
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
@@ -191,10 +200,27 @@ class RolloutService:
                        need: Optional[int] = None) -> RolloutBatch:
         """A streamed step (``rollout.max_staleness`` >= 1): ``stream``'s whole groups for weights ``version`` (``need``
         of them: a refill's count), scored (``items``: a group's dataset row from its item); the stream's figures
-        join ``pop_metrics``, a refill's added to the step's."""
+        join ``pop_metrics``, a refill's added to the step's.
+
+        A group that becomes whole in the middle of an engine call (the built-in engines say so at their host reads)
+        is scored at once on another thread, while the other rows decode: its reward sources are called with its G
+        rows; the groups still whole at the call's end are scored together as before. Every such call has ended when
+        this returns (``time/reward`` counts the wait)."""
         t0 = time.perf_counter()
-        groups = stream.next(version, need)
+        if self.scorer is not None:
+            if self._ahead is None:
+                self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards-ahead")
+            stream.on_whole = lambda g, tokens: self._ahead.submit(self._group_values, g, items(g.item), tokens)
+        try:
+            groups = stream.next(version, need)
+        finally:
+            stream.on_whole = None
         self._time("generation", t0)
+        t1 = time.perf_counter()
+        for g in groups + stream.pending:  # a reward error raises here, in the trainer's thread
+            if isinstance(g.ahead, Future):
+                g.ahead.result()
+        self._time("reward", t1)
         now, before = stream.pop_metrics(groups, version), self.stream_metrics
         if before:  # a refill within the step: the step's figures over all its groups
             n0, n1 = before.pop("_tokens"), now["_tokens"]
@@ -223,16 +249,32 @@ class RolloutService:
                     comp.topk_logprobs[i, : len(r.tokens)] = torch.cat([c[0] for c in r.topk])
                     comp.topk_ids[i, : len(r.tokens)] = torch.cat([c[1] for c in r.topk])
         batch = self._scored([g.prompt for g in groups], items, [g.item for g in groups], self.cfg.num_generations,
-                             comp)
+                             comp, ahead=[g.ahead for g in groups])
         behind = torch.zeros(len(rows), batch.width, dtype=torch.long)
         for i, r in enumerate(rows):
             behind[i, : len(r.versions)] = version - torch.tensor(r.versions, dtype=torch.long)
         batch.extra = {**batch.extra, "versions_behind": behind}
         return batch
 
+    def _group_values(self, g: Group, item: dict[str, Any], tokens: list[list[int]]) -> tuple[list[float], dict]:
+        """A whole group's rewards (the scorer's (total, per source) of its rows), scored ahead of its step."""
+        comp = Completions(tokens=tokens, truncated=torch.zeros(len(tokens), dtype=torch.bool))
+        return self._values(self._batch([g.prompt], [item], [g.item], len(tokens), comp))
+
     def _scored(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int], G: int,
-                comp: Completions) -> RolloutBatch:
-        """The batch of G completions per prompt (group-major), handed to ``on_generated``, then scored."""
+                comp: Completions, ahead: Optional[list[Any]] = None) -> RolloutBatch:
+        """The batch of G completions per prompt (group-major), handed to ``on_generated``, then scored (``ahead``:
+        per prompt, its rows' scores already computed, a done Future, or None)."""
+        batch = self._batch(prompts, items, prompt_index, G, comp)
+        if self.on_generated is not None:  # e.g. the trainer's reference request, in flight while rewards run
+            self.on_generated(batch)
+        if self.scorer is not None:  # none: a run whose algorithm learns from no reward (opd, rewards: [])
+            self.score(batch, ahead)
+        return batch
+
+    def _batch(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int], G: int,
+               comp: Completions) -> RolloutBatch:
+        """The RolloutBatch of G completions per prompt (group-major), unscored."""
         rows = [i for i in range(len(prompts)) for _ in range(G)]
         prompt_ids = [prompts[i] for i in rows]
         batch = RolloutBatch(
@@ -252,20 +294,37 @@ class RolloutService:
             width = batch.width
             batch.extra = {**batch.extra, "sampler_topk_logp": comp.topk_logprobs[:, :width].float(),
                            "sampler_topk_ids": comp.topk_ids[:, :width].long()}
-        if self.on_generated is not None:  # e.g. the trainer's reference request, in flight while rewards run
-            self.on_generated(batch)
-        if self.scorer is not None:  # none: a run whose algorithm learns from no reward (opd, rewards: [])
-            self.score(batch)
         return batch
 
-    def score(self, batch: RolloutBatch) -> None:
-        """Set ``batch.rewards`` and ``batch.reward_terms`` from the reward functions (texts and columns)."""
+    def _values(self, batch: RolloutBatch) -> tuple[list[float], dict[str, list[float]]]:
+        """The scorer on a batch's texts and columns: (total per row, {source: values})."""
+        return self.scorer(batch.prompt_text, batch.completion_text, batch.columns(),
+                           raw_prompts=[it.get("prompt") for it in batch.items],
+                           completion_ids=[list(c) for c in batch.completion_ids])
+
+    def score(self, batch: RolloutBatch, ahead: Optional[list[Any]] = None) -> None:
+        """Set ``batch.rewards`` and ``batch.reward_terms`` from the reward functions (texts and columns). ``ahead``:
+        per group, its rows' scores computed before (a done Future of (total, per source)), or None: only the other
+        groups' rows are scored now."""
         if self.scorer is None:
             raise RuntimeError("this rollout service has no reward functions (built without a scorer)")
         t0 = time.perf_counter()
-        total, per_fn = self.scorer(batch.prompt_text, batch.completion_text, batch.columns(),
-                                    raw_prompts=[it.get("prompt") for it in batch.items],
-                                    completion_ids=[list(c) for c in batch.completion_ids])
+        G, R = batch.group_size, len(batch)
+        done = {gi: a.result() for gi, a in enumerate(ahead or []) if a is not None}
+        if not done:
+            total, per_fn = self._values(batch)
+        else:
+            rest = [i for i in range(R) if i // G not in done]
+            parts = [(gi * G, v) for gi, v in done.items()]
+            if rest:
+                parts.append((rest, self._values(batch.select(rest))))
+            total, per_fn = [0.0] * R, {}
+            for at, (t, p) in parts:
+                rows = range(at, at + G) if isinstance(at, int) else at
+                for j, i in enumerate(rows):
+                    total[i] = t[j]
+                    for k, v in p.items():
+                        per_fn.setdefault(k, [math.nan] * R)[i] = v[j]
         batch.rewards = torch.tensor(total, dtype=torch.float32)
         batch.reward_terms = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_fn.items()}
         self._time("reward", t0)

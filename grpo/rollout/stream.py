@@ -49,6 +49,7 @@ class Group:
     prompt: list[int]
     item: Any  # what the feed gave with the prompt (the dataset's row, its index)
     rows: list[Row]
+    ahead: Any = None  # what the stream's ``on_whole`` returned when the group became whole mid-call (its scores)
 
     @property
     def whole(self) -> bool:
@@ -85,6 +86,10 @@ class Stream:
         self.pending: list[Group] = []  # issued and not handed out, oldest first
         self.serial = 0
         self.counts = {"regenerated": 0, "refed": 0}
+        # (group, each row's tokens) -> Group.ahead: called when a group becomes whole in the middle of an engine call
+        # (an engine that passes ``stop`` a fetch of finished rows' tokens), so that its rewards score while the other
+        # rows decode (the rollout service sets it)
+        self.on_whole: Optional[Callable[[Group, list[list[int]]], Any]] = None
 
     # -- the queue
     def _issue(self, need: int) -> None:
@@ -99,7 +104,7 @@ class Stream:
         for g in self.pending:
             oldest = g.oldest()
             if oldest is not None and version - oldest > self.K:
-                g.rows = [Row() for _ in range(self.G)]
+                g.rows, g.ahead = [Row() for _ in range(self.G)], None
                 self.counts["regenerated"] += 1
 
     def _forced(self, g: Group, j: int, row: Row) -> int:
@@ -144,11 +149,25 @@ class Stream:
             params = replace(params, forced_eos_lengths=tuple(self._forced(g, j, r) for g, j, r in calls))
         group_of = [id(g) for g, _, _ in calls]
         ready = self._ready(version, need)
+        left = {id(g): sum(not r.done for r in g.rows) for g in self.pending}
+        by_id = {id(g): g for g in self.pending}
+        told: set[int] = set()  # groups handed to on_whole during this call
 
-        def stop(finished: list[int]) -> bool:
+        def stop(finished: list[int], fetch: Optional[Callable[[list[int]], list[list[int]]]] = None) -> bool:
+            """``finished``: the call's rows finished so far; ``fetch`` (optional): their tokens, by row."""
             ended: dict[int, int] = {}
             for i in finished:
                 ended[group_of[i]] = ended.get(group_of[i], 0) + 1
+            if self.on_whole is not None and fetch is not None:
+                now = {gid for gid, n in ended.items() if n == left[gid] and gid not in told}
+                if now:
+                    rows = [i for i in finished if group_of[i] in now]
+                    fresh = dict(zip(rows, fetch(rows)))
+                    tokens = {id(r): r.tokens + fresh[i] for i, (_, _, r) in enumerate(calls) if i in fresh}
+                    for gid in now:
+                        g = by_id[gid]
+                        g.ahead = self.on_whole(g, [tokens.get(id(r), r.tokens) for r in g.rows])
+                    told.update(now)
             return ready(ended)
 
         self.counts["refed"] += sum(len(r.tokens) for _, _, r in calls)  # carried tokens fed again as prompt

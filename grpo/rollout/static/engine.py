@@ -10,7 +10,7 @@ import torch
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import partitioned
-from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingParams, forced_eos
+from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingParams, forced_eos, with_fetch
 from grpo.rollout.static import delta_net
 from grpo.rollout.static.layers import forward, sample
 from grpo.rollout.static.spec import LENGTH_BUCKET, ModelSpec, model_spec, unsupported_reason
@@ -266,12 +266,13 @@ class StaticEngine:
         Row r draws uniform [k, r] for its k-th token in either way, so its tokens do not depend on its slot.
 
         Streaming (grpo/rollout/stream.py): ``room`` caps each prompt's rows at their own token count (at most
-        ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read, ends the call
-        when it returns True, the unfinished rows returned as they stand (``Completions.stopped``).
+        ``params.max_tokens``); ``stop``, called with the rows finished so far at each host read (and a function
+        giving finished rows' tokens: a read of the device, asked only when a group is whole), ends the call when
+        it returns True, the unfinished rows returned as they stand (``Completions.stopped``).
 
         The call's wall time is counted (``time/generation_prefill`` and ``time/generation_decode``)."""
         with self.decoded.call():
-            return self._generate(prompts, params, n, room, stop)
+            return self._generate(prompts, params, n, room, with_fetch(stop))
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -380,6 +381,11 @@ class StaticEngine:
             rows = torch.tensor(rows_h, device=dev)
             next_row += len(take)
 
+        def fetch(rws: list[int]) -> list[list[int]]:
+            """Finished rows' tokens, for ``stop`` (a finished row writes no more into its own row)."""
+            idx = torch.tensor(rws, dtype=torch.long, device=dev)
+            return [row[:m] for row, m in zip(out_tok[idx].tolist(), lengths[idx].tolist())]
+
         def shift() -> None:
             """The buffers' last column is reached: every slot's columns move left by the oldest live row's entry
             (a slot whose row has run past its cap has finished; its columns may be cut)."""
@@ -417,7 +423,7 @@ class StaticEngine:
                     event.synchronize()
                 pending = False
                 done = flags.tolist()
-                if stop is not None and stop([r for r in range(R) if done[r]]):
+                if stop is not None and stop([r for r in range(R) if done[r]], fetch):
                     cut = True
                     break
                 free = [b for b, r in enumerate(rows_h) if done[r]]
