@@ -5,6 +5,7 @@ counted by the static (or hf) engine, at EOS lengths like a reasoning run's (ben
     python scripts/benchmarks/bench_stream.py                                 # a narrow random Llama, cap 64, CPU
     python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1,2:32:1 --out runs/stream.json
     python scripts/benchmarks/bench_stream.py --engine hf --cap 256 --runs 1:0:1,1:64:1,2:64:1   # the hf engine
+    python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1 --reward-ms 5   # rewards while others decode
 
 Each decode step reads every weight once whatever the number of live rows, so tokens per decode step is the time per
 token on a GPU; a CPU decodes compute-bound, so its wall time is reported but says little. ``today``: each step's
@@ -114,6 +115,62 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
     return out
 
 
+class _Texts:
+    """batch_decode for the random model's ids (the rewards below read no text)."""
+
+    @staticmethod
+    def batch_decode(ids, **_):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+def measure_rewards(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap: int, steps: int,
+                    run: tuple[int, int, int], reward_ms: float, kind: str = "static") -> dict:
+    """A streamed step through the rollout service with a reward that sleeps ``reward_ms`` a row plus 10 ms a call:
+    each group scored as it becomes whole, while the others decode (the service's way), against every group scored
+    after the decode (stream.next, then rollout_groups). Per side: the steps' wall seconds and the wait for rewards
+    after the decode (``time/reward``)."""
+    from grpo.rollout.engine import SamplingParams
+    from grpo.rollout.service import RolloutService
+    from grpo.rollout.stream import Stream
+
+    K, slots, check = run
+    lengths = tuple(reasoning_lengths(groups * G * (steps + 1) * 4, cap, 0)["lengths"])
+    params = SamplingParams(max_tokens=cap, temperature=1.0, forced_eos_lengths=lengths)
+
+    def scorer(texts, completions, columns, raw_prompts=None, completion_ids=None):
+        time.sleep(0.010 + reward_ms / 1000 * len(completions))
+        return [1.0] * len(completions), {"sleep": [1.0] * len(completions)}
+
+    out = {"reward": f"{reward_ms} ms a row + 10 ms a call", "run": f"K={K},slots={slots},check={check}"}
+    for side in ("scored_as_whole", "scored_at_end"):
+        engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}", kind=kind)
+        engine.setup = dataclasses.replace(engine.setup, tokenizer=_Texts())
+        service = RolloutService(engine.setup, scorer, engine=engine)
+        service.cfg = dataclasses.replace(service.cfg, num_generations=G)
+        counter = itertools.count()
+
+        def feed(n):
+            return [(prompts[i % len(prompts)], i) for i in (next(counter) for _ in range(n))]
+
+        stream = Stream(engine, params, group_size=G, groups_per_step=groups, max_staleness=K, feed=feed)
+        res = {"seconds": 0.0, "reward_wait": 0.0}
+        for version in range(steps + 1):
+            t0 = time.perf_counter()
+            if side == "scored_as_whole":
+                service.rollout_stream(stream, version, lambda i: {"prompt": ""})
+            else:
+                taken = stream.next(version)
+                service.rollout_groups(taken, [{"prompt": ""} for _ in taken], version)
+            secs = time.perf_counter() - t0
+            waited = service.pop_timings().get("reward", 0.0)
+            if version:
+                res["seconds"] += secs
+                res["reward_wait"] += waited
+        service.close()
+        out[side] = res
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, default=8, help="groups (prompts) a step")
@@ -124,6 +181,9 @@ def main(argv=None) -> None:
     p.add_argument("--today-check", type=int, default=16, help="rollout.static.check_every of the step-at-a-time side")
     p.add_argument("--engine", choices=["static", "hf"], default="static",
                    help="the engine (SLOTS 0: every row of a call at once)")
+    p.add_argument("--reward-ms", type=float, default=None,
+                   help="also time the first --runs entry through the rollout service with a reward that sleeps this "
+                        "many ms a row (+10 ms a call): groups scored as they become whole against after the decode")
     p.add_argument("--out", help="a JSON file for the figures")
     args = p.parse_args(argv)
 
@@ -141,6 +201,9 @@ def main(argv=None) -> None:
     runs = [tuple(int(x) for x in r.split(":")) for r in args.runs.split(",")]
     res = measure(model, 2, prompts, args.groups, args.G, args.cap, args.steps, runs, args.today_check,
                   kind=args.engine)
+    if args.reward_ms is not None:
+        res["rewards"] = measure_rewards(model, 2, prompts, args.groups, args.G, args.cap, args.steps, runs[0],
+                                         args.reward_ms, kind=args.engine)
     res["engine"] = args.engine
     res["model"] = "Llama, vocabulary 49,152, hidden 64, 2 layers, random init (seed 0); prompts of 40 random tokens"
     res["command"] = "python " + " ".join(sys.argv)
@@ -154,6 +217,10 @@ def main(argv=None) -> None:
                   + (f", staleness max {r['staleness_max']:.0f}, mean {r['staleness_mean']:.2f}, regenerated "
                      f"{r['regenerated']:.0f}, carried tokens fed again {r['refed_tokens']:.0f}" if "regenerated" in r
                      else ""))
+    for side in ("scored_as_whole", "scored_at_end") if "rewards" in res else ():
+        r = res["rewards"][side]
+        print(f"{side:>24}: {res['rewards']['run']}, reward {res['rewards']['reward']}: {r['seconds']:.2f} s, of which "
+              f"{r['reward_wait']:.2f} s waiting for rewards after the decode")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
