@@ -268,8 +268,10 @@ class RolloutService:
         batch = self._batch(prompts, items, prompt_index, G, comp)
         if self.on_generated is not None:  # e.g. the trainer's reference request, in flight while rewards run
             self.on_generated(batch)
-        if self.scorer is not None:  # none: a run whose algorithm learns from no reward (opd, rewards: [])
+        if self.scorer is not None and any(a is not None for a in ahead or []):
             self.score(batch, ahead)
+        elif self.scorer is not None:  # none: a run whose algorithm learns from no reward (opd, rewards: [])
+            self.score(batch)
         return batch
 
     def _batch(self, prompts: list[list[int]], items: list[dict[str, Any]], prompt_index: list[int], G: int,
