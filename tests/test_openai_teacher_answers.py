@@ -74,12 +74,11 @@ def server():
 
 def ask(server, spoil=None):
     from grpo.reference.openai import OpenAITeacher
-    from grpo.reference.teacher import teacher_config
 
     server.spoil = spoil or (lambda choices: None)
     cfg = config("opd", **{"teacher.url": server.url, "teacher.api": "openai", "teacher.model": "null",
                            "rollout.temperature": 1.0, "ref.retry_window": 0})
-    teacher = OpenAITeacher(teacher_config(cfg), None, vocab_size=64)
+    teacher = OpenAITeacher(cfg, None, vocab_size=64)
     packed = pack([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], 0, 3)
     try:
         return teacher.scores(packed, 1.0, top_k=K)

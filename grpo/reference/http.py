@@ -231,18 +231,19 @@ class HTTPReference:
     """Reference log-probs from a server; implements grpo.reference.protocol.Reference."""
 
     def __init__(self, cfg: Config, tokenizer=None, vocab_size: Optional[int] = None, role: str = "reference"):
-        """``role`` "teacher" (distillation's teacher at teacher.url): the server's teacher when it holds one beside
+        """``role`` "teacher" (distillation's teacher, at teacher.url): the server's teacher when it holds one beside
         its reference (started with --teacher-model), else its model."""
-        self._connect(cfg, tokenizer)
+        self._connect(cfg, tokenizer, cfg.teacher.url if role == "teacher" else cfg.ref.url)
         self._request("GET", "/health")
         self.server_info = self.info()
         self.model_field = "teacher" if role == "teacher" and self.server_info.get("teacher") else "reference"
         self._check_compatible(tokenizer, vocab_size)
 
-    def _connect(self, cfg: Config, tokenizer) -> None:
-        """The client's state for ``cfg.ref.url`` (nothing sent yet)."""
+    def _connect(self, cfg: Config, tokenizer, url: str) -> None:
+        """The client's state for the server at ``url`` (nothing sent yet): the client settings are ``ref``'s (the
+        teacher's server shares them)."""
         r = cfg.ref
-        self.url = r.url.rstrip("/")
+        self.url = url.rstrip("/")
         self.timeout = (r.connect_timeout, r.read_timeout)
         self.retry_window = r.retry_window
         self.rows_per_pass = cfg.train.micro_batch_size

@@ -54,10 +54,13 @@ class InProcessReference(_LocalReference):
     ``load`` builds it (default: whole, on ``device``); under ZeRO-3 the trainer passes one that builds
     it partitioned over the ranks like the policy, and ``synced`` makes its forwards collective."""
 
-    def __init__(self, cfg: Config, device: torch.device, load: Optional[Loader] = None, synced: bool = False):
+    def __init__(self, cfg: Config, device: torch.device, load: Optional[Loader] = None, synced: bool = False,
+                 source: Optional[str] = None):
+        """``source``: the model to load (default: ``ref.model``, else the policy's start; the teacher's:
+        ``teacher.model``)."""
         self.cfg, self.synced = cfg, synced
         self.load = load or (lambda source: load_whole(cfg, source, device))
-        self.source = cfg.ref.model or cfg.model.name_or_path
+        self.source = source or cfg.ref.model or cfg.model.name_or_path
         self.model = self.load(self.source)
         self.version = 0
 

@@ -35,7 +35,7 @@ class OpenAITeacher(HTTPReference):
                               f"OpenAI-compatible server's prompt_logprobs are of the teacher's raw distribution "
                               f"(temperature 1), and the student's log-probs are at the sampling temperature. Set "
                               f"rollout.temperature=1, or serve the teacher with ref_client.py (teacher.api='grpo')")
-        self._connect(cfg, tokenizer)
+        self._connect(cfg, tokenizer, cfg.teacher.url)
         self.vocab_size = vocab_size
         self._request("GET", "/health")
         self.model = cfg.teacher.served_model or self._only_model()

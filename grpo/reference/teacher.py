@@ -2,15 +2,15 @@
 
 The teacher answers the question the reference answers (the per-token log-probs of given completions), from another
 model: in this process (``teacher.model``) or from a ``ref_client.py`` server started on the teacher model
-(``teacher.url``). So it is built by the reference's own code (grpo/reference/handle.py) from a config whose ``ref``
-section names the teacher, and it shares the reference's wire format, retries, queue and auth. Its tokenizer must be
+(``teacher.url``). So it is built by the reference's own clients (grpo/reference/http.py's and in_process.py's, told
+the teacher's server or model), and it shares the reference's wire format, retries, queue and auth (the ``ref``
+section's client settings). Its tokenizer must be
 the policy's: a server is checked by its client (tokenizer fingerprint and vocabulary size), an in-process teacher
 here, both naming the two models when they differ.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,8 +21,8 @@ import torch
 from grpo.foundation.config import Config, ConfigError, distilling
 from grpo.foundation.logprobs import Packed, Scores
 from grpo.foundation.modeling import check_model_path
-from grpo.reference.handle import ReferenceHandle, make_reference
-from grpo.reference.in_process import AdapterTeacher, Loader
+from grpo.reference.handle import ReferenceHandle
+from grpo.reference.in_process import AdapterTeacher, InProcessReference, Loader
 from grpo.reference.protocol import ReferenceServerError
 
 
@@ -87,13 +87,6 @@ def take_answer(batch, answer: "torch.Tensor | Scores") -> None:
 
 def teacher_error(url: Optional[str], e: Exception) -> ReferenceServerError:
     return ReferenceServerError(f"the teacher's server (teacher.url={url!r}; the settings named ref.* apply to it): {e}")
-
-
-def teacher_config(cfg: Config) -> Config:
-    """``cfg`` whose reference is the teacher (its model or its server; the client settings of ``ref`` kept, no
-    reference sync, and never LoRA's adapters-off reference)."""
-    ref = dataclasses.replace(cfg.ref, url=cfg.teacher.url, model=cfg.teacher.model, sync_every=0)
-    return dataclasses.replace(cfg, ref=ref, model=dataclasses.replace(cfg.model, lora=None))
 
 
 def check_same_tokenizer(cfg: Config, tokenizer) -> None:
@@ -183,8 +176,7 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
         from grpo.reference.openai import OpenAITeacher  # vLLM's /v1/completions with prompt_logprobs
 
         try:
-            return TeacherHandle(OpenAITeacher(teacher_config(cfg), tokenizer, vocab_size), cfg.teacher.url,
-                                 cfg.teacher.top_k)
+            return TeacherHandle(OpenAITeacher(cfg, tokenizer, vocab_size), cfg.teacher.url, cfg.teacher.top_k)
         except ReferenceServerError as e:  # not there at start
             raise teacher_error(cfg.teacher.url, e) from None
     if cfg.teacher.model:  # before the teacher's weights are loaded
@@ -196,9 +188,9 @@ def make_teacher(cfg: Config, device: torch.device, tokenizer=None, vocab_size: 
         if cfg.teacher.url:  # a ref_client.py server: its teacher when it holds one beside its reference
             from grpo.reference.http import HTTPReference
 
-            handle = ReferenceHandle(HTTPReference(teacher_config(cfg), tokenizer, vocab_size, role="teacher"))
+            handle = ReferenceHandle(HTTPReference(cfg, tokenizer, vocab_size, role="teacher"))
         else:
-            handle = make_reference(teacher_config(cfg), True, device, tokenizer, vocab_size, load=load, synced=synced)
+            handle = ReferenceHandle(InProcessReference(cfg, device, load, synced, source=cfg.teacher.model))
     except ConfigError as e:  # the server's client speaks of "the reference": say which one
         if not cfg.teacher.url:
             raise
