@@ -34,6 +34,7 @@ RANGES: dict[str, Any] = {
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 64]": lambda v: 0 <= v <= 64,
     "in [1, 64]": lambda v: 1 <= v <= 64,
+    "in [0, 65535]": lambda v: 0 <= v <= 65535,
 }
 MAX_TOP_K = 64  # top-k log-probs per position that a reference or a teacher sends at most (the wire's bound too)
 
@@ -73,7 +74,7 @@ class LoraConfig:
 
     r: int = positive(16)  # the adapters' rank
     alpha: float = positive(32.0)  # the update is scaled by alpha / r
-    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    dropout: float = ranged(0.0, "in [0, 1)")  # dropout on the adapters' input (PEFT's lora_dropout)
     # the linear layers that get adapters (names as in the model: Llama-style q_proj ... down_proj)
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -242,7 +243,7 @@ class RolloutConfig:
     max_prompt_length: int = positive(256)  # longer prompts are dropped and counted
     max_completion_length: int = positive(256)  # L_max: new tokens per completion (per turn with env.name); TRL's default
     temperature: float = positive(1.0)  # sampling temperature (log-probs use it too)
-    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_p: float = ranged(1.0, "in (0, 1]")  # nucleus sampling; 1 = off
     top_k: int = at_least_zero(0)  # 0 = off
     # Benchmarking / profiling only: EOS does not end a completion, so every completion is exactly
     # max_completion_length tokens (as vLLM's ignore_eos). Never use it for real training.
@@ -348,9 +349,9 @@ class AlgoConfig:
     name: str = "grpo"  # the algorithm (--algo NAME; python train.py --list-algos)
     beta: float = at_least_zero(0.04)  # KL coefficient; 0: no reference model at all
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1 = -d, k2 = d^2/2, k3 = e^d - d - 1 (d = ref - policy)
-    clip_eps_low: float = at_least_zero(0.2)  # ratio clipped below at 1 - eps_low
+    clip_eps_low: float = ranged(0.2, "in [0, 1)")  # ratio clipped below at 1 - eps_low
     clip_eps_high: float = at_least_zero(0.2)  # ratio clipped above at 1 + eps_high
-    dual_clip: Optional[float] = None  # c > 1: the loss of A < 0 tokens bounded by c*A; null = off
+    dual_clip: Optional[float] = ranged(None, "> 1", "or null")  # c > 1: A < 0 tokens' loss bounded by c*A; null = off
     aggregation: Literal[
         "seq-mean-token-mean",
         "token-mean",
@@ -459,14 +460,14 @@ class RefConfig:
     # raise it when the server starts at the same time as the trainer (docs/troubleshooting.md)
     startup_wait: float = at_least_zero(5.0)  # seconds a refused connection at start is retried, then the run stops
     host: str = "127.0.0.1"  # server side: bind address
-    port: int = 59875  # server side: port (0 = any free one)
+    port: int = ranged(59875, "in [0, 65535]", "0 = any free port")  # server side: port (0 = any free one)
     max_batch_tokens: int = positive(16384)  # server side: tokens per forward pass
     max_queue: int = positive(64)  # server side: pending requests before 503
     max_request_mb: float = positive(64.0)  # server side: body size limit (413)
     # Periodic reference sync, for every algorithm: every ``sync_every`` steps (0 = off)
     # pi_ref <- mixup_alpha * pi_theta + (1 - mixup_alpha) * pi_ref (1 = a copy of the policy).
-    sync_every: int = 0
-    mixup_alpha: float = 1.0  # alpha of the sync (1 = copy)
+    sync_every: int = at_least_zero(0, "0 = off")
+    mixup_alpha: float = ranged(1.0, "in (0, 1]", "1 = the reference becomes a copy of the policy")  # alpha (1 = copy)
 
 
 @dataclass
@@ -733,8 +734,6 @@ def validate(cfg: Config) -> None:
     if not r.engine.strip():
         raise ConfigError("rollout.engine is empty: name an engine ('auto', 'hf', 'static', 'vllm') or give "
                           "'package.module:Class'")
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={r.top_p!r} is invalid: it must be in (0, 1]")
     _validate_vllm(r.vllm)
     if r.forced_eos_lengths is not None:
         if r.ignore_eos:
@@ -757,8 +756,6 @@ def validate(cfg: Config) -> None:
                               "train.stop_when={metric: reward/mean, at_least: 0.9, window: 5}")
         if not t.stop_when.metric.strip():
             raise ConfigError("train.stop_when.metric is empty: name a per-step metric such as reward/mean")
-    if a.clip_eps_low >= 1:
-        raise ConfigError(f"algo.clip_eps_low={a.clip_eps_low!r} is invalid: it must be < 1")
     if a.rollout_correction is not None:
         rc = a.rollout_correction
         if a.tis_cap is not None:
@@ -781,8 +778,6 @@ def validate(cfg: Config) -> None:
                 f"algo.tis_cap={a.tis_cap!r} is not supported with multi-turn rollouts (env.name={cfg.env.name!r}): "
                 f"set algo.tis_cap=null"
             )
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"algo.dual_clip={a.dual_clip!r} is invalid: it must be > 1 (or null)")
     for i, target in enumerate(cfg.logging.report_to):
         if target not in ("tensorboard", "wandb"):
             raise ConfigError(
@@ -799,8 +794,6 @@ def validate(cfg: Config) -> None:
         _validate_reward(f"rewards[{i}]", spec, cfg)
     if cfg.ref.url is not None and not cfg.ref.url.startswith(("http://", "https://")):
         raise ConfigError(f"ref.url={cfg.ref.url!r} is invalid: it must start with http:// or https://")
-    if not 0 <= cfg.ref.port <= 65535:
-        raise ConfigError(f"ref.port={cfg.ref.port!r} is invalid: it must be in [0, 65535] (0 = any free port)")
     _validate_ref_sync(cfg)
     _validate_env(cfg)
     _validate_limits(cfg)
@@ -840,8 +833,6 @@ def _validate_lora(cfg: Config) -> None:
     lora = cfg.model.lora
     if lora is None:
         return
-    if not 0 <= lora.dropout < 1:
-        raise ConfigError(f"model.lora.dropout={lora.dropout!r} is invalid: it must be in [0, 1)")
     if not lora.target_modules:
         raise ConfigError("model.lora.target_modules is empty: name the linear layers that get adapters "
                           "(e.g. [q_proj, k_proj, v_proj, o_proj] for Llama-style models)")
@@ -860,11 +851,6 @@ def _validate_lora(cfg: Config) -> None:
 
 def _validate_ref_sync(cfg: Config) -> None:
     r = cfg.ref
-    if r.sync_every < 0:
-        raise ConfigError(f"ref.sync_every={r.sync_every!r} is invalid: it must be >= 0 (0 = off)")
-    if not 0 < r.mixup_alpha <= 1:
-        raise ConfigError(f"ref.mixup_alpha={r.mixup_alpha!r} is invalid: it must be in (0, 1] "
-                          "(1 = the reference becomes a copy of the policy)")
     if r.mixup_alpha != 1.0 and not r.sync_every:
         raise ConfigError(f"ref.mixup_alpha={r.mixup_alpha!r} has no effect without ref.sync_every > 0: "
                           "set ref.sync_every or leave ref.mixup_alpha at 1")
