@@ -32,11 +32,17 @@ def launcher() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def default_ranks() -> int:
     """One rank per GPU torch sees; 2 CPU ranks without one."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return torch.cuda.device_count() if cuda_available() else 2
 
 
 def summarize(metrics_path: Path) -> dict:
@@ -74,11 +80,16 @@ def main() -> int:
         server.start(timeout=180)
         print(f"reference server healthy at {server.url}", flush=True)
         overrides.append(f"ref.url={server.url}")
-    cmd = launcher() + ["--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
+    # --quiet: the launcher's own INFO lines (its command, world info, each process's exit) stay out of the demo's
+    # output; without a GPU, DS_ACCELERATOR=cpu spares every process DeepSpeed's "Setting accelerator to CPU" line
+    cmd = launcher() + ["--quiet", "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 1000),
                         "train.py", "--config", args.config, f"train.output_dir={out}", *overrides]
+    env = dict(os.environ)
+    if not cuda_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
     print("$", " ".join(cmd), flush=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env)
     finally:
         if server is not None:
             code = server.stop()
