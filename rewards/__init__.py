@@ -45,10 +45,6 @@ for _name, _fn in _BUILT_IN.items():
 STEP_REWARDS.register("digits_step_match", digits_step_match)
 BUILT_IN = frozenset(_BUILT_IN)  # what a worker knows by name (it imports this package)
 
-# built-ins scored one row per call unless the entry says otherwise: math-verify can hang on one input; a row of
-# code_tests runs its tests one sandboxed process after another
-ROW_AT_A_TIME = {"math_correct", "code_tests"}
-
 resolve = REWARDS.get  # a registered name or ``package.module:function`` (the workers resolve calls with it)
 
 
@@ -73,7 +69,8 @@ class FunctionTerm:
         # a function that bounds its own time per row (code_tests: row_timeout) gets at least that per call
         self.seconds_per_row = (fn.seconds_per_row(self.kwargs) if spec.timeout is None
                                 and hasattr(fn, "seconds_per_row") else 0.0)
-        self.rows_per_call = spec.batch_size or pool.chunk_size or (1 if spec.fn in ROW_AT_A_TIME else 0)
+        # a function's own rows_per_call attribute (math_correct, code_tests: 1) unless the entry or the pool says
+        self.rows_per_call = spec.batch_size or pool.chunk_size or getattr(fn, "rows_per_call", 0)
         self.workers = max(1, pool.num_workers)
         # a function registered in this process alone (the Python API's callables) goes to the workers by value
         self.code = (send_by_value(fn, spec.fn) if not self.inline and ":" not in spec.fn and spec.fn not in BUILT_IN

@@ -242,3 +242,4 @@ code_tests.metric_keys = METRICS
 # a row never takes much more than its row_timeout (its last test is cut there, then its process group killed):
 # CombinedReward gives a call at least this per row, so that reward_pool.timeout need not know about it
 code_tests.seconds_per_row = lambda kwargs: float(kwargs.get("row_timeout", 30.0)) + 5.0
+code_tests.rows_per_call = 1  # a row runs its tests one sandboxed process after another

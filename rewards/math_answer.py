@@ -177,3 +177,4 @@ def math_correct(
 
 
 math_correct.slow_imports = ("math_verify",)  # imported by a reward worker before its first call
+math_correct.rows_per_call = 1  # math-verify can hang on one input, and a timeout zeroes its whole call

@@ -195,3 +195,11 @@ def sees_its_slow_imports(prompts, completions, **_):
 
 
 sees_its_slow_imports.slow_imports = ("math_verify",)
+
+
+def rows_seen(prompts, completions, **_):
+    """How many rows came in this call, on each of them (a function that asks for 3 rows a call)."""
+    return [float(len(completions))] * len(completions)
+
+
+rows_seen.rows_per_call = 3

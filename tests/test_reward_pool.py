@@ -194,3 +194,23 @@ def test_a_worker_that_cannot_start_gives_its_slot_back():
         assert pool.run([WarmUp(["tests.reward_fixtures:length_bonus"])])[0].status == "ok"
     finally:
         pool.close()
+
+
+def test_a_functions_rows_per_call_attribute_is_its_default_batching():
+    """Issue 59 item 5: the built-ins scored a row at a time were a side table; now each function's own
+    ``rows_per_call`` attribute (math_correct and code_tests: 1) sets its rows per call unless the entry's
+    batch_size or reward_pool.chunk_size says otherwise, and a user's function can carry one too."""
+    from grpo.foundation.config import RewardPoolConfig, RewardSpec
+    from rewards import CombinedReward, FunctionTerm
+
+    pool = RewardPoolConfig(num_workers=2)
+    per_call = {fn: FunctionTerm(fn, RewardSpec(fn=fn), pool).rows_per_call
+                for fn in ("math_correct", "code_tests", "digits_match", "tests.reward_fixtures:rows_seen")}
+    assert per_call == {"math_correct": 1, "code_tests": 1, "digits_match": 0, "tests.reward_fixtures:rows_seen": 3}
+    assert FunctionTerm("m", RewardSpec(fn="math_correct", batch_size=4), pool).rows_per_call == 4
+    scorer = CombinedReward([RewardSpec(fn="tests.reward_fixtures:rows_seen")], pool)
+    try:
+        total, _ = scorer(["p"] * 7, ["c"] * 7, {})
+    finally:
+        scorer.pool.close()
+    assert total == [3.0] * 6 + [1.0]  # calls of 3, 3 and 1 rows

@@ -35,7 +35,7 @@ from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, Samp
 from grpo.rollout.hf import HFEngine, needs_synced_generation
 from grpo.rollout.static import StaticEngine, unsupported_reason
 from grpo.rollout.stream import Group, Stream
-from grpo.rollout.vllm_engine import VLLMEngine, require_vllm
+from grpo.rollout.vllm_engine import VLLMEngine
 
 
 def auto_engine(setup: EngineSetup) -> GenerationEngine:
@@ -61,15 +61,14 @@ def _engine_protocol(cls: Any, key: str, name: str) -> None:
 ENGINES = Registry("generation engine", "rollout.engine", paths="Class", check=_engine_protocol)
 for _name, _engine in {"auto": auto_engine, "hf": HFEngine, "static": StaticEngine, "vllm": VLLMEngine}.items():
     ENGINES.register(_name, _engine)
-# name -> a check that the engine's optional dependencies are installed (a ConfigError naming the extra)
-REQUIREMENTS: dict[str, Callable[[], Any]] = {"vllm": require_vllm}
 
 
 def engine_class(name: str) -> Callable[[EngineSetup], GenerationEngine]:
     """The engine class that ``rollout.engine`` names (a registered name or ``package.module:Class``), its
     optional dependencies checked."""
-    REQUIREMENTS.get(name, lambda: None)()
-    return ENGINES.get(name)
+    cls = ENGINES.get(name)
+    getattr(cls, "check_installed", lambda: None)()  # its optional dependencies (a ConfigError naming the extra)
+    return cls
 
 
 def decode_completions(tokenizer, tokens: list[list[int]], eos_ids: list[int]) -> list[str]:

@@ -97,6 +97,8 @@ def topk_of(steps: list[list[dict]], k: int, width: int) -> tuple[torch.Tensor, 
 class VLLMEngine:
     """Generation by vLLM; ``sync_weights`` loads the trainer's weights into it."""
 
+    check_installed = staticmethod(require_vllm)  # the rollout service asks before the engine is built
+
     def __init__(self, setup: EngineSetup):
         vllm = require_vllm()
         self.setup = setup
