@@ -91,7 +91,9 @@ class RolloutService:
         # the audit's steps (grpo/training/audit.py): the engine's top-k of each drawn token's distribution, into
         # batch.extra["sampler_topk_logp" / "sampler_topk_ids"]; 0: not asked
         self.audit_top_k = 0
-        self.stream_metrics: dict[str, float] = {}  # a streamed step's staleness, carried rows, regenerated groups
+        # a streamed step: (its stream, the weights version, the groups handed out so far, refills included), whose
+        # figures pop_metrics gives
+        self._streamed: Optional[tuple[Stream, int, list[Group]]] = None
         # a streamed run's groups scored as they become whole, while the other rows decode: one thread, so that the
         # reward sources see one call at a time (their workers run the calls' rows in parallel)
         self._ahead: Optional[ThreadPoolExecutor] = None
@@ -180,8 +182,11 @@ class RolloutService:
     def pop_metrics(self) -> dict[str, float]:
         """The engine's own metrics since the last call (hf: prefix reuse in multi-turn runs; vllm: syncs, probe)."""
         pop = getattr(self.engine, "pop_metrics", None)
-        streamed = {k: v for k, v in self.stream_metrics.items() if not k.startswith("_")}
-        out, self.stream_metrics = {**(pop() if pop is not None else {}), **streamed}, {}
+        out = pop() if pop is not None else {}
+        if self._streamed is not None:
+            stream, version, taken = self._streamed
+            out.update(stream.pop_metrics(taken, version))
+            self._streamed = None
         return out
 
     # ----------------------------------------------------------------- text and rewards
@@ -220,16 +225,9 @@ class RolloutService:
             if isinstance(g.ahead, Future):
                 g.ahead.result()
         self._time("reward", t1)
-        now, before = stream.pop_metrics(groups, version), self.stream_metrics
-        if before:  # a refill within the step: the step's figures over all its groups
-            n0, n1 = before.pop("_tokens"), now["_tokens"]
-            now["rollout/staleness_mean"] = ((before["rollout/staleness_mean"] * n0 + now["rollout/staleness_mean"]
-                                              * n1) / max(1, n0 + n1))
-            now["rollout/staleness_max"] = max(before["rollout/staleness_max"], now["rollout/staleness_max"])
-            now["rollout/regenerated"] += before["rollout/regenerated"]
-            now["rollout/refed_tokens"] += before["rollout/refed_tokens"]
-            now["_tokens"] = n0 + n1
-        self.stream_metrics = now
+        same_step = self._streamed is not None and self._streamed[:2] == (stream, version)
+        earlier = self._streamed[2] if same_step else []
+        self._streamed = (stream, version, earlier + groups)  # a refill within the step adds to the step's groups
         return self.rollout_groups(groups, [items(g.item) for g in groups], version)
 
     def rollout_groups(self, groups: list[Group], items: list[dict[str, Any]], version: int = 0) -> RolloutBatch:

@@ -202,7 +202,7 @@ class Stream:
         rows carried to the next step, the groups drawn again and the carried tokens fed again (prefilled under the
         new weights) since the last call."""
         behind = [version - v for g in taken for r in g.rows for v in r.versions]
-        out = {"_tokens": float(len(behind)), "rollout/staleness_mean": sum(behind) / max(1, len(behind)),
+        out = {"rollout/staleness_mean": sum(behind) / max(1, len(behind)),
                "rollout/staleness_max": float(max(behind, default=0)),
                "rollout/carried_rows": float(sum(bool(r.tokens) and not r.done for g in self.pending for r in g.rows)),
                "rollout/regenerated": float(self.counts["regenerated"]), "rollout/refed_tokens": float(self.counts["refed"])}
