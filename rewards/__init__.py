@@ -319,5 +319,4 @@ def check_sandbox(settings: Any) -> None:
 
 
 SERVICES.register("rewards", CombinedReward)
-SERVICES.register("reward model", "rewards.models:RewardModel")
 SERVICES.register("sandbox check", check_sandbox)

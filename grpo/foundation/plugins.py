@@ -2,8 +2,7 @@
 
     algos/     ALGORITHMS     an :class:`AlgorithmHooks` class per ``--algo NAME`` (algos/base.py: Algorithm)
     rewards/   REWARDS        reward functions (``rewards: [{fn: NAME}]``), STEP_REWARDS (grpo-ps's steps),
-               SERVICES       "rewards": the run's reward sources combined (a :data:`Scorer`),
-                              "reward model": a sequence classifier the reference server hosts
+               SERVICES       "rewards": the run's reward sources combined (a :data:`Scorer`)
     envs/      ENVS, TOOLS    environments of multi-turn rollouts and the tools they call,
                SERVICES       "environment": a run's environment and tool box (an :class:`EnvironmentSetup`)
     grpo/rollout/service.py   ENGINES (``rollout.engine``)
@@ -28,7 +27,8 @@ STEP_REWARDS = Registry("step reward", "algo.step_reward_fn", home="rewards", pa
                         check=must_be_callable)
 ENVS = Registry("environment", "env.name", home="envs", paths="Class")
 TOOLS = Registry("tool", "env.tools fn", home="envs", paths="function", check=must_be_callable)
-# the plug-in packages' services the trainer builds: "rewards", "reward model", "environment"
+# the plug-in packages' services the trainer builds: "rewards", "environment", "sandbox check" (the reference server's
+# reward model is handed down by ref_client.py)
 SERVICES = Registry("service", "plug-in service", home=("rewards", "envs"))
 
 

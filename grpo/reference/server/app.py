@@ -691,7 +691,8 @@ class RefServer:
 
 def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None,
                  teacher: Optional[str] = None) -> RefServer:
-    """Load the reference model (and ``reward``'s model: {model, label, dtype, batch_tokens}; and ``teacher``, a
+    """Load the reference model (and ``reward``'s model: {model, label, dtype, batch_tokens, load: its loader,
+    e.g. rewards.models.RewardModel}; and ``teacher``, a
     distillation teacher beside it) and bind ``ref.host:ref.port`` (refusing an open address without a token)."""
     log = log or AccessLog()
     r = cfg.ref

@@ -320,12 +320,12 @@ class DeviceWorker:
         return Scores(**flat)
 
     def _load_reward(self, source: str):
-        from grpo.foundation.plugins import SERVICES
-
+        """The reward model at ``source``, built by the loader the server was handed (``reward["load"]``:
+        ref_client.py passes rewards.models.RewardModel)."""
         a = self.reward_args
-        return SERVICES.get("reward model")(source, str(self.device), a.get("dtype"), a.get("label"),
-                           a.get("batch_tokens") or self.max_batch_tokens, a.get("chat_template"),
-                           self.model_cfg.trust_remote_code)
+        return a["load"](source, str(self.device), a.get("dtype"), a.get("label"),
+                         a.get("batch_tokens") or self.max_batch_tokens, a.get("chat_template"),
+                         self.model_cfg.trust_remote_code)
 
     def submit_reward(self, prompts: list, completions: list[str], key: Optional[Hashable] = None) -> Job:
         """A job whose future gives (scores, compute seconds, reward model version); joined like :meth:`submit`."""
