@@ -318,5 +318,5 @@ def check_sandbox(settings: Any) -> None:
         raise ConfigError(str(e)) from e
 
 
+CombinedReward.check_sandbox = staticmethod(check_sandbox)  # the run's start-up check (grpo/training/configure.py)
 SERVICES.register("rewards", CombinedReward)
-SERVICES.register("sandbox check", check_sandbox)

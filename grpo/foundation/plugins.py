@@ -27,8 +27,8 @@ STEP_REWARDS = Registry("step reward", "algo.step_reward_fn", home="rewards", pa
                         check=must_be_callable)
 ENVS = Registry("environment", "env.name", home="envs", paths="Class")
 TOOLS = Registry("tool", "env.tools fn", home="envs", paths="function", check=must_be_callable)
-# the plug-in packages' services the trainer builds: "rewards", "environment", "sandbox check" (the reference server's
-# reward model is handed down by ref_client.py)
+# the plug-in packages' services the trainer builds: "rewards" (with its check_sandbox), "environment" (the reference
+# server's reward model is handed down by ref_client.py)
 SERVICES = Registry("service", "plug-in service", home=("rewards", "envs"))
 
 

@@ -19,7 +19,8 @@ from grpo.rollout.service import engine_class
 class Parts:
     algorithm: type  # algo.name's class (grpo.foundation.plugins.AlgorithmHooks), built with the config
     engine: Callable[..., Any]  # rollout.engine's class (or builder) of an EngineSetup
-    rewards: type  # the reward service: rewards(specs, pool, ref=, sandbox=) is a Scorer of those sources
+    rewards: type  # the reward service: rewards(specs, pool, ref=, sandbox=) is a Scorer of those sources;
+    # rewards.check_sandbox(sandbox settings) refuses what the machine cannot give
     env: Optional[type]  # with env.name: the environment setup (EnvironmentSetup), None for single-turn runs
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 from grpo.foundation.config import (FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states,
                                     config_warnings, distilling, read_user_tree)
-from grpo.foundation.plugins import ALGORITHMS, REWARDS, SERVICES
+from grpo.foundation.plugins import ALGORITHMS, REWARDS
 from grpo.reference.handle import adapters_off_reference
 from grpo.training.compose import Parts, compose
 
@@ -84,7 +84,7 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
         if spec is not None and spec.kind == "fn":
             REWARDS.get(spec.fn, key=f"eval.{key}.fn")
     if "required" in (cfg.sandbox.network, cfg.sandbox.isolation, cfg.sandbox.memory):  # asked for what the machine may not give
-        SERVICES.get("sandbox check")(cfg.sandbox)
+        parts.rewards.check_sandbox(cfg.sandbox)
     check_model_path("model.name_or_path", cfg.model.name_or_path)
     if cfg.model.attn_implementation == "flash_attention_2":
         try:
