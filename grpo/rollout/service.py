@@ -314,12 +314,11 @@ class RolloutService:
             total, per_fn = self._values(batch)
         else:
             rest = [i for i in range(R) if i // G not in done]
-            parts = [(gi * G, v) for gi, v in done.items()]
+            parts = [(range(gi * G, gi * G + G), v) for gi, v in done.items()]  # (the batch's rows, their scores)
             if rest:
                 parts.append((rest, self._values(batch.select(rest))))
             total, per_fn = [0.0] * R, {}
-            for at, (t, p) in parts:
-                rows = range(at, at + G) if isinstance(at, int) else at
+            for rows, (t, p) in parts:
                 for j, i in enumerate(rows):
                     total[i] = t[j]
                     for k, v in p.items():
