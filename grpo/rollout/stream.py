@@ -162,8 +162,7 @@ class Stream:
                 now = {gid for gid, n in ended.items() if n == left[gid] and gid not in told}
                 if now:
                     rows = [i for i in finished if group_of[i] in now]
-                    fresh = dict(zip(rows, fetch(rows)))
-                    tokens = {id(r): r.tokens + fresh[i] for i, (_, _, r) in enumerate(calls) if i in fresh}
+                    tokens = {id(calls[i][2]): calls[i][2].tokens + t for i, t in zip(rows, fetch(rows))}
                     for gid in now:
                         g = by_id[gid]
                         g.ahead = self.on_whole(g, [tokens.get(id(r), r.tokens) for r in g.rows])
