@@ -14,7 +14,7 @@ from grpo.rollout.engine import Completions, DecodeTally, EngineSetup, SamplingP
 from grpo.rollout.static import delta_net
 from grpo.rollout.static.layers import forward, sample
 from grpo.rollout.static.spec import LENGTH_BUCKET, ModelSpec, model_spec, unsupported_reason
-from grpo.rollout.static.weights import Weights, extra_count, read_weights
+from grpo.rollout.static.weights import Weights, read_weights
 
 
 def new_buffers(spec: ModelSpec, rows: int, length: int, dtype: torch.dtype, device) -> tuple[list, list]:
@@ -208,7 +208,7 @@ class StaticEngine:
     # -- one decode step (compiled and / or captured)
     def _logits(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, kpos: torch.Tensor, length: int, rope_scale: tuple[float, ...]) -> torch.Tensor:
-        return forward(self.spec, Weights.unflat(flat, rope_scale, extra_count(self.spec)), tok[:, None], pos[:, None],
+        return forward(self.spec, Weights.unflat(flat, rope_scale, self.spec), tok[:, None], pos[:, None],
                        col, k, v, kpos, length)
 
     def _step(self, flat: list, tok: torch.Tensor, pos: torch.Tensor, col: torch.Tensor, u: torch.Tensor,

@@ -27,6 +27,9 @@ LAYER_KEYS = {
     "laurel_left": "laurel.linear_left.weight", "laurel_right": "laurel.linear_right.weight",
     "laurel_norm": "laurel.post_laurel_norm.weight",
 }
+# the per-layer inputs' gate, projection and norm in each layer (Gemma 3n's and 4's)
+PLE_KEYS = {"ple_gate": "per_layer_input_gate.weight", "ple_proj": "per_layer_projection.weight",
+            "ple_norm": "post_per_layer_input_norm.weight"}
 Norm = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 

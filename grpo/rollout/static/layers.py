@@ -1,110 +1,18 @@
-"""The layer math of the static step: norms, RoPE, attention (soft-capped, latent), MoE, and ``forward``: one
-functional pass (prefill or decode) over static KV buffers; ``sample``: the sampler, without a host sync."""
+"""The layer math of the static step: RoPE, attention (soft-capped, latent), and ``forward``: one functional pass
+(prefill or decode) over static KV buffers, each layer's MLP its family's (mlp.py); ``sample``: the sampler,
+without a host sync."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from grpo.rollout.hf import filter_logits, sample_categorical
 from grpo.rollout.static import delta_net, gemma3n
-from grpo.rollout.static.spec import ACTIVATIONS, MOE_CHUNK, ModelSpec
+from grpo.rollout.static.spec import ACTIVATIONS, ModelSpec
 from grpo.rollout.static.weights import Weights
-
-
-def moe_mlp(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor,
-            act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """A mixture-of-experts MLP as transformers' (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax over the router's logits
-    in float32, the top-k experts (renormalised or not), each expert's gated MLP scaled by its weight, summed in the
-    model's dtype in increasing expert order (transformers' ``index_add_`` order), plus Qwen2-MoE's shared expert
-    under a sigmoid gate. Every expert runs on every token in one batched GEMM ([E, tokens, 2 I]): static shapes, no
-    host sync, each expert's weights read once per step; only the chosen experts' outputs are kept."""
-    x = h.reshape(-1, h.shape[-1])
-    logits = F.linear(x, lw["router"])
-    if spec.grouped_routing is not None:
-        top, idx = grouped_topk(spec, logits)
-    else:
-        top, idx = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(spec.experts_per_token, dim=-1)
-        if spec.renorm_topk:
-            top = top / top.sum(dim=-1, keepdim=True)
-        if not spec.fp32_routing:
-            top = top.to(logits.dtype)
-    out = experts(x, top, idx, lw["experts_gate_up"], lw["experts_down"], act)
-    if lw["shared_gate"] is not None:  # under a sigmoid gate (Qwen2-MoE's), or not (Mistral 4's)
-        shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
-        gate = lw["shared_expert_gate"]
-        out = out + (shared if gate is None else torch.sigmoid(F.linear(x, gate)) * shared)
-    return out.view(h.shape)
-
-
-def grouped_topk(spec: ModelSpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mistral 4's routing (DeepSeek's): softmax in the model's dtype; the experts split in groups, each group
-    scored by its two best, the top ``topk_group`` groups kept; the top-k experts among them, renormalised (or
-    not), times ``routed_scaling_factor``."""
-    groups, keep, factor = spec.grouped_routing
-    scores = logits.softmax(-1)
-    E = scores.shape[-1]
-    best = scores.view(-1, groups, E // groups).topk(2, dim=-1)[0].sum(dim=-1)
-    chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1, sorted=False)[1], 1).bool()
-    allowed = chosen[:, :, None].expand(-1, groups, E // groups).reshape(-1, E)
-    idx = scores.masked_fill(~allowed, 0.0).topk(spec.experts_per_token, dim=-1, sorted=False)[1]
-    top = scores.gather(1, idx)
-    if spec.renorm_topk:
-        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
-    return top * factor, idx
-
-
-def experts(x: torch.Tensor, top: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The chosen experts (``idx`` [n, k], weights ``top``) of tokens ``x`` [n, H]: each expert's gated MLP
-    (``gate_up`` [E, 2 I, H], ``down`` [E, H, I]) scaled by its weight, summed in the model's dtype in increasing
-    expert order (transformers' ``index_add_`` order), every expert on every token in one batched GEMM."""
-    idx, order = idx.sort(dim=-1)  # increasing expert ids, as transformers adds the experts' outputs
-    top = top.gather(-1, order)
-    parts = []
-    for s in range(0, x.shape[0], MOE_CHUNK):
-        xs = x[s: s + MOE_CHUNK]
-        gate, up = torch.matmul(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, n, I] each
-        y = torch.matmul(act(gate) * up, down.transpose(1, 2))  # [E, n, H]
-        chosen = y.transpose(0, 1).gather(1, idx[s: s + MOE_CHUNK, :, None].expand(-1, -1, y.shape[-1]))  # [n, k, H]
-        scaled = (chosen * top[s: s + MOE_CHUNK, :, None]).to(x.dtype)
-        out = scaled[:, 0]
-        for j in range(1, scaled.shape[1]):
-            out = out + scaled[:, j]
-        parts.append(out)
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-def llama4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor,
-               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Llama 4's mixture of experts: the top-k of the router's logits through a sigmoid (in float32, cast back) scale
-    each chosen expert's *input*; every expert runs on every token (a zero input gives a zero output), their outputs
-    summed, plus the shared expert's."""
-    x = h.reshape(-1, h.shape[-1])
-    logits = F.linear(x, lw["l4_router"])
-    top, idx = logits.topk(spec.experts_per_token, dim=-1)
-    scores = torch.full_like(logits, float("-inf")).scatter_(1, idx, top).float().sigmoid().to(logits.dtype)
-    xs = x[None] * scores.t()[:, :, None]  # [E, n, H]
-    gate, up = torch.bmm(xs, lw["experts_gate_up"]).chunk(2, dim=-1)
-    routed = torch.bmm(up * act(gate), lw["experts_down"]).sum(dim=0)
-    shared = F.linear(act(F.linear(x, lw["shared_gate"])) * F.linear(x, lw["shared_up"]), lw["shared_down"])
-    return (shared + routed).view(h.shape)
-
-
-def gemma4_moe(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], x: torch.Tensor,
-               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Gemma 4's mixture of experts beside its MLP, on the residual stream ``x``: the router reads it RMS-normed
-    (no weight) times its scale and 1 / sqrt(hidden), softmax in float32, top-k renormalised, times each chosen
-    expert's own scale; the experts read ``x`` under their own norm."""
-    flat = x.reshape(-1, x.shape[-1])
-    r = spec.norm(flat, None) * lw["g4_router_scale"] * flat.shape[-1] ** -0.5
-    probs = torch.softmax(F.linear(r, lw["g4_router"]), dim=-1, dtype=torch.float32)
-    top, idx = probs.topk(spec.experts_per_token, dim=-1)
-    top = top / top.sum(dim=-1, keepdim=True) * lw["g4_expert_scale"][idx]
-    h = spec.norm(flat, lw["pre_ff_norm_2"])
-    return experts(h, top, idx, lw["g4_experts_gate_up"], lw["g4_experts_down"], act).view(x.shape)
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -199,25 +107,14 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         else:
             x = x + o
             h = norm(x, lw["post_norm"])
-        if lw["router"] is not None:
-            mlp = moe_mlp(spec, lw, h, act)
-        elif lw["l4_router"] is not None:
-            mlp = llama4_moe(spec, lw, h, act)
-        elif lw["gate_up"] is not None:  # Phi-3 / Phi-4: gate and up from one projection
-            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
-            mlp = F.linear(up * act(gate), lw["down"])
-        else:
-            mlp = F.linear(act(F.linear(h, lw["gate"], lw["gate_bias"])) * F.linear(h, lw["up"], lw["up_bias"]),
-                           lw["down"], lw["down_bias"])
-        if lw["g4_router"] is not None:  # Gemma 4's MoE models: experts beside the MLP, both normed
-            mlp = norm(mlp, lw["post_ff_norm_1"]) + norm(gemma4_moe(spec, lw, x, act), lw["post_ff_norm_2"])
+        mlp = spec.mlp(spec, lw, h, x, act)  # the family's (mlp.py)
         if spec.granite is not None:
             mlp = mlp * spec.granite[1]
         x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
         if spec.per_layer_dim:  # Gemma 4: the layer's per-layer input, gated by the hidden state
             g = act(F.linear(x, lw["ple_gate"])) * per_layer[:, :, i]
             x = x + norm(F.linear(g, lw["ple_proj"]), lw["ple_norm"])
-        if lw["layer_scalar"] is not None:
+        if lw.get("layer_scalar") is not None:  # Gemma 4
             x = x * lw["layer_scalar"]
     if spec.altup:
         x = gemma3n.streams_out(w.extra, spec.altup[0], streams)
@@ -253,8 +150,9 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         k_buf.index_copy_(2, cols, k)
         v_buf.index_copy_(2, cols, v)
     else:
-        if lw["qkv"] is not None:  # Phi-3 / Phi-4: q, k, v from one projection
-            q, k_fused, v_fused = F.linear(h, lw["qkv"]).split([H * D, KV * D, KV * D], dim=-1)
+        fused = lw.get("qkv")
+        if fused is not None:  # Phi-3 / Phi-4: q, k, v from one projection
+            q, k_fused, v_fused = F.linear(h, fused).split([H * D, KV * D, KV * D], dim=-1)
         else:
             q = F.linear(h, lw["q"], lw["q_bias"])
         if spec.qk_norm_full:  # OLMo 2 / 3
@@ -270,9 +168,9 @@ def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h:
         q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
     if spec.mla is None and (spec.kv_source is None or spec.kv_source[i] == i):  # else (Gemma 4's KV sharing):
         # the buffers are another layer's, already written at these columns
-        k = k_fused if lw["qkv"] is not None else F.linear(h, lw["k"], lw["k_bias"])
+        k = k_fused if fused is not None else F.linear(h, lw["k"], lw["k_bias"])
         k = (norm(k, lw["k_norm"]) if spec.qk_norm_full else k).view(R, S, KV, D)
-        if lw["qkv"] is not None:
+        if fused is not None:
             v = v_fused.reshape(R, S, KV, D)
         else:
             v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)

@@ -4,19 +4,17 @@ facts (model types, norms, RoPE types, per-family fields) live here; the package
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from grpo.foundation import lora
 from grpo.foundation.families import logit_scale, text_config
-from grpo.rollout.static import delta_net, gemma3n
+from grpo.rollout.static import delta_net, gemma3n, mlp as mlps
 from grpo.rollout.static.norms import rms_norm
 
-
-MOE_CHUNK = 1024  # tokens per batched expert GEMM at prefill (its [experts, tokens, 2 x intermediate] is transient)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
     "silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
 }
@@ -86,7 +84,11 @@ class ModelSpec:
     granite: Optional[tuple[float, float]] = None  # Granite 3: the embedding and residual multipliers
     logit_scale: float = 1.0  # what the causal-LM forward multiplies its logits by (families.HEADS)
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
-
+    # the family's MLP (mlp.py), the layer weights it reads (the engine's key, transformers' name under
+    # ``layers.<i>.``: BASE_KEYS and the family's own) and its renames of transformers' names as they are read
+    mlp: Callable = mlps.gated
+    layer_keys: tuple[tuple[str, str], ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
 
     def norm(self, x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
         """This model's RMSNorm (``rms_norm`` in its family's arithmetic)."""
@@ -168,6 +170,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         linear=tuple(t == "linear_attention" for t in layer_types) if family.hybrid else None,
         delta=delta_net.delta_spec(cfg) if family.hybrid else None,
         logit_scale=logit_scale(model),  # one place says it for the trainer's log-probs and this engine
+        mlp=family.mlp, layer_keys=tuple({**BASE_KEYS, **family.keys}.items()), renames=family.renames,
     )
     if family.fields is not None:
         fields.update(family.fields(cfg, model))
@@ -240,11 +243,38 @@ def granite_fields(cfg, model: torch.nn.Module) -> dict:
 # ----------------------------------------------------------------------------- the families
 
 
+# every family's layer weights (the engine's key -> transformers' name under ``layers.<i>.``): attention, its q/k
+# norms, the norms around attention and MLP, the dense gated MLP. A family adds its own (``Family.keys``).
+BASE_KEYS = {
+    "q": "self_attn.q_proj.weight", "q_bias": "self_attn.q_proj.bias",
+    "k": "self_attn.k_proj.weight", "k_bias": "self_attn.k_proj.bias",
+    "v": "self_attn.v_proj.weight", "v_bias": "self_attn.v_proj.bias",
+    "o": "self_attn.o_proj.weight", "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "in_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
+    "pre_ff_norm": "pre_feedforward_layernorm.weight", "post_ff_norm": "post_feedforward_layernorm.weight",
+    **mlps.DENSE_KEYS,
+}
+# Phi-3 / Phi-4: q, k and v from one projection
+FUSED_QKV_KEYS = {"qkv": "self_attn.qkv_proj.weight"}
+# Mistral 4's latent attention: the query's low-rank pair and its norm, the latent's projection, norm and expansion
+LATENT_KEYS = {
+    "q_a": "self_attn.q_a_proj.weight", "q_a_bias": "self_attn.q_a_proj.bias",
+    "q_a_norm": "self_attn.q_a_layernorm.weight", "q_b": "self_attn.q_b_proj.weight",
+    "kv_a": "self_attn.kv_a_proj_with_mqa.weight", "kv_a_bias": "self_attn.kv_a_proj_with_mqa.bias",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b": "self_attn.kv_b_proj.weight",
+}
+# Gemma 4: its per-layer input's gate, projection and norm, its layer's output scalar (a buffer, read from the
+# module), the experts beside its MLP
+GEMMA4_KEYS = {**gemma3n.PLE_KEYS, "layer_scalar": "layer_scalar", **mlps.GEMMA4_KEYS}
+
+
 @dataclass(frozen=True)
 class Family:
     """What one model type is to the static engine: the flags its step reads and the ModelSpec fields its config
-    gives (``fields``: ``(text config, model) -> dict``). Adding a decoder family is an entry of FAMILIES (and at
-    most a layer function, docs/architecture.md "Extending")."""
+    gives (``fields``: ``(text config, model) -> dict``), its MLP (mlp.py), the layer weights it reads beyond
+    BASE_KEYS and its renames of transformers' names. Adding a decoder family is an entry of FAMILIES (and at most
+    a layer function, docs/architecture.md "Extending")."""
 
     gemma_norm: bool = False  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
     sandwich: bool = False  # norms after attention and around the MLP (OLMo 2 / 3: after them only); soft-capping
@@ -257,31 +287,42 @@ class Family:
     hybrid: bool = False  # Gated DeltaNet layers (delta_net.py) between attention layers with an output gate
     per_layer_sizes: bool = False  # head sizes per layer (per_layer_config)
     fields: Optional[Callable[[Any, torch.nn.Module], dict]] = None
+    mlp: Callable = mlps.gated  # its MLP: mlp.gated, .fused, .moe, .llama4, .gemma4
+    keys: Mapping[str, str] = field(default_factory=dict)  # its layer weights beyond BASE_KEYS
+    renames: tuple[tuple[str, str], ...] = ()  # (old, new): parts of transformers' names it reads as another's
 
 
-_MOE_VL = Family(qk_norm=True, renorm_topk=True)  # Qwen3-VL-MoE's text model
-_HYBRID = Family(gemma_norm=True, qk_norm=True, hybrid=True)  # Qwen3.5's, Qwen3-Next's: (1 + w) norms too
+def _moe(keys: Mapping[str, str] = {}, **flags) -> Family:
+    """A mixture-of-experts family (its layers without a router are dense)."""
+    return Family(mlp=mlps.moe, keys={**keys, **mlps.MOE_KEYS}, **flags)
+
+
+# Qwen3.5's, Qwen3-Next's hybrid decoders: (1 + w) norms too
+_HYBRID = dict(gemma_norm=True, qk_norm=True, hybrid=True, keys=delta_net.LAYER_KEYS)
 # qwen2_vl_text / qwen2_5_vl_text / qwen3_vl_text / qwen3_vl_moe_text: the VL checkpoints' language models, Qwen2's,
 # Qwen3's and Qwen3-MoE's decoders whose multimodal RoPE gives text its three position streams equal: the plain RoPE
 FAMILIES: dict[str, Family] = {
     "llama": Family(), "mistral": Family(), "ministral": Family(), "ministral3": Family(q_scale=True),
-    "mixtral": Family(renorm_topk=True, fp32_routing=True),
-    "qwen2": Family(), "qwen2_moe": Family(), "qwen3": Family(qk_norm=True), "qwen3_moe": Family(qk_norm=True),
+    "mixtral": _moe(renorm_topk=True, fp32_routing=True),
+    "qwen2": Family(), "qwen2_moe": _moe(), "qwen3": Family(qk_norm=True), "qwen3_moe": _moe(qk_norm=True),
     "gemma": Family(gemma_norm=True), "gemma2": Family(gemma_norm=True, sandwich=True, query_pre_attn_scalar=True),
     "gemma3_text": Family(gemma_norm=True, sandwich=True, qk_norm=True, query_pre_attn_scalar=True),
     "smollm3": Family(no_rope_layers=True),
     "qwen2_vl_text": Family(), "qwen2_5_vl_text": Family(), "qwen3_vl_text": Family(qk_norm=True),
-    "qwen3_vl_moe_text": _MOE_VL,
-    "qwen3_5_text": _HYBRID, "qwen3_5_moe_text": Family(gemma_norm=True, qk_norm=True, hybrid=True, renorm_topk=True),
-    "qwen3_next": _HYBRID,
-    "gemma4_text": Family(sandwich=True, qk_norm=True, per_layer_sizes=True,
+    "qwen3_vl_moe_text": _moe(qk_norm=True, renorm_topk=True),  # Qwen3-VL-MoE's text model
+    "qwen3_5_text": Family(**_HYBRID),
+    "qwen3_5_moe_text": _moe(**_HYBRID, renorm_topk=True), "qwen3_next": _moe(**_HYBRID),
+    "gemma4_text": Family(sandwich=True, qk_norm=True, per_layer_sizes=True, mlp=mlps.gemma4, keys=GEMMA4_KEYS,
                           fields=lambda cfg, model: gemma4_fields(cfg)),
-    "llama4_text": Family(no_rope_layers=True, fields=lambda cfg, model: llama4_fields(cfg)),
-    "mistral4": Family(q_scale=True, fields=lambda cfg, model: mistral4_fields(cfg, _decoder(model))),
-    "gemma3n_text": Family(qk_norm=True, fields=lambda cfg, model: gemma3n_fields(cfg, next(model.parameters()).dtype)),
+    "llama4_text": Family(no_rope_layers=True, mlp=mlps.llama4, keys=mlps.LLAMA4_KEYS,
+                          renames=((".feed_forward.", ".mlp."),), fields=lambda cfg, model: llama4_fields(cfg)),
+    "mistral4": _moe(q_scale=True, keys=LATENT_KEYS, renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
+                     fields=lambda cfg, model: mistral4_fields(cfg, _decoder(model))),
+    "gemma3n_text": Family(qk_norm=True, keys={**gemma3n.LAYER_KEYS, **gemma3n.PLE_KEYS},
+                           fields=lambda cfg, model: gemma3n_fields(cfg, next(model.parameters()).dtype)),
     "olmo2": Family(sandwich=True, fields=olmo_fields), "olmo3": Family(sandwich=True, fields=olmo_fields),
-    "olmoe": Family(fields=lambda cfg, model: dict(qk_norm_full=True)),
-    "phi3": Family(),
+    "olmoe": _moe(fields=lambda cfg, model: dict(qk_norm_full=True)),
+    "phi3": Family(mlp=mlps.fused, keys={**FUSED_QKV_KEYS, **mlps.FUSED_KEYS}),
     "seed_oss": Family(),  # ByteDance's Seed-OSS: Llama's layers with biased q, k and v
     "granite": Family(fields=granite_fields),
 }
