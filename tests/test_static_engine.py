@@ -359,6 +359,10 @@ def test_unsupported_models_get_a_reason():
     assert static.unsupported_reason(model) is None
     model.config.use_bidirectional_attention = "all"
     assert "bidirectional" in static.unsupported_reason(model)
+    # a weight its family's table entry does not name (attention sinks, as gpt-oss has) would be left out: refused
+    model = build("llama")
+    model.model.layers[1].self_attn.sinks = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    assert "layers.1.self_attn.sinks" in static.unsupported_reason(model)
 
 
 def test_gemma_specs_read_their_configs():

@@ -120,7 +120,29 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         return "use_bidirectional_attention: the static engine decodes causally"
     if getattr(outer, "quantization_config", None) or getattr(cfg, "quantization_config", None):
         return "quantized weights: the static engine multiplies by the weights as they are stored"
+    unread = unread_weights(model, FAMILIES[kind])
+    if unread:
+        return (f"{len(unread)} layer weights its {kind} family does not read ({', '.join(unread[:3])}"
+                f"{', ...' if len(unread) > 3 else ''}): the static engine would decode without them")
     return None
+
+
+def unread_weights(model: torch.nn.Module, family: "Family") -> list[str]:
+    """The decoder layers' parameters that ``family``'s layer weights (BASE_KEYS and its ``keys``, after its
+    ``renames``) leave out: a model whose config adds weights the table does not know is not run. A LoRA adapter's
+    own parameters are not the model's (its base layers are read merged)."""
+    known = set(BASE_KEYS.values()) | set(family.keys.values())
+    unread = []
+    for i, layer in enumerate(_decoder(model).layers):
+        for name, _ in layer.named_parameters():
+            if "lora_" in name:
+                continue
+            name = "." + name.replace(".base_layer.", ".")
+            for old, new in family.renames:
+                name = name.replace(old, new)
+            if name[1:] not in known:
+                unread.append(f"layers.{i}{name}")
+    return unread
 
 
 def activation(cfg) -> str:
