@@ -77,6 +77,36 @@ def test_greedy_rows_carried_across_calls_are_the_rows_one_call_draws(kind, slot
     assert len(set(served)) == 8 and set(served) <= set(range(stream.serial))
 
 
+@pytest.mark.parametrize("slots", [0, 4])
+def test_kept_caches_carry_rows_on_without_feeding_them_again(slots):
+    """rollout.carried_kv: keep (hf engine): a cut row's cache is kept and the next call feeds only its last token.
+    With the weights unchanged (greedy, float64) the groups are exactly the rows one uncut call draws, as with the
+    prefill; every carried token is served from a kept cache (rollout/kept_tokens), none prefilled again."""
+    model = build("qwen2")
+    eos = eos_mid_run(model, PROMPTS)
+    greedy = SamplingParams(max_tokens=12).greedy()
+    engine = engine_of("hf", model, ["rollout.engine=hf", "rollout.max_staleness=2", "rollout.carried_kv=keep",
+                                     *([f"rollout.slots={slots}"] if slots else [])], eos=(eos,))
+    want = {tuple(p): engine.generate([p], greedy, 3).tokens for p in PROMPTS}
+    engine.pop_metrics()
+    stream = Stream(engine, greedy, group_size=3, groups_per_step=1, max_staleness=2, feed=feed_of(PROMPTS))
+    held = []
+    generate = engine.generate
+
+    def counted(prompts, *args, **kw):  # the carried tokens each call is given
+        held.append(sum(len(r.tokens) for g in stream.pending for r in g.rows if not r.done))
+        return generate(prompts, *args, **kw)
+
+    engine.generate = counted
+    for version in range(8):
+        (g,) = stream.next(version)
+        assert [r.tokens for r in g.rows] == want[tuple(g.prompt)]
+        engine.sync_weights()  # the carried caches stay
+        engine.offload()
+    kept = engine.pop_metrics()["rollout/kept_tokens"]
+    assert sum(held) > 0 and kept >= sum(held)
+
+
 @pytest.mark.parametrize("kind,slots", [("static", 2), ("hf", 0), ("hf", 2)])
 def test_a_step_waits_for_a_group_k_versions_behind_rather_than_let_it_go_stale(kind, slots):
     """K = 1, two slots, one group a step; one recorded length is the cap: the step that would leave that group's
@@ -162,6 +192,15 @@ def test_max_staleness_needs_a_stopping_engine_a_correction_and_single_turn():
         load_config(None, "grpo", ok[:2])
     with pytest.raises(ConfigError, match="env.name='maze': multi-turn trajectories are not streamed"):
         load_config(None, "grpo", [*ok, "env.name=maze"])
+    keep = "rollout.carried_kv=keep"
+    assert load_config(None, "grpo", ["rollout.engine=hf", *ok[1:], keep]).rollout.carried_kv == "keep"
+    with pytest.raises(ConfigError, match="rollout.carried_kv='keep' keeps carried rows' caches in the hf engine, and "
+                                          "rollout.engine='static' prefills them again: set rollout.engine=hf"):
+        load_config(None, "grpo", [*ok, keep])
+    with pytest.raises(ConfigError, match="rollout.carried_kv='keep' with rollout.max_staleness=0: no row is carried"):
+        load_config(None, "grpo", ["rollout.engine=hf", keep])
+    with pytest.raises(ConfigError, match="carried_kv"):
+        load_config(None, "grpo", ["rollout.engine=hf", *ok[1:], "rollout.carried_kv=reuse"])
 
 
 STATIC_SLOTS = ["rollout.engine=static", "rollout.slots=4", "rollout.static.check_every=1"]
@@ -250,12 +289,14 @@ def test_a_refill_inside_a_streamed_step_takes_whole_groups_from_the_stream(sing
 HF_LENGTH_REWARD = [*HF_LENGTHS, 'rewards=[{fn: "tests.reward_fixtures:length_bonus"}]']
 
 
-@pytest.mark.parametrize("engine", [STATIC_SLOTS, HF_LENGTH_REWARD], ids=["static", "hf"])
+@pytest.mark.parametrize("engine", [STATIC_SLOTS, HF_LENGTH_REWARD, [*HF_LENGTH_REWARD, "rollout.carried_kv=keep"]],
+                         ids=["static", "hf", "hf-kept-kv"])
 def test_the_audit_splits_the_sampler_kl_by_staleness(single_rank_env, tmp_path, engine):
     """Streamed rows keep the audit's top-k of every token (an audited step holds tokens of earlier calls), and the
     audit splits KL(pi_sampler || pi_trainer) by how many steps before the audited weights each token was drawn:
     tokens of the same weights (fp32, the engine against the training forward) show only rounding, tokens one
-    update old show the update."""
+    update old show the update. With kept caches (rollout.carried_kv: keep) a carried row's tokens drawn under the
+    new weights attend to keys and values of the old ones: they show the update too (why prefill is the default)."""
     from pathlib import Path
 
     from grpo.training.configure import load_config
@@ -275,9 +316,16 @@ def test_the_audit_splits_the_sampler_kl_by_staleness(single_rank_env, tmp_path,
     finally:
         tr.close()
     assert all("audit/sampler_kl_behind_0" in h and "audit/sampler_kl_behind_1" in h for h in history)
-    # the stale tokens' divergence is by design: the engine is not said to miss a weight sync
-    assert not [str(w.message) for w in caught if "audit/sampler_kl" in str(w.message)]
-    assert all(h["audit/sampler_kl_behind_0_max"] < 1e-4 for h in history)
+    # the stale tokens' divergence is by design: the engine is not said to miss a weight sync (kept caches' is said
+    # once, as theirs)
+    said = [str(w.message) for w in caught if "audit/sampler_kl" in str(w.message)]
+    fresh = max(h["audit/sampler_kl_behind_0_max"] for h in history)
+    if "rollout.carried_kv=keep" in engine:
+        assert fresh > 1e-3 and len(said) <= 1 and all("with rollout.carried_kv=keep a carried row" in w and
+                                                       "missed a weight sync" not in w.split("cannot tell")[0]
+                                                       for w in said)
+    else:
+        assert fresh < 1e-4 and not said
     assert max(h["audit/sampler_kl_behind_1"] for h in history) > 1e-3
 
 

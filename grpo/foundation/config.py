@@ -269,6 +269,11 @@ class RolloutConfig:
     # than K optimizer steps after the weights that drew it. Needs algo.rollout_correction or algo.tis_cap (the
     # sampler is then up to K steps behind the trainer). 0: every step's groups drawn and finished within the step.
     max_staleness: int = at_least_zero(0)
+    # Streaming rollouts: the KV of a row carried to the next step. "prefill": fed again as prompt under the new
+    # weights (one compute-bound pass). "keep" (rollout.engine: hf): its cache kept from the call that cut it, through
+    # the training passes, and only its last token fed: no prefill, but the row's attention then reads keys and values
+    # of the weights before the update (docs/streaming.md measures both).
+    carried_kv: Literal["prefill", "keep"] = "prefill"
     # Multi-turn rollouts (only with ``env.name``): at most ``max_turns`` policy turns per trajectory, each
     # at most ``max_completion_length`` tokens; policy and environment tokens together at most
     # ``max_trajectory_tokens`` (the width L_max of the batch). Running out of either ends the trajectory.
@@ -724,6 +729,9 @@ def _validate_streaming(cfg: Config) -> None:
     if cfg.env.name:
         raise ConfigError(f"rollout.max_staleness={K} with env.name={cfg.env.name!r}: multi-turn trajectories are not "
                           f"streamed (their turns wait on the environment); set rollout.max_staleness=0")
+    if r.carried_kv == "keep" and r.engine not in ("hf", "auto"):
+        raise ConfigError(f"rollout.carried_kv='keep' keeps carried rows' caches in the hf engine, and rollout.engine="
+                          f"{r.engine!r} prefills them again: set rollout.engine=hf, or rollout.carried_kv=prefill")
 
 
 def validate(cfg: Config) -> None:
@@ -747,6 +755,9 @@ def validate(cfg: Config) -> None:
                           f"rollout.engine=static or hf")
     if r.max_staleness:
         _validate_streaming(cfg)
+    elif r.carried_kv != "prefill":
+        raise ConfigError(f"rollout.carried_kv={r.carried_kv!r} with rollout.max_staleness=0: no row is carried to "
+                          f"another step; set rollout.max_staleness >= 1 (streaming), or rollout.carried_kv=prefill")
     if r.static.mode not in STATIC_MODES:
         raise ConfigError(f"rollout.static.mode={r.static.mode!r} is invalid: choose from {list(STATIC_MODES)}")
     check_optimizer_states(cfg)

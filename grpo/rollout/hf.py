@@ -317,6 +317,7 @@ def generate(
     stop: Optional[Callable[[list[int]], bool]] = None,
     tally: Optional[DecodeTally] = None,
     slots: int = 0,
+    carry: Optional[PrefixStore] = None,
 ) -> Completions:
     """``n`` completions per prompt, group-major.
 
@@ -339,6 +340,8 @@ def generate(
     uniform [k, r] for its k-th token, so its tokens do not depend on the slot count. Not with ``synced``.
     ``tally``: the call's decode figures added to (row-steps over the call's slots, or its first batch), its prefills
     timed.
+    ``carry`` (streamed calls, ``rollout.carried_kv: keep``): the cache of every row cut by ``stop`` is copied there
+    (a later call's ``reuse``), so that the row goes on without its prompt and tokens prefilled again.
     """
     G, cfg, stop = n, params, with_fetch(stop)
     device = next(model.parameters()).device
@@ -430,8 +433,8 @@ def generate(
         next_pos = last_pos.repeat_interleave(G) + 1
     elif synced:
         _join_forward(model, pad_id, device)  # the other ranks' prefill
-    if P and keep is not None and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
-        keep = None  # sliding-window or other special layers: their rows are not kept
+    if P and not all(isinstance(layer, _GrowLayer) for layer in cache.layers):
+        keep = carry = None  # sliding-window or other special layers: their rows are not kept
 
     while True:
         deadline = min(ends, default=t) if slotted else T - 1  # a row at its cap must leave at this read
@@ -463,6 +466,12 @@ def generate(
                 if stop is not None and stop(finished.nonzero(as_tuple=True)[0].tolist(), fetch):
                     cut = True  # the rows still decoding keep their tokens so far
                     lengths[active] = torch.where(was, lengths[active], at + 1)
+                    if carry is not None:  # the unfinished rows' caches, for the call that carries them on
+                        going = (~was).nonzero(as_tuple=True)[0]
+                        rows = active[going].tolist()
+                        _keep_rows(cache, going, att if slotted else att_all, [prompts[r // G] for r in rows],
+                                   [result[r, :m].tolist() for r, m in zip(rows, lengths[active[going]].tolist())],
+                                   carry)
                     break
                 stay = (~leave).nonzero(as_tuple=True)[0]  # the loop's one host read of these k steps
                 if stay.numel() < active.numel():
@@ -539,6 +548,10 @@ class HFEngine:
         self.setup = setup
         self.keeps = bool(setup.cfg.env.name)
         self.store: Optional[PrefixStore] = None
+        # streaming (rollout.carried_kv: keep): the caches of the rows the last streamed call cut, kept through the
+        # weight sync and the training passes, for the call that carries them on
+        self.carries = setup.cfg.rollout.carried_kv == "keep"
+        self.carried: Optional[PrefixStore] = None
         self.metrics: dict[str, float] = {}
         self.decoded = DecodeTally()  # since the last pop_metrics
         a = setup.cfg.algo  # the sampler's log-probs, when the run uses them
@@ -554,10 +567,16 @@ class HFEngine:
         """``room`` and ``stop``: a streamed call (``generate``'s)."""
         s = self.setup
         keep = PrefixStore() if self.keeps else None
+        carry = PrefixStore() if self.carries and stop is not None else None
+        reuse = self.carried if carry is not None else self.store
         with self.decoded.call():
-            out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=self.store,
-                           keep=keep, logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded, slots=self.slots)
+            out = generate(s.model, prompts, params, s.eos_ids, s.pad_id, n=n, synced=s.synced, reuse=reuse,
+                           keep=keep, logprobs=self.logprobs, room=room, stop=stop, tally=self.decoded, slots=self.slots,
+                           carry=carry)
         self.store = keep
+        if carry is not None:
+            self.carried = carry
+            self.metrics["rollout/kept_tokens"] = self.metrics.get("rollout/kept_tokens", 0.0) + out.reused
         if self.keeps:
             fed = sum(len(p) for p in prompts) - out.reused
             self.metrics["rollout/prefill_tokens"] = self.metrics.get("rollout/prefill_tokens", 0.0) + fed
@@ -565,7 +584,7 @@ class HFEngine:
         return out
 
     def sync_weights(self) -> None:
-        self.store = None  # kept caches were computed with the old weights
+        self.store = None  # kept caches were computed with the old weights (carried ones stay: carried_kv keep)
 
     def offload(self) -> None:
         """The rollout is over and the training passes come: the kept caches (every row's, about 3 GB for

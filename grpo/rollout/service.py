@@ -42,7 +42,9 @@ def auto_engine(setup: EngineSetup) -> GenerationEngine:
     """``rollout.engine: auto``: the static engine on CUDA for the models it supports, hf otherwise (the choice
     and its reason printed once, at build, by the main rank)."""
     device = next(setup.model.parameters()).device
-    reason = "the policy is not on CUDA" if device.type != "cuda" else unsupported_reason(setup.model)
+    reason = ("the policy is not on CUDA" if device.type != "cuda" else
+              "rollout.carried_kv=keep: the hf engine keeps carried rows' caches" if setup.cfg.rollout.carried_kv == "keep"
+              else unsupported_reason(setup.model))
     if dist.is_main():
         say(f"rollout.engine=auto: {'static (CUDA, a supported model)' if reason is None else f'hf ({reason})'}")
     return StaticEngine(setup) if reason is None else HFEngine(setup)

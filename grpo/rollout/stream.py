@@ -12,9 +12,9 @@ would starve the prompts with long completions, the hard ones); a group that is 
 the weights it would train on (whole, but beyond the step's share) is drawn again from the start (counted), never
 handed out.
 
-The engine needs ``generate(..., room=, stop=)`` (every built-in engine's). Why prefill again rather than keep the old
-KV: a kept KV mixes two policies inside one row's attention, and the prefill is one compute-bound pass over tokens
-the step already paid for (docs/streaming.md).
+The engine needs ``generate(..., room=, stop=)`` (every built-in engine's). Why prefill again by default rather than
+keep the old KV (``rollout.carried_kv: keep``, the hf engine): a kept KV mixes two policies inside one row's
+attention, and the prefill is one compute-bound pass over tokens the step already paid for (docs/streaming.md).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ class Audit:
         self.cfg, self.every, self.k = cfg, cfg.logging.audit_every, cfg.logging.audit_top_k
         self._said_no_sampler = False
         self._first: float | None = None  # audit/sampler_kl at this run's first audit (before any of its updates)
+        self._kept_told = False  # rollout.carried_kv=keep: its designed divergence said once
         self.preflight_step = first_step if cfg.logging.preflight else None
         self.fresh = fresh
 
@@ -137,7 +138,17 @@ class Audit:
         kl, first = m.get(name), self._first
         if kl is not None and first is None:
             self._first = first = kl  # the first audit of this run: before any of its updates, fresh weights
-        if kl is not None and kl > limit:
+        kept = cfg.rollout.carried_kv == "keep" and first is not None and first <= limit
+        if kl is not None and kl > limit and kept:
+            if not self._kept_told:  # by design, said once: every step of such a run would say it again
+                self._kept_told = True
+                warnings.warn(
+                    f"step {step}: {name}={kl:.4g} nats > logging.audit_warn_kl={limit:g}: with "
+                    f"rollout.carried_kv=keep a carried row's tokens drawn under these weights attend to keys and "
+                    f"values of earlier ones, so the sampler's distributions are not the trainer's (the correction "
+                    f"weighs those tokens), and this check cannot tell a missed weight sync from it; "
+                    f"rollout.carried_kv=prefill removes it (docs/streaming.md).", RuntimeWarning, stacklevel=2)
+        elif kl is not None and kl > limit:
             computes = (f"the engine computes differently from the trainer: its dtype (bf16 / fp16 sampling against "
                         f"model.dtype={cfg.model.dtype!r}) or its kernels (CUDA graphs, vLLM)")
             stale = f"stale weights: the engine missed a weight sync (rollout.engine={cfg.rollout.engine!r})"

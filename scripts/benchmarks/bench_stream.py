@@ -6,6 +6,7 @@ counted by the static (or hf) engine, at EOS lengths like a reasoning run's (ben
     python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1,2:32:1 --out runs/stream.json
     python scripts/benchmarks/bench_stream.py --engine hf --cap 256 --runs 1:0:1,1:64:1,2:64:1   # the hf engine
     python scripts/benchmarks/bench_stream.py --cap 256 --runs 1:64:1 --reward-ms 5   # rewards while others decode
+    python scripts/benchmarks/bench_stream.py --engine hf --cap 256 --runs 1:64:1 --carried-kv keep   # kept caches
 
 Each decode step reads every weight once whatever the number of live rows, so tokens per decode step is the time per
 token on a GPU; a CPU decodes compute-bound, so its wall time is reported but says little. ``today``: each step's
@@ -46,10 +47,12 @@ def engine_for(model, eos: int, *overrides: str, kind: str = "static"):
 
 def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap: int, steps: int,
             runs: list[tuple[int, int, int]], today_check: int = 16, seed: int = 0,
-            sync: Callable[[], None] = lambda: None, kind: str = "static") -> dict:
+            sync: Callable[[], None] = lambda: None, kind: str = "static", carried_kv: str = "prefill") -> dict:
     """{"today": figures, "K=..,slots=..,check=..": figures, "lengths": the recorded distribution}: per side the
     decoded tokens, decode steps, slot-steps (their ratio: occupancy), tokens per decode step, wall seconds, and for
-    the streams the staleness and the groups drawn again. ``kind``: the engine (static or hf; both take SLOTS)."""
+    the streams the staleness, the groups drawn again, the carried tokens sent again and the positions served from
+    kept caches. ``kind``: the engine (static or hf; both take SLOTS); ``carried_kv``: the streams' rollout.carried_kv
+    (keep: hf only)."""
     from grpo.rollout.engine import SamplingParams
     from grpo.rollout.stream import Stream
 
@@ -65,6 +68,7 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
             into["decoded_tokens"] += m["rollout/decoded_tokens"]
             into["decode_steps"] += m["rollout/decode_steps"]
             into["slot_steps"] += m["rollout/decoded_tokens"] / m["rollout/occupancy"]
+        into["kept_tokens"] = into.get("kept_tokens", 0.0) + m.get("rollout/kept_tokens", 0.0)
         into["prefill_s"] += engine.pop_timings().get("generation_prefill", 0.0)  # the decode time split
         into["seconds"] += seconds
 
@@ -91,7 +95,8 @@ def measure(model, eos: int, prompts: list[list[int]], groups: int, G: int, cap:
         def feed(n):
             return [(prompts[i % len(prompts)], i) for i in (next(counter) for _ in range(n))]
 
-        engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}", kind=kind)
+        engine = engine_for(model, eos, f"rollout.static.check_every={check}", f"rollout.slots={slots}",
+                            f"rollout.max_staleness={K}", f"rollout.carried_kv={carried_kv}", kind=kind)
         stream = Stream(engine, params, group_size=G, groups_per_step=groups, max_staleness=K, feed=feed)
         res = dict(decoded_tokens=0.0, decode_steps=0.0, slot_steps=0.0, prefill_s=0.0, seconds=0.0, staleness_max=0.0,
                    staleness_mean=0.0, regenerated=0.0, refed_tokens=0.0, handed_out=0)
@@ -184,6 +189,8 @@ def main(argv=None) -> None:
     p.add_argument("--reward-ms", type=float, default=None,
                    help="also time the first --runs entry through the rollout service with a reward that sleeps this "
                         "many ms a row (+10 ms a call): groups scored as they become whole against after the decode")
+    p.add_argument("--carried-kv", choices=["prefill", "keep"], default="prefill",
+                   help="the streams' rollout.carried_kv (keep: --engine hf)")
     p.add_argument("--out", help="a JSON file for the figures")
     args = p.parse_args(argv)
 
@@ -199,12 +206,14 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, model.config.vocab_size, (40,), generator=g).tolist() for _ in range(64)]
     runs = [tuple(int(x) for x in r.split(":")) for r in args.runs.split(",")]
+    if args.carried_kv == "keep" and args.engine != "hf":
+        p.error("--carried-kv keep: the hf engine keeps carried rows' caches (add --engine hf)")
     res = measure(model, 2, prompts, args.groups, args.G, args.cap, args.steps, runs, args.today_check,
-                  kind=args.engine)
+                  kind=args.engine, carried_kv=args.carried_kv)
     if args.reward_ms is not None:
         res["rewards"] = measure_rewards(model, 2, prompts, args.groups, args.G, args.cap, args.steps, runs[0],
                                          args.reward_ms, kind=args.engine)
-    res["engine"] = args.engine
+    res["engine"], res["carried_kv"] = args.engine, args.carried_kv
     res["model"] = "Llama, vocabulary 49,152, hidden 64, 2 layers, random init (seed 0); prompts of 40 random tokens"
     res["command"] = "python " + " ".join(sys.argv)
     print(json.dumps(res, indent=1))
@@ -215,8 +224,8 @@ def main(argv=None) -> None:
                   f"({r['tokens_per_decode_step'] / base:.2f}x today), {r['decode_steps']:.0f} decode steps, "
                   f"{r['seconds']:.1f} s ({r['prefill_s']:.1f} s prefill)"
                   + (f", staleness max {r['staleness_max']:.0f}, mean {r['staleness_mean']:.2f}, regenerated "
-                     f"{r['regenerated']:.0f}, carried tokens fed again {r['refed_tokens']:.0f}" if "regenerated" in r
-                     else ""))
+                     f"{r['regenerated']:.0f}, carried tokens sent again {r['refed_tokens']:.0f}, positions from "
+                     f"kept caches {r['kept_tokens']:.0f}" if "regenerated" in r else ""))
     for side in ("scored_as_whole", "scored_at_end") if "rewards" in res else ():
         r = res["rewards"][side]
         print(f"{side:>24}: {res['rewards']['run']}, reward {res['rewards']['reward']}: {r['seconds']:.2f} s, of which "
