@@ -55,7 +55,7 @@ test: $(STAMP)
 	{ $(MAKE) --no-print-directory install-vllm > $(VVENV).log 2>&1; echo $$? > $(VVENV).rc; } & \
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests; main=$$?; wait; \
 	if [ "$$(cat $(VVENV).rc)" != 0 ]; then cat $(VVENV).log; echo "building $(VVENV) failed"; exit 1; fi; \
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -m "vllm or trl" tests; vllm=$$?; \
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -n 2 --dist loadfile -m "vllm or trl" tests; vllm=$$?; \
 	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VVENV)/torch_extensions $(VVENV)/bin/python -m pytest -n 2 $(OLDER_TF); older=$$?; \
 	exit $$(( main || vllm || older ))
 
