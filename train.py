@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_algos:
         print(list_algos())
         return 0
-    from grpo.foundation.config import ConfigError, dump_yaml, to_dict
+    from grpo.foundation.config import ConfigError
+    from grpo.foundation.config_assembly import to_dict
+    from grpo.foundation.loader import dump_yaml
     from grpo.training.configure import check_run, load_config, probe_services, run_warnings
 
     try:  # one validation, before any model loads, for --print-config and the run alike

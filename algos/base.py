@@ -17,7 +17,8 @@ import torch
 from algos.loss_options import LossOptions, LossOutput, log_mean, masked_stat  # noqa: F401 (their names here too)
 from grpo.foundation import rl_math
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, ConfigError, distilling
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config_rules import distilling
 from grpo.foundation.plugins import ALGORITHMS, StepContext
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from algos.grpo import GRPO
-from grpo.foundation.config import ConfigError, distilling
+from grpo.foundation.config import ConfigError
+from grpo.foundation.config_rules import distilling
 
 
 class OPD(GRPO):

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
-from grpo.foundation.config import Config, ConfigError, deep_merge
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.loader import deep_merge
 from grpo.foundation.plugins import REWARDS
 
 ConfigLike = Union[None, str, Path, dict]

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. eval.batch_size=16")
     args = p.parse_args(argv)
 
-    from grpo.foundation.config import ConfigError, custom_chat_template
+    from grpo.foundation.config import ConfigError
+    from grpo.foundation.config_rules import custom_chat_template
     from grpo.training.configure import load_config
 
     overrides = [f"model.name_or_path={args.model}", *args.overrides]

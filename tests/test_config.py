@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from grpo.foundation.config import ConfigError, dump_yaml, load_yaml, parse_overrides, to_dict, validate
+from grpo.foundation.config import ConfigError
+from grpo.foundation.config_rules import validate
+from grpo.foundation.config_assembly import to_dict
+from grpo.foundation.loader import dump_yaml, load_yaml, parse_overrides
 from grpo.training.configure import load_config
 
 
@@ -178,6 +181,32 @@ def test_nan_in_a_yaml_file_and_in_a_config_built_in_code(tmp_path):
 
 
 OUTSIDE = {"> 0": 0, ">= 0": -1, "> 1": 1, "<= 0": 0.5, "in (0, 1]": 0, "in [0, 1]": 1.5, "in [0, 1)": 1}
+
+
+def test_each_declared_range_of_the_config_refuses_a_value_just_outside_it():
+    """Every range declared on a field of the config's sections (rewards' and the algorithms' options aside) refuses
+    a value just outside it, naming the key and the range (issue 59 item 4: the rules' inline ranges moved onto the
+    fields, e.g. algo.top_entropy_quantile and rollout.vllm.gpu_memory_utilization)."""
+    import dataclasses
+    import re
+
+    from grpo.foundation.config import Config
+
+    def ranged_fields(cls, prefix):
+        for f in dataclasses.fields(cls):
+            default = getattr(cls(), f.name) if f.default is dataclasses.MISSING else f.default
+            if "range" in f.metadata:
+                yield f"{prefix}{f.name}", (f.metadata["range"], "list" in str(f.type))
+            elif dataclasses.is_dataclass(default):
+                yield from ranged_fields(type(default), f"{prefix}{f.name}.")
+
+    found = dict(ranged_fields(Config, ""))
+    assert {"algo.top_entropy_quantile", "rollout.vllm.gpu_memory_utilization", "rollout.top_p", "ref.port"} <= set(found)
+    for key, (within, listed) in found.items():
+        bad = OUTSIDE.get(within, {"in [0, 64]": 65, "in [1, 64]": 0, "in [0, 65535]": 65536}.get(within))
+        bad = f"[{bad}]" if listed else bad  # a list is checked item by item
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.* is invalid: it must be .*{re.escape(within)}"):
+            load_config(None, "grpo", [f"{key}={bad}"])
 
 
 def declared_option_ranges():

@@ -341,7 +341,7 @@ def test_option_of_another_algorithm_names_its_owner(capsys, no_model):
 
 def test_chat_template_a_string_or_a_file_replaces_the_tokenizers(tmp_path):
     from grpo.data.sources import prompt_text
-    from grpo.foundation.config import custom_chat_template
+    from grpo.foundation.config_rules import custom_chat_template
     from grpo.foundation.modeling import load_tokenizer
 
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"

@@ -227,7 +227,7 @@ def test_config_errors(algo, overrides, match):
 
 def test_truncate_bounds_that_exclude_1_are_warned_about():
     """Issue 58 item 4: truncate with high < 1 clamps every on-policy token's weight: valid, warned at start."""
-    from grpo.foundation.config import config_warnings
+    from grpo.foundation.config_rules import config_warnings
 
     assert config_warnings(config("grpo", **{RC: "{mode: mask, high: 2.0, low: 0.5}"})) == []
     assert config_warnings(config("grpo", **{RC: "{high: 2.0}"})) == []

@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from grpo.foundation.config import Config, ConfigError, distilling
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config_rules import distilling
 from grpo.foundation.logprobs import Packed, Scores
 from grpo.foundation.modeling import check_model_path
 from grpo.reference.handle import ReferenceHandle

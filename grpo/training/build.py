@@ -9,7 +9,8 @@ from grpo.foundation.console import say
 from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, load_source
 from grpo.data.tasks import system_prompt
 from grpo.foundation import dist
-from grpo.foundation.config import Config, ConfigError, custom_chat_template
+from grpo.foundation.config import Config, ConfigError
+from grpo.foundation.config_rules import custom_chat_template
 from grpo.foundation.logprobs import check_head
 from grpo.foundation.modeling import load_policy, load_tokenizer
 from grpo.foundation.plugins import SERVICES

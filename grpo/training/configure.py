@@ -16,8 +16,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from grpo.foundation.config import (FILE_SOURCES, Config, ConfigError, auto_dtype, build_config, check_optimizer_states,
-                                    config_warnings, distilling, read_user_tree)
+from grpo.foundation.config import FILE_SOURCES, Config, ConfigError, auto_dtype
+from grpo.foundation.config_rules import check_optimizer_states, config_warnings, distilling
+from grpo.foundation.config_assembly import build_config, read_user_tree
 from grpo.foundation.plugins import ALGORITHMS, REWARDS
 from grpo.reference.handle import adapters_off_reference
 from grpo.training.compose import Parts, compose
@@ -140,7 +141,7 @@ def check_teacher_paths(cfg: Config) -> None:
         check_model_path("teacher.model", cfg.teacher.model)
         local = [n for n in (cfg.teacher.model, cfg.model.name_or_path) if is_builtin(n) or looks_local(n)]
         if len(local) == 2:  # both on this machine: the tokenizers compared now (the hub's are, after loading)
-            from grpo.foundation.config import custom_chat_template
+            from grpo.foundation.config_rules import custom_chat_template
             from grpo.reference.teacher import check_same_tokenizer
 
             tokenizer = load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code)

@@ -100,7 +100,7 @@ class MetricsLogger:
             if target == "tensorboard":
                 self.tb = logger_module(target)(str(self.out / "tensorboard"))
             elif target == "wandb":
-                from grpo.foundation.config import to_dict
+                from grpo.foundation.config_assembly import to_dict
 
                 self.wandb = logger_module(target).init(**wandb_init_args(cfg, self.out, start_step),
                                                         config=to_dict(cfg))

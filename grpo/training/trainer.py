@@ -25,7 +25,8 @@ import torch
 
 from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch
-from grpo.foundation.config import Config, dump_config
+from grpo.foundation.config import Config
+from grpo.foundation.config_assembly import dump_config
 from grpo.foundation.modeling import eos_token_ids, load_policy
 from grpo.foundation.plugins import AlgorithmHooks, RewardServiceError, StepContext
 from grpo.reference.handle import make_reference
