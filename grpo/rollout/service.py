@@ -90,6 +90,9 @@ class RolloutService:
         # called with each single-turn step's batch once generated, before its rewards (the trainer's early
         # reference request); None: nothing
         self.on_generated: Optional[Callable[[RolloutBatch], None]] = None
+        # a streamed call's group just whole (its prompt, its rows' tokens), while the other rows decode: e.g. the
+        # trainer's reference request for it
+        self.on_group: Optional[Callable[[list[int], list[list[int]]], None]] = None
         # the audit's steps (grpo/training/audit.py): the engine's top-k of each drawn token's distribution, into
         # batch.extra["sampler_topk_logp" / "sampler_topk_ids"]; 0: not asked
         self.audit_top_k = 0
@@ -213,10 +216,16 @@ class RolloutService:
         rows; the groups still whole at the call's end are scored together as before. Every such call has ended when
         this returns (``time/reward`` counts the wait)."""
         t0 = time.perf_counter()
-        if self.scorer is not None:
-            if self._ahead is None:
-                self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards-ahead")
-            stream.on_whole = lambda g, tokens: self._ahead.submit(self._group_values, g, items(g.item), tokens)
+        if self.scorer is not None and self._ahead is None:
+            self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards-ahead")
+
+        def whole(g: Group, tokens: list[list[int]]) -> Optional[Future]:
+            if self.on_group is not None:
+                self.on_group(g.prompt, tokens)
+            return None if self.scorer is None else self._ahead.submit(self._group_values, g, items(g.item), tokens)
+
+        if self.scorer is not None or self.on_group is not None:
+            stream.on_whole = whole
         try:
             groups = stream.next(version, need)
         finally:

@@ -45,6 +45,7 @@ from grpo.training.health import (AgreedRollout, CtrlC, Interrupted, LearningHea
 from grpo.training.metrics import MetricsLogger, SamplerGap, log_samples, step_metrics
 from grpo.training.partitioned import frozen_partitioned
 from grpo.training.passes import PolicyPasses, Step, total_lengths
+from grpo.training.reference_requests import ReferenceRequests
 from grpo.training.reference_sync import sync_reference
 from grpo.training.steptime import GcTimer, MemoryPeaks, OutlierWatch, freeze_what_came_before
 
@@ -105,9 +106,13 @@ class Trainer:
                                         policy=self.model, synced=zero3 is not None, load=load)
         self.teacher = make_teacher(cfg, self.device, self.tokenizer, vocab, load=load, synced=zero3 is not None,
                                     policy=self.model, reference=self.reference)  # on-policy distillation's (grpo/reference/teacher.py); or None
-        self._early = None  # this step's early reference request: (prompts, completions, future)
+        self.asked = None  # a reference server's requests, asked as early as the rows exist (reference_requests.py)
         if self.reference is not None and self.reference.remote:  # a server: ask it while the rewards run
-            self.rollout.on_generated = self._early_reference
+            self.asked = ReferenceRequests(self.reference, cfg.rollout.num_generations, self.tokenizer.pad_token_id,
+                                           cfg.rollout.temperature, cfg.rollout.max_completion_length,
+                                           keep_steps=cfg.rollout.max_staleness)
+            self.rollout.on_generated = self.asked.early
+            self.rollout.on_group = self.asked.group  # streamed: each group as it is whole, while the rest decode
 
         self.step = 0
         self._saved_step = 0  # the step of the newest checkpoint (a resumed run's own)
@@ -184,27 +189,14 @@ class Trainer:
         return self.passes.optimizer_step(loss_sum)
 
     # ------------------------------------------------------------------ the reference request
-    def _early_reference(self, batch: RolloutBatch) -> None:
-        """rollout's on_generated: a reference server gets the step's rows right after generation, so its
-        answer is computed while the rewards, the algorithm's batch changes and the old log-probs run. Once a
-        step: an algorithm's extra generations (refills) do not send more."""
-        if self._early is not None:
-            return
-        future = self.reference.submit(batch.packed(None, self.tokenizer.pad_token_id), self.cfg.rollout.temperature)
-        self._early = ([list(p) for p in batch.prompt_ids], [list(c) for c in batch.completion_ids], future)
-
     def _reference_request(self, batch: RolloutBatch, ctx: StepContext):
-        """The future of the reference log-probs of ``batch``: the early request when the batch's rows are still
-        the ones it sent (``ref/early_request`` 1), else a request now (an algorithm filtered, refilled or
-        rewrote rows; an in-process reference computes here)."""
-        early, self._early = self._early, None
+        """The future of the reference log-probs of ``batch``: a server's from the requests that asked its groups
+        early (``ref/early_request``: the share of rows they answered), the rest asked now; an in-process
+        reference computes here."""
         if self.reference is None:
             return None
-        if early is not None and early[0] == batch.prompt_ids and early[1] == batch.completion_ids:
-            ctx.metrics["ref/early_request"] = 1.0
-            return early[2]
-        if self.reference.remote:
-            ctx.metrics["ref/early_request"] = 0.0
+        if self.asked is not None:
+            return self.asked.request(batch, ctx.metrics)
         return self.reference.submit(batch.packed(None, self.tokenizer.pad_token_id), self.cfg.rollout.temperature)
 
     # ------------------------------------------------------------------ one step, phase by phase
@@ -220,7 +212,6 @@ class Trainer:
         """Generate and score this rank's prompts; the algorithm's one hook that changes the batch."""
         t_start = time.perf_counter()
         self.rollout.pop_timings()  # evaluation's generation is not this step's
-        self._early = None
         self.gc_timer.pop()
         self.memory.begin()
         if self.rewards is not None:
