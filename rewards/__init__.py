@@ -26,11 +26,6 @@ from typing import Any, Optional
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.foundation.plugins import REWARDS, SERVICES, STEP_REWARDS, RewardServiceError  # noqa: F401 (its name here)
-from rewards.code_tests import code_tests
-from rewards.countdown import countdown
-from rewards.digits import digits_match, digits_step_match
-from rewards.format import format_soft, format_strict
-from rewards.math_answer import math_correct
 from rewards.calls import (FunctionCall, Rows, StepInfo, binding_problem, call_style, fix_hint, run_inline,
                            send_by_value)
 from rewards.worker_pool import Outcome, WarmUp, WorkerPool
@@ -38,11 +33,14 @@ from rewards.worker_pool import Outcome, WarmUp, WorkerPool
 log = logging.getLogger("rewards")
 
 
-_BUILT_IN = {"digits_match": digits_match, "math_correct": math_correct, "format_strict": format_strict,
-             "format_soft": format_soft, "countdown": countdown, "code_tests": code_tests}
-for _name, _fn in _BUILT_IN.items():
-    REWARDS.register(_name, _fn)
-STEP_REWARDS.register("digits_step_match", digits_step_match)
+# the built-in reward functions by name, as ``module:function`` (imported at first use), the way every plug-in package
+# registers its built-ins (grpo/foundation/registry.py)
+_BUILT_IN = {"digits_match": "rewards.digits:digits_match", "math_correct": "rewards.math_answer:math_correct",
+             "format_strict": "rewards.format:format_strict", "format_soft": "rewards.format:format_soft",
+             "countdown": "rewards.countdown:countdown", "code_tests": "rewards.code_tests:code_tests"}
+for _name, _target in _BUILT_IN.items():
+    REWARDS.register(_name, _target)
+STEP_REWARDS.register("digits_step_match", "rewards.digits:digits_step_match")  # grpo-ps's step rewards
 BUILT_IN = frozenset(_BUILT_IN)  # what a worker knows by name (it imports this package)
 
 resolve = REWARDS.get  # a registered name or ``package.module:function`` (the workers resolve calls with it)

@@ -280,11 +280,11 @@ def test_missing_logger_fails_at_start(capsys, monkeypatch, no_model, target):
 
 
 def test_vllm_not_installed_or_badly_split_fails_at_start(capsys, monkeypatch, no_model):
-    from grpo.rollout import service
+    from grpo.rollout import vllm_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     fails(capsys, ["rollout.engine=vllm"], "rollout.engine=vllm needs the vllm extra")
-    monkeypatch.setattr(service.VLLMEngine, "check_installed", staticmethod(lambda: None))  # as if installed
+    monkeypatch.setattr(vllm_engine.VLLMEngine, "check_installed", staticmethod(lambda: None))  # as if installed
     monkeypatch.setenv("WORLD_SIZE", "3")
     fails(capsys, ["rollout.engine=vllm", "rollout.prompts_per_step=6", "rollout.vllm.tensor_parallel_size=2"],
           "rollout.vllm.tensor_parallel_size=2 must divide the number of ranks (3)")

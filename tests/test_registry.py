@@ -15,20 +15,48 @@ from tests.patience import LAUNCH_S
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_decorator_and_string_registration():
+def test_string_and_object_registration():
     reg = Registry("widget", "widget.name", paths="Class")
 
-    @reg.register("plain")
     class Plain:
         pass
 
-    reg.register("lazy", "fractions:Fraction")  # imported at its first lookup
+    reg.register("plain", Plain)  # an object (grpo/api.py's reward functions)
+    reg.register("lazy", "fractions:Fraction")  # imported at its first lookup (every plug-in package's built-ins)
     assert reg.get("plain") is Plain
     from fractions import Fraction
 
     assert reg.get("lazy") is Fraction
+    reg.register("lazy", "fractions:Fraction")  # the same again (a package imported twice): nothing changes
+    assert reg.get("lazy") is Fraction
+    with pytest.raises(RuntimeError, match="two widgets are registered as 'lazy'"):
+        reg.register("lazy", "decimal:Decimal")
     assert reg.names() == ["lazy", "plain"] and "plain" in reg and len(reg) == 2
     assert reg.get("decimal:Decimal").__name__ == "Decimal"  # any package.module:Class with ``paths``
+
+
+def test_every_algorithm_file_is_in_the_table_under_its_own_name():
+    """algos/__init__.py's table names every Algorithm subclass with a ``name`` that algos/ defines, under that
+    name: an algorithm's file without its line (or a line naming another class) fails here."""
+    import importlib
+    import pkgutil
+
+    import algos
+    from algos.base import Algorithm
+
+    for mod in pkgutil.iter_modules(algos.__path__):
+        importlib.import_module(f"algos.{mod.name}")
+    defined = {}
+
+    def walk(cls):
+        for sub in cls.__subclasses__():
+            if sub.__module__.startswith("algos.") and sub.__dict__.get("name"):
+                defined[sub.name] = f"{sub.__module__}:{sub.__name__}"
+            walk(sub)
+
+    walk(Algorithm)
+    assert defined == algos.BUILT_IN
+    assert all(algos.ALGORITHMS.get(name).name == name for name in algos.BUILT_IN)
 
 
 def test_errors_name_the_choices_and_the_closest():

@@ -3,13 +3,16 @@ generation engines (grpo/foundation/plugins.py declares them).
 
     ALGORITHMS = Registry("algorithm", key="algo.name", home="algos")
 
-    @ALGORITHMS.register("grpo")            # by decorator, in the plug-in's own module
-    class GRPO(Algorithm): ...
-
-    ENVS.register("maze", "envs.maze:MazeEnv")   # or by a ``module:attr`` string, imported on first use
+    ALGORITHMS.register("grpo", "algos.grpo:GRPO")   # in the plug-in package's __init__.py: imported at first use
 
     ALGORITHMS.get("grpo")                  # the class; a ConfigError naming the choices (and the closest one)
     REWARDS.get("my_pkg.scores:exact")      # with ``paths``: any ``package.module:attr`` too
+
+One way to register: each plug-in package's ``__init__.py`` names its built-ins in one table, name ->
+``module:attr`` (algos/, rewards/, envs/, and grpo/rollout/service.py's engines); what a plug-in needs known of it
+beyond its name is an attribute of the entry itself (a reward function's ``rows_per_call``, an engine's
+``check_installed``). A user's plug-in is named in the config as ``package.module:attr``, or registered from Python
+with its object (grpo/api.py's reward functions).
 
 ``home`` names the packages whose built-ins register themselves when imported: the first lookup imports
 them, so the engine (grpo/) finds its plug-ins by name, never by an import of its own, the way pytest
@@ -49,17 +52,17 @@ class Registry:
                  check: Optional[Callable[[Any, str, str], None]] = None, unknown: str = "{key}={name!r} is unknown"):
         self.kind, self.key, self.paths, self.check, self.unknown = kind, key, paths, check, unknown
         self.home = (home,) if isinstance(home, str) else tuple(home)
-        self._entries: dict[str, Any] = {}
+        self._entries: dict[str, Any] = {}  # name -> the plug-in (a ``module:attr`` string until first looked up)
+        self._registered: dict[str, Any] = {}  # name -> what was registered
         self._homes_loaded = not self.home
 
-    def register(self, name: str, target: Any = None) -> Any:
-        """``register(name, obj_or_'module:attr')``, or ``@register(name)`` above a class or function."""
-        if target is None:
-            return lambda obj: self.register(name, obj)
-        known = self._entries.get(name)
-        if known is not None and known is not target:
+    def register(self, name: str, target: Any) -> Any:
+        """``register(name, 'module:attr')`` (imported at the first lookup), or the object itself."""
+        known = self._registered.get(name)
+        if known is not None and known != target:  # (the same again: nothing to do)
             raise RuntimeError(f"two {self.kind}s are registered as {name!r}: {known!r} and {target!r}")
-        self._entries[name] = target
+        if known is None:
+            self._entries[name] = self._registered[name] = target
         return target
 
     def _load_homes(self) -> None:

@@ -35,7 +35,6 @@ from grpo.rollout.engine import Completions, EngineSetup, GenerationEngine, Samp
 from grpo.rollout.hf import HFEngine, needs_synced_generation
 from grpo.rollout.static import StaticEngine, unsupported_reason
 from grpo.rollout.stream import Group, Stream
-from grpo.rollout.vllm_engine import VLLMEngine
 
 
 def auto_engine(setup: EngineSetup) -> GenerationEngine:
@@ -61,7 +60,9 @@ def _engine_protocol(cls: Any, key: str, name: str) -> None:
 # name -> engine class (or a function of the EngineSetup that builds one); ``rollout.engine`` may also be any
 # ``package.module:Class``
 ENGINES = Registry("generation engine", "rollout.engine", paths="Class", check=_engine_protocol)
-for _name, _engine in {"auto": auto_engine, "hf": HFEngine, "static": StaticEngine, "vllm": VLLMEngine}.items():
+for _name, _engine in {"auto": "grpo.rollout.service:auto_engine", "hf": "grpo.rollout.hf:HFEngine",
+                       "static": "grpo.rollout.static:StaticEngine",
+                       "vllm": "grpo.rollout.vllm_engine:VLLMEngine"}.items():  # imported at first use
     ENGINES.register(_name, _engine)
 
 
