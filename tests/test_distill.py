@@ -139,7 +139,7 @@ def test_opd_needs_a_teacher_and_sequence_level_losses_refuse_one():
 def test_the_teacher_server_gives_the_in_process_teachers_logprobs(tmp_path):
     """The same teacher in the trainer's process and behind ref_client.py (a real process on loopback): the same
     per-token log-probs, which are not the student's own, and the same top-k next tokens."""
-    from grpo.foundation.logprobs import completion_logprobs, completion_scores, pack
+    from grpo.foundation.logprobs import completion_scores, pack
     from grpo.foundation.modeling import load_model, load_tokenizer
     from grpo.foundation.tiny import BUILTIN_NAME, write_tiny
     from grpo.reference.launch import ServerProcess, free_port
@@ -172,8 +172,8 @@ def test_the_teacher_server_gives_the_in_process_teachers_logprobs(tmp_path):
         full = completion_scores(load_model(config("grpo").model, str(folder)), packed, 0.8, top_k=16)
     torch.testing.assert_close(ta.topk_logprobs, full.topk_logprobs.float(), rtol=0, atol=1e-6)
     with torch.no_grad():
-        own, _ = completion_logprobs(load_model(config("grpo").model, BUILTIN_NAME), packed, 0.8)
-        want, _ = completion_logprobs(load_model(config("grpo").model, str(folder)), packed, 0.8)
+        own = completion_scores(load_model(config("grpo").model, BUILTIN_NAME), packed, 0.8).logprobs
+        want = completion_scores(load_model(config("grpo").model, str(folder)), packed, 0.8).logprobs
     torch.testing.assert_close(a, want.float(), rtol=0, atol=1e-6)
     assert (a - own.float()).abs().max() > 1e-3
 
@@ -184,7 +184,7 @@ def test_one_server_holds_the_reference_and_the_teacher(tmp_path):
     answers a teacher request with 404 naming --teacher-model; a teacher of another tokenizer is refused at start."""
     import requests
 
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
     from grpo.foundation.modeling import load_model, load_tokenizer
     from grpo.foundation.tiny import BUILTIN_NAME, write_tiny
     from grpo.reference.handle import make_reference
@@ -210,8 +210,8 @@ def test_one_server_holds_the_reference_and_the_teacher(tmp_path):
     finally:
         assert srv.stop() == 0
     with torch.no_grad():
-        want_ref, _ = completion_logprobs(load_model(cfg.model, str(ref)), packed, 0.9)
-        want_teacher, _ = completion_logprobs(load_model(cfg.model, str(teacher)), packed, 0.9)
+        want_ref = completion_scores(load_model(cfg.model, str(ref)), packed, 0.9).logprobs
+        want_teacher = completion_scores(load_model(cfg.model, str(teacher)), packed, 0.9).logprobs
     torch.testing.assert_close(a, want_ref.float(), rtol=0, atol=1e-6)
     torch.testing.assert_close(b, want_teacher.float(), rtol=0, atol=1e-6)
     plain = ServerProcess(["--model", str(ref)], port=free_port(), log_path=tmp_path / "plain.log",

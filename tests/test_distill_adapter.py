@@ -42,7 +42,7 @@ def teacher_adapter(folder, seed=3, base="builtin:tiny-char"):
 
 def test_the_adapter_teacher_is_the_base_merged_with_its_adapter(tmp_path):
     from grpo.foundation import lora
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
     from grpo.foundation.modeling import load_model, load_policy, load_tokenizer
     from grpo.reference.teacher import make_teacher
 
@@ -60,7 +60,7 @@ def test_the_adapter_teacher_is_the_base_merged_with_its_adapter(tmp_path):
     packed = pack(prompts, completions, tok.pad_token_id, 6)
     policy.train()
     with torch.no_grad():
-        own = completion_logprobs(policy, packed, 0.8)[0]
+        own = completion_scores(policy, packed, 0.8).logprobs
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     teacher = make_teacher(cfg, torch.device("cpu"), tok, len(tok), policy=policy)
     assert teacher.kind == "adapter" and not teacher.remote
@@ -68,13 +68,13 @@ def test_the_adapter_teacher_is_the_base_merged_with_its_adapter(tmp_path):
     top = teacher.submit_topk(packed, 0.8, 5).result()
     merged = lora.load_adapter_folder(folder, lambda base: load_model(cfg.model, base))
     with torch.no_grad():
-        want = completion_logprobs(merged, packed, 0.8)[0]
+        want = completion_scores(merged, packed, 0.8).logprobs
     torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-5)
     torch.testing.assert_close(top.logprobs, got, rtol=0, atol=0)
     assert (got - own).abs().max() > 1e-2  # the teacher is not the policy
     # the policy afterwards: the same log-probs, the same trainable parameters, still in training mode
     with torch.no_grad():
-        assert torch.equal(completion_logprobs(policy, packed, 0.8)[0], own)
+        assert torch.equal(completion_scores(policy, packed, 0.8).logprobs, own)
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable and policy.training
     assert all(".teacher." not in n for n in trainable)
     assert all(".teacher." not in k for k in lora.adapter_state_dict(policy))  # what a checkpoint saves

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.foundation.logprobs import completion_logprobs, pack
+from grpo.foundation.logprobs import completion_scores, pack
 from grpo.foundation.tiny import build_tiny
 
 
@@ -44,7 +44,8 @@ def test_matches_naive(model_and_rows, chunk_size, temperature):
     model, prompts, completions = model_and_rows
     packed = pack(prompts, completions, pad_id=0, width=8)
     with torch.no_grad():
-        lp, ent = completion_logprobs(model, packed, temperature, chunk_size, with_entropy=True)
+        scores = completion_scores(model, packed, temperature, chunk_size, with_entropy=True)
+        lp, ent = scores.logprobs, scores.entropy
         ref_lp, ref_ent = naive(model, prompts, completions, 8, temperature)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-10, rtol=1e-10)
@@ -56,7 +57,7 @@ def test_gradient_matches_naive(model_and_rows):
     packed = pack(prompts, completions, pad_id=0, width=8)
     weights = torch.linspace(-1, 1, 8, dtype=torch.float64)
     model.zero_grad()
-    lp, _ = completion_logprobs(model, packed, 1.0, chunk_size=2)
+    lp = completion_scores(model, packed, 1.0, chunk_size=2).logprobs
     (lp * weights).sum().backward()
     fast = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -80,7 +81,7 @@ def test_fp32_chunked_path_equals_the_plain_one_with_its_gradient(chunk_size):
     weights = torch.linspace(-1, 1, 8)
     packed = pack(prompts, completions, pad_id=0, width=8)
     model.zero_grad()
-    lp, _ = completion_logprobs(model, packed, 0.8, chunk_size=chunk_size)
+    lp = completion_scores(model, packed, 0.8, chunk_size=chunk_size).logprobs
     (lp * weights).sum().backward()
     fast = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -99,8 +100,8 @@ def test_padding_does_not_change_rows(model_and_rows):
     """A row's log-probs do not depend on what other rows are batched (padded) with it."""
     model, prompts, completions = model_and_rows
     with torch.no_grad():
-        full, _ = completion_logprobs(model, pack(prompts, completions, 0, 8))
-        alone, _ = completion_logprobs(model, pack(prompts[:1], completions[:1], 0, 8))
+        full = completion_scores(model, pack(prompts, completions, 0, 8)).logprobs
+        alone = completion_scores(model, pack(prompts[:1], completions[:1], 0, 8)).logprobs
     torch.testing.assert_close(full[0], alone[0], atol=1e-10, rtol=0)
 
 
@@ -178,7 +179,7 @@ def test_entropy_gradient_equals_naive(fused, chunk_size, temperature, softcap):
 @pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.3, 2.5)])
 def test_sum_pi_squared_equals_naive(fused, temperature, softcap):
     """sum_pi_squared (verl's optimal token baseline): sum_v pi_v^2 of each token's distribution, detached, next to
-    unchanged log-probs and entropy, in float64; and on the model through completion_logprobs."""
+    unchanged log-probs and entropy, in float64; and on the model through completion_scores."""
     from grpo.foundation.logprobs import head_logprobs
 
     head, hidden, targets, _ = random_head(11, requires_grad=False)
@@ -200,12 +201,14 @@ def test_sum_pi_squared_equals_naive(fused, temperature, softcap):
     torch.testing.assert_close(sq2, sq)
 
 
-def test_sum_pi_squared_through_completion_logprobs(model_and_rows):
+def test_sum_pi_squared_through_completion_scores(model_and_rows):
     model, prompts, completions = model_and_rows
     packed = pack(prompts, completions, pad_id=0, width=8)
     with torch.no_grad():
-        lp, ent, sq = completion_logprobs(model, packed, 0.8, 3, with_entropy=True, sum_pi_squared=True)
-        lp0, ent0 = completion_logprobs(model, packed, 0.8, 3, with_entropy=True)
+        scores = completion_scores(model, packed, 0.8, 3, with_entropy=True, sum_pi_squared=True)
+        lp, ent, sq = scores.logprobs, scores.entropy, scores.sum_pi_squared
+        scores = completion_scores(model, packed, 0.8, 3, with_entropy=True)
+        lp0, ent0 = scores.logprobs, scores.entropy
         for i, (p, c) in enumerate(zip(prompts, completions)):
             logits = model(torch.tensor([p + c])).logits[0].double() / 0.8
             probs = torch.softmax(logits, -1)
@@ -218,7 +221,7 @@ def test_sum_pi_squared_through_completion_logprobs(model_and_rows):
 
 
 def test_fused_and_checkpointed_paths_agree_on_the_model(model_and_rows):
-    """completion_logprobs on the fused path (the default) equals the checkpointed naive path, gradients too."""
+    """completion_scores on the fused path (the default) equals the checkpointed naive path, gradients too."""
     from grpo.foundation import logprobs as L
 
     model, prompts, completions = model_and_rows
@@ -231,7 +234,7 @@ def test_fused_and_checkpointed_paths_agree_on_the_model(model_and_rows):
         L.head_logprobs = lambda *a, **k: orig(*a, **{**k, "fused": fused})
         try:
             model.zero_grad()
-            lp, _ = completion_logprobs(model, packed, 0.9, chunk_size=3)
+            lp = completion_scores(model, packed, 0.9, chunk_size=3).logprobs
             (lp * weights).sum().backward()
         finally:
             L.head_logprobs = orig
@@ -308,7 +311,8 @@ def test_shared_prefix_equals_naive(grouped_rows, temperature):
     packed = pack(prompts, completions, pad_id=0, width=6)
     weights = torch.randn(len(prompts), 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     model.zero_grad()
-    lp, ent = completion_logprobs(model, packed, temperature, chunk_size=4, with_entropy=True, share_prefix=True)
+    scores = completion_scores(model, packed, temperature, chunk_size=4, with_entropy=True, share_prefix=True)
+    lp, ent = scores.logprobs, scores.entropy
     (lp * weights).sum().backward()
     fast = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -331,8 +335,8 @@ def test_shared_prefix_equals_unshared(grouped_rows, attn):
     try:
         packed = pack(prompts, completions, pad_id=0, width=6)
         with torch.no_grad():
-            a, _ = completion_logprobs(model, packed, 1.0, share_prefix=True)
-            b, _ = completion_logprobs(model, packed, 1.0, share_prefix=False)
+            a = completion_scores(model, packed, 1.0, share_prefix=True).logprobs
+            b = completion_scores(model, packed, 1.0, share_prefix=False).logprobs
     finally:
         model.config._attn_implementation = old
     assert not a.isnan().any()
@@ -355,7 +359,7 @@ def test_shared_prefix_runs_each_prompt_once(grouped_rows, monkeypatch):
 
     monkeypatch.setattr(type(model.base_model), "forward", spy)
     with torch.no_grad():
-        completion_logprobs(model, pack(prompts, completions, 0, 6))
+        completion_scores(model, pack(prompts, completions, 0, 6))
     assert shapes == [(3, 6), (9, 5)]  # 3 prompts padded to 6; completions without their last token
 
 
@@ -399,7 +403,7 @@ def test_scores_top_k_and_gathered_equal_the_full_softmax(model_and_rows, chunk_
     g = torch.Generator().manual_seed(4)
     asked = torch.randint(0, V, (len(prompts), 8, 3), generator=g)
     s = completion_scores(model, packed, temperature, chunk_size, gather_ids=asked, top_k=k)
-    lp, _ = completion_logprobs(model, packed, temperature, chunk_size)
+    lp = completion_scores(model, packed, temperature, chunk_size).logprobs
     torch.testing.assert_close(s.logprobs, lp, atol=0, rtol=0)
     assert s.topk_logprobs.shape == (len(prompts), 8, k) and not s.topk_logprobs.requires_grad
     for i, (p, c) in enumerate(zip(prompts, completions)):

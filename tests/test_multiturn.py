@@ -16,7 +16,7 @@ from envs.maze import MazeEnv
 from envs.sandbox import ToolBox
 from grpo.foundation.batch import Turn
 from grpo.foundation.config import ConfigError
-from grpo.foundation.logprobs import completion_logprobs
+from grpo.foundation.logprobs import completion_scores
 from grpo.foundation.tiny import build_tiny
 from grpo.rollout.engine import EngineSetup
 from grpo.rollout.multiturn import MultiTurnRollout, state_key
@@ -381,7 +381,7 @@ def test_multi_turn_logprobs_equal_a_naive_float64_recomputation():
     mt = MultiTurnRollout(svc, es.factory, max_turns=3, max_trajectory_tokens=64)
     b = mt.rollout([[1], [1]], MazeEnv.tasks(2, seed=0), [0, 1])
     assert any(len(t) > 1 for t in b.turns)
-    lp, _ = completion_logprobs(model, b.packed(None, TOK.pad_token_id), 1.0, 7)
+    lp = completion_scores(model, b.packed(None, TOK.pad_token_id), 1.0, 7).logprobs
     for i in range(len(b)):
         seq = torch.tensor([b.prompt_ids[i] + b.completion_ids[i]])
         with torch.no_grad():

@@ -260,10 +260,10 @@ def test_generation_passes_the_kv_cache_without_a_deprecation_warning():
 
 
 def test_hf_sampler_logprobs_equal_the_trainers_in_float64():
-    """Issue 45, item 1: the hf engine's log-prob of each drawn token is the trainer's (completion_logprobs at the
+    """Issue 45, item 1: the hf engine's log-prob of each drawn token is the trainer's (completion_scores at the
     same temperature) in float64, ragged prompts and rows that end early included; with top-k / top-p it is the
     log-softmax of the distribution it drew from (the filtered one), as the static and vllm engines report."""
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
     from grpo.rollout.hf import filter_logits
 
     model, tok = build_tiny(seed=2)
@@ -275,7 +275,7 @@ def test_hf_sampler_logprobs_equal_the_trainers_in_float64():
     assert len({len(t) for t in comp.tokens}) > 1  # rows of different lengths
     packed = pack([p for p in prompts for _ in range(3)], comp.tokens, tok.pad_token_id)
     with torch.no_grad():
-        trainer, _ = completion_logprobs(model, packed, temperature=0.7)
+        trainer = completion_scores(model, packed, temperature=0.7).logprobs
     for i, lp in enumerate(comp.logprobs):
         assert len(lp) == len(comp.tokens[i])
         torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), trainer[i, : len(lp)], rtol=0, atol=1e-10)
@@ -301,7 +301,7 @@ def test_a_hybrid_linear_attention_model_generates_and_scores_as_transformers_do
     each group's prompt but running one forward per row (a right-padded prompt's state would have decayed over the
     padding). A bare DynamicCache crashed both on the first prompt."""
     from grpo.foundation import logprobs as lpmod
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
 
     model, tok = build_tiny(seed=3, arch="qwen3_5")
     model = model.double().eval()
@@ -329,7 +329,7 @@ def test_a_hybrid_linear_attention_model_generates_and_scores_as_transformers_do
     monkeypatch.setattr(lpmod, "_shared_prefix_hidden", lambda *a: shared.append(1))
     packed = pack([p for p in prompts for _ in range(3)], comp.tokens, tok.pad_token_id)
     with torch.no_grad():
-        trainer, _ = completion_logprobs(model, packed, temperature=0.7, share_prefix=True)
+        trainer = completion_scores(model, packed, temperature=0.7, share_prefix=True).logprobs
         for i, (p, toks) in enumerate(zip([p for p in prompts for _ in range(3)], comp.tokens)):
             logits = model(input_ids=torch.tensor([p + toks])).logits[0, len(p) - 1: -1] / 0.7
             own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks)[:, None])[:, 0]

@@ -554,35 +554,35 @@ def test_the_audits_top_k_is_the_full_softmax_before_filtering(params):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["qwen2", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3_5", "gemma4", "gemma3n"])
 def test_bf16_logprob_gap_against_the_trainer(device, kind):
-    """bf16 weights: the sampler's log-probs against the trainer's (``completion_logprobs``) on the same weights.
+    """bf16 weights: the sampler's log-probs against the trainer's (``completion_scores``) on the same weights.
     Measured on CPU (eager): mean <= 2.5e-4, max <= 3e-3 nats over the tiny families (Gemma 3 the largest); on
     CUDA the step runs compiled and captured (not bitwise equal to eager): stated tolerance mean < 0.02, max < 0.5
     nats (vLLM's bf16 gap here: 0.04)."""
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
 
     model = build(kind, dtype=torch.bfloat16).to(device)
     engine = static.StaticEngine(setup_for(model))
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0), n=4)
     rows = [p for p in PROMPTS for _ in range(4)]
     with torch.no_grad():
-        want, _ = completion_logprobs(model, pack(rows, out.tokens, 0), 1.0)
+        want = completion_scores(model, pack(rows, out.tokens, 0), 1.0).logprobs
     gap = torch.cat([(torch.tensor(lp) - want[i, : len(lp)].float().cpu()).abs() for i, lp in enumerate(out.logprobs)])
     mean_tol, max_tol = (1e-3, 0.05) if device == "cpu" else (0.02, 0.5)
     assert gap.mean() < mean_tol and gap.max() < max_tol, (gap.mean(), gap.max())
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_logprobs_equal_completion_logprobs_in_fp32(kind):
+def test_logprobs_equal_completion_scores_in_fp32(kind):
     """The trainer's log-probs (groups share their prompt's forward; not under a sliding window shorter than the
     rows, whose mask transformers applies to cache columns: that gap was 0.16 nats on the Mistral model here)."""
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
 
     model = build(kind, dtype=torch.float32)
     engine = static.StaticEngine(setup_for(model))
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.9), n=2)
     rows = [p for p in PROMPTS for _ in range(2)]
     with torch.no_grad():
-        want, _ = completion_logprobs(model, pack(rows, out.tokens, 0), 0.9)
+        want = completion_scores(model, pack(rows, out.tokens, 0), 0.9).logprobs
     for i, lps in enumerate(out.logprobs):
         torch.testing.assert_close(torch.tensor(lps), want[i, : len(lps)].float(), rtol=0, atol=1e-5)
 

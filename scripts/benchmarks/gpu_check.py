@@ -155,10 +155,10 @@ def engine_overrides(name: str) -> list[str]:
 def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: list[str]) -> Iterator[dict]:
     """One result per engine (``hf``, ``static``, ``static:MODE`` or ``static:MODE:LENGTH_BUCKET``) at the same
     prompts and settings, each yielded as soon as it is measured. Engines that return log-probs: their gap to the
-    trainer's (``completion_logprobs``) on the sampled rows. Greedy tokens against the first engine's: eager engines
+    trainer's (``completion_scores``) on the sampled rows. Greedy tokens against the first engine's: eager engines
     only (a compiled engine would compile again for greedy sampling; ``pytest -m gpu`` checks it against eager)."""
     from grpo.foundation.config import ModelConfig
-    from grpo.foundation.logprobs import completion_logprobs, pack
+    from grpo.foundation.logprobs import completion_scores, pack
     from grpo.foundation.modeling import load_model
     from grpo.rollout.engine import SamplingParams
 
@@ -192,7 +192,7 @@ def stage_generation(folder: str, device: str, dtype: str, spec: dict, engines: 
         gap = {}
         if out.logprobs is not None:
             with torch.no_grad():
-                trainer, _ = completion_logprobs(model, pack([p for p in prompts for _ in range(n)], out.tokens, 0))
+                trainer = completion_scores(model, pack([p for p in prompts for _ in range(n)], out.tokens, 0)).logprobs
             d = torch.cat([(torch.tensor(lp) - trainer[i, : len(lp)].float().cpu()).abs()
                            for i, lp in enumerate(out.logprobs)])
             gap = {"logprob_gap_mean": float(d.mean()), "logprob_gap_max": float(d.max())}
