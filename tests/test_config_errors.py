@@ -404,6 +404,9 @@ def test_maze_draws_are_bounded(monkeypatch):
      "config warning: rollout.vllm.gpu_memory_utilization ignored: rollout.engine='hf', not 'vllm'"),
     (["ref.sync_every=500", "train.max_steps=100"],
      "config warning: ref.sync_every=500 > train.max_steps=100: the reference is never synced in this run"),
+    (["ref.ask_groups=false"],
+     "config warning: ref.ask_groups=false ignored: groups are asked one by one only of a reference server "
+     "(ref.url=None) in streamed rollouts (rollout.max_staleness=0)"),
     (["data.source=jsonl", f"data.path={GSM8K}", f"data.eval_path={GSM8K}", "data.columns={prompt: question}",
       "rewards=[{fn: math_correct}]"],
      f"config warning: data.eval_path='{GSM8K}' is never evaluated: eval.every=0"),

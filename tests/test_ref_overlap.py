@@ -4,6 +4,7 @@ algorithm left its rows alone; changed groups are asked again (grpo/training/ref
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.test_ref_client import serving
@@ -57,16 +58,18 @@ def test_reference_request_overlaps_the_rewards(single_rank_env, tmp_path):
         assert client._pool._shutdown and client.connections._all == []
 
 
-def test_a_streamed_step_asks_each_group_as_it_is_whole(single_rank_env, tmp_path):
+@pytest.mark.parametrize("ask_groups", [True, False])
+def test_a_streamed_step_asks_each_group_as_it_is_whole(single_rank_env, tmp_path, ask_groups):
     """rollout.max_staleness 1: a group that becomes whole while other rows decode is asked of the server at once (G
     rows a request); the groups whole at the call's end go in one request after it; every row of the step's batch
-    is answered early, with the log-probs one request for the whole batch gives."""
+    is answered early, with the log-probs one request for the whole batch gives. ref.ask_groups=false: every group
+    after the call."""
     with serving() as srv:
         cfg = load_config(None, "grpo", [
             *SMALL, f"ref.url={srv.url}", "train.max_steps=3", f"train.output_dir={tmp_path}", "train.save_every=0",
             "rollout.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_completion_length=12",
             "rollout.engine=hf", "rollout.forced_eos_lengths=[3, 3, 2, 3, 12, 12, 12, 12]",
-            "rollout.max_staleness=1", "algo.tis_cap=2.0"])
+            "rollout.max_staleness=1", "algo.tis_cap=2.0", f"ref.ask_groups={str(ask_groups).lower()}"])
         tr = Trainer(cfg)
         try:
             sizes = []
@@ -75,9 +78,11 @@ def test_a_streamed_step_asks_each_group_as_it_is_whole(single_rank_env, tmp_pat
             whole = []
             group = tr.asked.group
             tr.asked.group = lambda prompt, rows: whole.append(len(rows)) or group(prompt, rows)
-            tr.rollout.on_group = tr.asked.group
+            assert (tr.rollout.on_group is not None) == ask_groups
+            if ask_groups:
+                tr.rollout.on_group = tr.asked.group
             history = tr._train()
-            assert whole and set(whole) == {4} and sizes.count(4) >= len(whole)
+            assert (whole and set(whole) == {4} and sizes.count(4) >= len(whole)) if ask_groups else not whole
             assert all(h["ref/early_request"] == 1.0 for h in history)
             batch = tr._last_batch
             want = submit(batch.packed(None, tr.tokenizer.pad_token_id), 1.0).result().float() * batch.mask

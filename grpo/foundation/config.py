@@ -464,6 +464,10 @@ class RefConfig:
     retry_window: float = at_least_zero(60.0)  # seconds of retries before giving up
     # raise it when the server starts at the same time as the trainer (docs/troubleshooting.md)
     startup_wait: float = at_least_zero(5.0)  # seconds a refused connection at start is retried, then the run stops
+    # Streamed rollouts (rollout.max_staleness >= 1): ask the server for each group as soon as it is whole, while the
+    # other rows decode. With the server on a device of its own the wait for its answers falls; sharing the trainer's
+    # CPU cores it slows the decode (docs/results.md): false asks for the step's groups after the engine call.
+    ask_groups: bool = True
     host: str = "127.0.0.1"  # server side: bind address
     port: int = ranged(59875, "in [0, 65535]", "0 = any free port")  # server side: port (0 = any free one)
     max_batch_tokens: int = positive(16384)  # server side: tokens per forward pass

@@ -261,6 +261,10 @@ def config_warnings(cfg: Config) -> list[str]:
                    if getattr(cfg.rollout.vllm, f.name) != getattr(VllmConfig(), f.name)]
         out.append(f"rollout.vllm.{', rollout.vllm.'.join(changed)} ignored: rollout.engine={cfg.rollout.engine!r}, "
                    f"not 'vllm'")
+    if not cfg.ref.ask_groups and not (cfg.ref.url and cfg.rollout.max_staleness):
+        out.append(f"ref.ask_groups=false ignored: groups are asked one by one only of a reference server "
+                   f"(ref.url={cfg.ref.url!r}) in streamed rollouts (rollout.max_staleness="
+                   f"{cfg.rollout.max_staleness})")
     if cfg.data.eval_path and not cfg.eval.every:
         out.append(f"data.eval_path={cfg.data.eval_path!r} is never evaluated: eval.every=0 (set eval.every=N to "
                    f"evaluate it every N steps)")

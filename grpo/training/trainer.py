@@ -112,7 +112,8 @@ class Trainer:
                                            cfg.rollout.temperature, cfg.rollout.max_completion_length,
                                            keep_steps=cfg.rollout.max_staleness)
             self.rollout.on_generated = self.asked.early
-            self.rollout.on_group = self.asked.group  # streamed: each group as it is whole, while the rest decode
+            if cfg.ref.ask_groups:  # streamed: each group as it is whole, while the rest decode
+                self.rollout.on_group = self.asked.group
 
         self.step = 0
         self._saved_step = 0  # the step of the newest checkpoint (a resumed run's own)
