@@ -61,8 +61,11 @@ def read_weights(model: torch.nn.Module, spec: ModelSpec, named: dict[str, torch
     top = "model.language_model." if "model.language_model.embed_tokens.weight" in named else "model."
     embed = named[f"{top}embed_tokens.weight"]
     decoder = _decoder(model)
-    layers = [{key: named[f"{top}layers.{i}.{name}"] if f"{top}layers.{i}.{name}" in named
-               else _buffer(decoder.layers[i], name) for key, name in spec.layer_keys} for i in range(spec.layers)]
+    def read(i: int, name: str) -> Optional[torch.Tensor]:  # a parameter, else a buffer of the layer's module
+        full = f"{top}layers.{i}.{name}"
+        return named[full] if full in named else _buffer(decoder.layers[i], name)
+
+    layers = [{key: read(i, name) for key, name in spec.layer_keys} for i in range(spec.layers)]
     rotary = _rotary(model)
     types = getattr(rotary, "layer_types", None) or [None]
     prefix = [f"{t}_" if t else "" for t in types]
