@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from tests.script_support import load_script
 
-
-def _script():
-    path = Path(__file__).resolve().parent.parent / "scripts" / "benchmarks" / "bench_ref_http.py"
-    spec = importlib.util.spec_from_file_location("bench_ref_http", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 def test_http_path_is_round_trip_minus_the_servers_forward():
-    r = _script().run(rows=4, prompt=3, completion=5, requests=3)
+    r = load_script("benchmarks/bench_ref_http").run(rows=4, prompt=3, completion=5, requests=3)
     assert r["round_trip_ms"] > r["server_forward_ms"] > 0
     assert 0 < r["http_path_ms"] < r["round_trip_ms"] and r["http_path_p90_ms"] >= r["http_path_ms"]
     assert r["request_kib"] > 0 and r["answer_kib"] >= 4 * 5 * 4 / 1024  # 4 rows x 5 float32 log-probs

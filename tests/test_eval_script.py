@@ -1,12 +1,10 @@
 """scripts/eval.py on the tiny model, and evaluation inside a (tiny) training run whose checkpoint it then reads."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.script_support import load_script
 
 TINY_CONFIG = """
 model: {name_or_path: builtin:tiny-char}
@@ -33,13 +31,6 @@ eval:
 """
 
 
-def load_eval_script():
-    spec = importlib.util.spec_from_file_location("eval_script", ROOT / "scripts" / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def config(tmp_path):
     path = tmp_path / "tiny.yaml"
@@ -49,7 +40,7 @@ def config(tmp_path):
 
 def test_eval_script_on_the_tiny_model(config, tmp_path, capsys):
     out = tmp_path / "results.jsonl"
-    rc = load_eval_script().main(["--model", "builtin:tiny-char", "--config", str(config), "--split", "test",
+    rc = load_script("eval").main(["--model", "builtin:tiny-char", "--config", str(config), "--split", "test",
                                   "--limit", "5", "--k", "3", "--out", str(out), "--json"])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -67,7 +58,7 @@ def test_eval_script_on_the_tiny_model(config, tmp_path, capsys):
 
 
 def test_eval_script_rejects_a_bad_split(config, capsys):
-    assert load_eval_script().main(["--model", "builtin:tiny-char", "--config", str(config), "--split", "dev"]) == 2
+    assert load_script("eval").main(["--model", "builtin:tiny-char", "--config", str(config), "--split", "dev"]) == 2
     assert "split='dev' is invalid" in capsys.readouterr().err
 
 
@@ -88,7 +79,7 @@ def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, 
 
     ckpt = tmp_path / "run" / "checkpoints" / "step-2"
     out = tmp_path / "ckpt.jsonl"
-    assert load_eval_script().main(["--model", str(ckpt), "--config", str(config), "--out", str(out), "--json"]) == 0
+    assert load_script("eval").main(["--model", str(ckpt), "--config", str(config), "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # the checkpoint is the trained model: same problems, same greedy answers as the run's last evaluation
     assert summary["eval/num_problems"] == 6
@@ -98,7 +89,7 @@ def test_training_evaluates_every_n_steps_and_eval_reads_its_checkpoint(config, 
     # the run's newest checkpoint by its run: checkpoints/latest (a symlink), the checkpoints folder, the run folder
     for given in (ckpt.parent / "latest", ckpt.parent, ckpt.parent.parent):
         again = tmp_path / f"{given.name}.jsonl"
-        assert load_eval_script().main(["--model", str(given), "--config", str(config), "--out", str(again)]) == 0
+        assert load_script("eval").main(["--model", str(given), "--config", str(config), "--out", str(again)]) == 0
         assert again.read_text() == out.read_text(), given
 
     # train.export_final (default on): OUT/final/ is the model + tokenizer only, the trained model's logits

@@ -16,6 +16,7 @@ import torch
 
 from grpo.foundation.config import ConfigError, LoraConfig
 from grpo.training.configure import load_config
+from tests.script_support import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the one-rank trainer's device
@@ -221,15 +222,6 @@ def test_reference_kind_with_lora(single_rank_env, monkeypatch):
 # --------------------------------------------------------------------------- checkpoints, resume, merge, eval
 
 MERGE_BOUND = 1e-5  # |log p(merged) - log p(adapted)|: float32 rounding of W + scale * B A (measured: ~5e-7)
-
-
-def load_script(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("lora_cfg", [LORA, LORA_HEAD], ids=["adapters", "adapters+head"])

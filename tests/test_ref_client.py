@@ -21,6 +21,7 @@ from grpo.reference.http import BACKOFF_CAP, HTTPReference, backoff
 from grpo.reference.wire import CONTENT_TYPE, encode_request
 from grpo.reference.launch import free_port
 from grpo.reference.server import app as server_app
+from grpo.reference.server import wsgi as server_wsgi
 from grpo.reference.server.app import AccessLog, build_server, check_bind
 from grpo.reference.protocol import ReferenceServerError, sliced_logprobs
 from grpo.foundation.tiny import build_tiny, make_char_tokenizer, write_tiny
@@ -220,8 +221,8 @@ def _closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
 def test_clients_that_never_finish_their_request_are_dropped(monkeypatch):
     """A connection that sends nothing, or trickles its headers, is closed after HEADER_TIMEOUT_S;
     a body that stalls gets 408 after BODY_GRACE_S (plus a second per MiB). Was: 120 s per stalled read."""
-    monkeypatch.setattr(server_app, "HEADER_TIMEOUT_S", 0.5, raising=False)
-    monkeypatch.setattr(server_app, "BODY_GRACE_S", 0.5, raising=False)
+    monkeypatch.setattr(server_wsgi, "HEADER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(server_wsgi, "BODY_GRACE_S", 0.5)
     with serving() as srv:
         idle = raw_connection(srv.url)
         trickle = raw_connection(srv.url, b"GET /health HTTP/1.0\r\n")

@@ -19,37 +19,26 @@ Every request needs ``Authorization: Bearer <token>`` when the server has a toke
 without one only binds loopback. Errors are JSON ``{"error", "field", "status"}``. One JSON
 access-log line per request (method, path, status, latency, bytes) goes to stderr.
 SIGTERM/SIGINT stop accepting connections, let in-flight requests finish, then exit 0.
-A connection that has not sent its whole request line and headers is not in flight: it is
-dropped after HEADER_TIMEOUT_S anyway, and at once on shutdown; a body that is still arriving
-gets 408 past its deadline, and at most DRAIN_GRACE_S more on shutdown.
 
-Connections are HTTP/1.1 keep-alive: the trainer's pooled session sends every request of a run over
-one connection, without a TCP handshake and a server thread per request. A connection is kept only
-after an answer with a Content-Length to a request whose whole body was read (anything else answers
-``Connection: close``); between requests it may idle KEEPALIVE_IDLE_S, and is closed at once on shutdown.
+The app runs on wsgi.py's HTTP/1.1 server: keep-alive connections (the trainer's pooled session sends every
+request of a run over one connection), deadlines on a client's request line, headers and body (a body late
+past its deadline gets 408 here), and a drain on shutdown that does not wait for idle or stalled connections.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import ipaddress
 import json
-import math
 import os
-import select
 import signal
-import socket
-import socketserver
 import sys
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Optional, TextIO
-from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 import bottle
 import torch
@@ -58,16 +47,10 @@ from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
 from grpo.reference.wire import CONTENT_TYPE, TOKEN_ENV, WireError, encode_flat_response, parse_request
 from grpo.reference.server.worker import DeviceWorker, Job, QueueFull, ReloadBusy
+from grpo.reference.server.wsgi import ThreadingWSGIServer, body_seconds, connection_gone, content_length, make_server
 
 
 RELOAD_ROOT_ENV = "GRPO_REF_RELOAD_ROOT"  # when set, /v1/reload only reads folders inside it
-HEADER_TIMEOUT_S = 10.0  # a connection must send its request line and headers within this
-KEEPALIVE_IDLE_S = 120.0  # a kept connection may wait this long for its next request (then it is closed)
-BODY_GRACE_S = 30.0  # and its body within this, plus one second per MiB (MIN_BODY_RATE)
-MIN_BODY_RATE = 2**20  # bytes per second
-DRAIN_GRACE_S = 5.0  # on shutdown, a body still arriving gets at most this long
-POLL_S = 0.5  # a blocked read re-checks its deadline and the shutdown flag this often
-SEND_TIMEOUT_S = 120.0  # an answer the client does not take for this long drops the connection
 WAIT_POLL_S = 0.1  # while a request waits for the device, its client's connection is checked this often
 KEY_HEADER = "Idempotency-Key"  # the client's id of one logical request, the same on every retry
 PARSE_SLOTS = 4  # request bodies read and parsed at once (each up to max_request_bytes, about 3x that decoded)
@@ -150,15 +133,6 @@ class AccessLog:
         with self.lock:
             self.stream.write(line + "\n")
             self.stream.flush()
-
-
-def content_length(raw: Optional[str]) -> Optional[int]:
-    """A Content-Length header's value: None when absent; ValueError unless plain digits ('abc', '1e3', '-5')."""
-    if not raw:
-        return None
-    if not (raw.isascii() and raw.isdigit()):
-        raise ValueError(f"Content-Length {raw!r} is not a non-negative integer")
-    return int(raw)
 
 
 def _refuse(start_response: Callable, status: int, message: str, field: str) -> list[bytes]:
@@ -323,26 +297,15 @@ def _idempotency_key() -> Optional[str]:
     return key
 
 
-def client_gone(sock: Optional[socket.socket]) -> bool:
-    """Whether the client closed ``sock`` (its whole request was read, so anything readable now is the end)."""
-    if sock is None:
-        return False
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):  # reset, or already closed
-        return True
-
-
 def _await(worker: DeviceWorker, job: Job) -> Optional[Any]:
     """The job's result, or None once this request's client has gone (the worker then drops work nobody awaits)."""
-    sock = bottle.request.environ.get("grpo.connection")
+    environ = bottle.request.environ
     try:
         while True:
             try:
                 return job.future.result(timeout=WAIT_POLL_S)
             except FutureTimeout:
-                if client_gone(sock):
+                if connection_gone(environ):
                     return None
     finally:
         worker.leave(job)
@@ -495,171 +458,6 @@ def create_app(worker: DeviceWorker, limits: ServerLimits, token: Optional[str],
 # --------------------------------------------------------------------------- the server
 
 
-class ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    """One thread per connection; closing waits for requests being handled (idle ones leave at once)."""
-
-    daemon_threads = False
-    block_on_close = True
-    allow_reuse_address = True  # a restarted server gets its port back at once
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.draining = threading.Event()  # build_server shares the app's
-
-
-class ConnectionReader(io.RawIOBase):
-    """A connection's reads against a deadline, re-checked every POLL_S; past it they raise TimeoutError.
-
-    While the server drains, a connection waiting for its next request (``phase`` "idle") or still
-    sending its request line and headers ("request") has nothing in flight and is dropped at once; a
-    body still arriving gets DRAIN_GRACE_S. The first bytes of an idle connection start its "request"
-    phase, so the header deadline counts from there, not from the previous answer.
-    """
-
-    def __init__(self, sock: socket.socket, draining: threading.Event):
-        self.sock, self.draining = sock, draining
-        self.phase = "request"
-        self.deadline = math.inf  # time.monotonic() by which this phase's bytes must have arrived
-        self._drain_deadline: Optional[float] = None
-
-    def readable(self) -> bool:
-        return True
-
-    def _seconds_left(self) -> float:
-        now = time.monotonic()
-        deadline = self.deadline
-        if self.draining.is_set():
-            if self.phase in ("idle", "request"):
-                return 0.0
-            if self._drain_deadline is None:
-                self._drain_deadline = now + DRAIN_GRACE_S
-            deadline = min(deadline, self._drain_deadline)
-        return deadline - now
-
-    def readinto(self, buf: Any) -> int:
-        while True:
-            left = self._seconds_left()
-            if left <= 0:
-                raise TimeoutError(f"the client's {self.phase} did not arrive in time")
-            self.sock.settimeout(min(left, POLL_S))
-            try:
-                n = self.sock.recv_into(buf)
-            except TimeoutError:
-                continue
-            finally:
-                self.sock.settimeout(SEND_TIMEOUT_S)
-            if self.phase == "idle" and n:
-                self.phase, self.deadline = "request", time.monotonic() + HEADER_TIMEOUT_S
-            return n
-
-    def wait_for_request(self) -> None:
-        """Between two requests of a kept connection."""
-        self.phase, self.deadline = "idle", time.monotonic() + KEEPALIVE_IDLE_S
-
-
-class BodyInput:
-    """``wsgi.input``: the request's body and no more (a read never waits for the next request of a kept
-    connection); counts what the app took, so the connection is kept only once the whole body was read."""
-
-    def __init__(self, stream: Any, length: int):
-        self.stream, self.left = stream, length
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.left if n is None or n < 0 else min(n, self.left)
-        data = self.stream.read(n) if n else b""
-        self.left -= len(data)
-        return data
-
-    def readline(self, limit: int = -1) -> bytes:
-        limit = self.left if limit is None or limit < 0 else min(limit, self.left)
-        data = self.stream.readline(limit) if limit else b""
-        self.left -= len(data)
-        return data
-
-
-class KeepAliveServerHandler(ServerHandler):
-    """wsgiref's response writer, answering HTTP/1.1; says ``Connection: close`` unless the connection can
-    carry another request (a Content-Length on the answer, the whole body read, the server not draining)."""
-
-    http_version = "1.1"
-    keep = False
-
-    def cleanup_headers(self) -> None:
-        super().cleanup_headers()
-        h = self.request_handler
-        self.keep = (not h.close_connection and "Content-Length" in self.headers and h.body.left == 0
-                     and not h.server.draining.is_set())
-        if not self.keep:
-            self.headers["Connection"] = "close"
-
-    def handle_error(self) -> None:  # an answer that failed half-way leaves the connection unusable
-        self.keep = False
-        super().handle_error()
-
-
-def body_seconds(n: int) -> float:
-    """How long a body of ``n`` bytes may take to arrive."""
-    return BODY_GRACE_S + n / MIN_BODY_RATE
-
-
-class QuietHandler(WSGIRequestHandler):
-    """wsgiref's handler with deadlines on reading the request (:class:`ConnectionReader`) and keep-alive
-    connections (BaseHTTPRequestHandler.handle serves requests until ``close_connection``)."""
-
-    timeout = SEND_TIMEOUT_S
-    protocol_version = "HTTP/1.1"  # parse_request keeps HTTP/1.1 connections unless asked to close
-
-    def setup(self) -> None:
-        super().setup()
-        # the answer goes out as headers then body: without TCP_NODELAY, Nagle's algorithm holds the body's
-        # last partial segment until the client acknowledges the headers (a delayed ACK: up to 40 ms)
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.rfile.close()
-        self.reader = ConnectionReader(self.connection, self.server.draining)
-        self.rfile = io.BufferedReader(self.reader)
-
-    def handle(self) -> None:
-        self.reader.deadline = time.monotonic() + HEADER_TIMEOUT_S  # the first request's line and headers
-        BaseHTTPRequestHandler.handle(self)  # WSGIRequestHandler.handle would serve one request only
-
-    def handle_one_request(self) -> None:
-        """One request (as wsgiref's), its request line and headers due within HEADER_TIMEOUT_S of its first byte."""
-        self.close_connection = True
-        try:
-            self.raw_requestline = self.rfile.readline(65537)
-            if not self.raw_requestline:
-                return  # connected (or kept) and closed without a request
-            if len(self.raw_requestline) > 65536:
-                self.requestline, self.request_version, self.command = "", "", ""
-                self.send_error(414)
-                return
-            if not self.parse_request():  # it has answered the error
-                return
-        except OSError:  # silent or trickling client, or the server is draining: nothing is in flight
-            self.close_connection = True
-            return
-        try:
-            n = content_length(self.headers.get("Content-Length")) or 0
-        except ValueError:
-            n, self.close_connection = 0, True  # the access-log middleware answers 400; the body's end is unknown
-        self.reader.phase, self.reader.deadline = "body", time.monotonic() + body_seconds(n)
-        self.body = BodyInput(self.rfile, n)  # wsgi.input
-        handler = KeepAliveServerHandler(self.body, self.wfile, self.get_stderr(), self.get_environ(), multithread=False)
-        handler.request_handler = self
-        handler.run(self.server.get_app())
-        self.close_connection = not handler.keep
-        if not self.close_connection:
-            self.reader.wait_for_request()
-
-    def get_environ(self) -> dict:
-        env = super().get_environ()
-        env["grpo.connection"] = self.connection  # to notice a client that leaves while its request waits
-        return env
-
-    def log_message(self, format: str, *args: Any) -> None:  # the access log replaces wsgiref's lines
-        pass
-
-
 @dataclass
 class RefServer:
     """A bound, not yet serving, reference server."""
@@ -710,7 +508,7 @@ def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, rewa
                           parse_slots=PARSE_SLOTS, parse_wait_s=PARSE_WAIT_S)
     draining = threading.Event()
     app = with_access_log(create_app(worker, limits, token, draining), log)
-    httpd = make_server(r.host, r.port, app, server_class=ThreadingWSGIServer, handler_class=QuietHandler)
+    httpd = make_server(r.host, r.port, app)
     httpd.draining = draining
     server = RefServer(httpd, worker, draining, log)
     info = worker.info()
