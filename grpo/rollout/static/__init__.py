@@ -47,10 +47,11 @@ weights once (a collective: every rank calls ``generate`` alike) into a copy the
 collectives; the copy is a whole model per rank, freed with the KV buffers by ``offload``.
 
 The package, each module importing only those listed before it: ``norms`` (RMSNorm in each family's flavour),
-``delta_net`` and ``gemma3n`` (the hybrid and Gemma 3n layers), ``mlp`` (the MLPs: gated, fused, mixtures of
-experts), ``spec`` (which models, what their configs say: ``ModelSpec``; the table of families, ``FAMILIES``: each
-family's flags, MLP, layer weights and renames), ``weights`` (the tensors a step reads), ``layers`` (the step's
-math: ``forward``, ``attention``, ``sample``) and ``engine`` (buffers, buckets, graphs, ``StaticEngine``).
+``delta_net`` and ``gemma3n`` (the hybrid and Gemma 3n layers), ``attention`` (the projections: separate, fused;
+queries, keys and values per head or latent; the scores), ``mlp`` (the MLPs: gated, fused, mixtures of experts),
+``spec`` (which models, what their configs say: ``ModelSpec``; the table of families, ``FAMILIES``: each family's
+flags, attention inputs, MLP, layer weights and renames), ``weights`` (the tensors a step reads), ``layers`` (the
+step: ``forward``, ``sample``) and ``engine`` (buffers, buckets, graphs, ``StaticEngine``).
 """
 
 from grpo.rollout.static.engine import StaticEngine, capture_graph, new_buffers, resolve_mode, rows_bucket

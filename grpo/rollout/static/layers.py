@@ -1,44 +1,18 @@
-"""The layer math of the static step: RoPE, attention (soft-capped, latent), and ``forward``: one functional pass
-(prefill or decode) over static KV buffers, each layer's MLP its family's (mlp.py); ``sample``: the sampler,
-without a host sync."""
+"""The static step: ``forward``, one functional pass (prefill or decode) over static KV buffers, each layer's
+attention and MLP its family's (attention.py, mlp.py); ``sample``: the sampler, without a host sync."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from grpo.rollout.hf import filter_logits, sample_categorical
 from grpo.rollout.static import delta_net, gemma3n
+from grpo.rollout.static.attention import attention
 from grpo.rollout.static.spec import ACTIVATIONS, ModelSpec
 from grpo.rollout.static.weights import Weights
-
-
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     cap: float) -> torch.Tensor:
-    """Gemma 2's attention (transformers' eager path): scores scaled, soft-capped (cap * tanh(s / cap)), masked,
-    softmax in float32. q [R, H, S, D]; k, v [R, KV, L, D] (each kv head serves H / KV query heads, no copy)."""
-    R, H, S, D = q.shape
-    KV = k.shape[1]
-    s = torch.matmul(q.view(R, KV, H // KV, S, D), k[:, :, None].transpose(-1, -2)).view(R, H, S, -1) * scale
-    s = (torch.tanh(s / cap) * cap).masked_fill(~mask, torch.finfo(s.dtype).min)
-    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(p.view(R, KV, H // KV, S, -1), v[:, :, None]).view(R, H, S, D)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first ``cos.shape[-1]`` dims of ``x`` (a partial RoPE, Qwen3.5's: the rest pass through)."""
-    if cos.shape[-1] < x.shape[-1]:
-        return torch.cat((rotate(x[..., : cos.shape[-1]], cos, sin), x[..., cos.shape[-1]:]), dim=-1)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama 4's RoPE: each pair (x[2j], x[2j + 1]) a complex number times (cos + i sin) of frequency j, in float32."""
-    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, col: torch.Tensor,
@@ -125,101 +99,6 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
     if spec.final_softcap:  # in float32, as the trainer's log-probs (grpo/foundation/logprobs.py) cap them
         logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
     return logits
-
-
-def attention(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], i: int, h: torch.Tensor, ropes: list,
-              qpos: torch.Tensor, cols: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, attend: torch.Tensor,
-              keys_pos: torch.Tensor, length: int, q_scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """Layer ``i``'s attention (before the residual): writes its keys and values at ``cols``, attends to the first
-    ``length`` columns where ``attend`` (and the layer's window) allow."""
-    R, S, _ = h.shape
-    H, (KV, D) = spec.heads, (spec.layer_dims[i] if spec.layer_dims else (spec.kv_heads, spec.head_dim))
-    cos, sin = ropes[spec.rope_of_layer[i] if spec.rope_of_layer else 0]
-    rope = spec.rope_layers is None or spec.rope_layers[i]
-
-    norm = spec.norm
-
-    def positional(x: torch.Tensor) -> torch.Tensor:  # RoPE, then Llama 4's L2 norm of its RoPE layers
-        if not rope:
-            return x
-        x = rotate_interleaved(x, cos, sin) if spec.rope_interleaved else rotate(x, cos, sin)
-        return norm(x, None) if spec.qk_l2 else x
-
-    if spec.mla is not None:  # Mistral 4
-        q, k, v = latent_qkv(spec, lw, h, cos, sin)
-        k_buf.index_copy_(2, cols, k)
-        v_buf.index_copy_(2, cols, v)
-    else:
-        fused = lw.get("qkv")
-        if fused is not None:  # Phi-3 / Phi-4: q, k, v from one projection
-            q, k_fused, v_fused = F.linear(h, fused).split([H * D, KV * D, KV * D], dim=-1)
-        else:
-            q = F.linear(h, lw["q"], lw["q_bias"])
-        if spec.qk_norm_full:  # OLMo 2 / 3
-            q = norm(q, lw["q_norm"])
-        if spec.attn_gate:  # Qwen3.5: per head, the query's D dims then its gate's
-            q, gate = q.view(R, S, H, 2 * D).chunk(2, dim=-1)
-        q = q.reshape(R, S, H, D)
-        q = positional((norm(q, lw["q_norm"]) if spec.qk_norm else q).transpose(1, 2))
-    if q_scale is not None:
-        q = q * q_scale.to(q.dtype)
-    if spec.attn_temperature and not rope:  # Llama 4's NoPE layers, [R, 1, S, 1]
-        t_scale, floor = spec.attn_temperature
-        q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
-    if spec.mla is None and (spec.kv_source is None or spec.kv_source[i] == i):  # else (Gemma 4's KV sharing):
-        # the buffers are another layer's, already written at these columns
-        k = k_fused if fused is not None else F.linear(h, lw["k"], lw["k_bias"])
-        k = (norm(k, lw["k_norm"]) if spec.qk_norm_full else k).view(R, S, KV, D)
-        if fused is not None:
-            v = v_fused.reshape(R, S, KV, D)
-        else:
-            v = k if spec.k_eq_v and spec.k_eq_v[i] else F.linear(h, lw["v"], lw["v_bias"]).view(R, S, KV, D)
-        k = (norm(k, lw["k_norm"]) if spec.qk_norm else k).transpose(1, 2)
-        if spec.v_norm:  # Gemma 4: values RMS-normed, no weight
-            v = norm(v, None)
-        k_buf.index_copy_(2, cols, positional(k))
-        v_buf.index_copy_(2, cols, v.transpose(1, 2))
-    mask = attend
-    if spec.windows[i] is not None:
-        mask = mask & (qpos[:, None, :, None] - keys_pos < spec.windows[i])
-    if spec.chunks is not None and spec.chunks[i] is not None:  # Llama 4: keys in the query's chunk
-        mask = mask & (keys_pos // spec.chunks[i] == qpos[:, None, :, None] // spec.chunks[i])
-    keys, values, scale = k_buf[:, :, :length], v_buf[:, :, :length], spec.scale or D ** -0.5
-    if spec.attn_softcap:
-        a = capped_attention(q, keys, values, mask, scale, spec.attn_softcap)
-    else:
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=H != KV)
-    a = a.transpose(1, 2).reshape(R, S, -1)
-    if spec.attn_gate:
-        a = a * torch.sigmoid(gate.reshape(R, S, H * D))
-    return F.linear(a, lw["o"], lw["o_bias"])
-
-
-def latent_qkv(spec: ModelSpec, lw: dict[str, Optional[torch.Tensor]], h: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Mistral 4's multi-head latent attention: queries (through their low-rank pair and its norm, when the model
-    has one), keys and values expanded from the normed latent, one RoPE key shared by every head; q and k
-    [R, H, S, nope + rope], v [R, H, S, v_dim]."""
-    R, S, _ = h.shape
-    nope, rd, dv = spec.mla
-    if lw["q"] is not None:
-        q = F.linear(h, lw["q"])
-    else:
-        q = F.linear(spec.norm(F.linear(h, lw["q_a"], lw["q_a_bias"]), lw["q_a_norm"]), lw["q_b"])
-    q_pass, q_rot = q.view(R, S, spec.heads, nope + rd).transpose(1, 2).split([nope, rd], dim=-1)
-    latent = F.linear(h, lw["kv_a"], lw["kv_a_bias"])
-    k_pass, k_rot = latent.split([latent.shape[-1] - rd, rd], dim=-1)
-    k_rot = k_rot.reshape(R, 1, S, rd)
-    if spec.mla_interleave:  # DeepSeek's layout: pairs (x[2j], x[2j + 1]) rotated, the results' halves concatenated
-        c, s = cos[..., : rd // 2], sin[..., : rd // 2]
-        q_rot, k_rot = (torch.cat([x[..., 0::2] * c - x[..., 1::2] * s, x[..., 1::2] * c + x[..., 0::2] * s], dim=-1)
-                        for x in (q_rot, k_rot))
-    else:
-        q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot, cos, sin)
-    kv = F.linear(spec.norm(k_pass, lw["kv_a_norm"]), lw["kv_b"]).view(R, S, spec.heads, nope + dv)
-    k_nope, v = kv.transpose(1, 2).split([nope, dv], dim=-1)
-    k = torch.cat([k_nope, k_rot.expand(-1, spec.heads, -1, -1)], dim=-1)
-    return torch.cat([q_pass, q_rot], dim=-1), k, v
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from grpo.foundation import lora
 from grpo.foundation.families import logit_scale, text_config
-from grpo.rollout.static import delta_net, gemma3n, mlp as mlps
+from grpo.rollout.static import attention, delta_net, gemma3n, mlp as mlps
 from grpo.rollout.static.norms import rms_norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
@@ -84,8 +84,11 @@ class ModelSpec:
     granite: Optional[tuple[float, float]] = None  # Granite 3: the embedding and residual multipliers
     logit_scale: float = 1.0  # what the causal-LM forward multiplies its logits by (families.HEADS)
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
-    # the family's MLP (mlp.py), the layer weights it reads (the engine's key, transformers' name under
+    # the family's attention inputs (attention.py: its projections and what becomes of them), its MLP (mlp.py),
+    # the layer weights it reads (the engine's key, transformers' name under
     # ``layers.<i>.``: BASE_KEYS and the family's own) and its renames of transformers' names as they are read
+    project: Callable = attention.separate
+    qkv: Callable = attention.heads
     mlp: Callable = mlps.gated
     layer_keys: tuple[tuple[str, str], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
@@ -192,7 +195,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         linear=tuple(t == "linear_attention" for t in layer_types) if family.hybrid else None,
         delta=delta_net.delta_spec(cfg) if family.hybrid else None,
         logit_scale=logit_scale(model),  # one place says it for the trainer's log-probs and this engine
-        mlp=family.mlp, layer_keys=tuple({**BASE_KEYS, **family.keys}.items()), renames=family.renames,
+        project=family.project, qkv=family.qkv, mlp=family.mlp, layer_keys=tuple({**BASE_KEYS, **family.keys}.items()), renames=family.renames,
     )
     if family.fields is not None:
         fields.update(family.fields(cfg, model))
@@ -277,15 +280,6 @@ BASE_KEYS = {
     "pre_ff_norm": "pre_feedforward_layernorm.weight", "post_ff_norm": "post_feedforward_layernorm.weight",
     **mlps.DENSE_KEYS,
 }
-# Phi-3 / Phi-4: q, k and v from one projection
-FUSED_QKV_KEYS = {"qkv": "self_attn.qkv_proj.weight"}
-# Mistral 4's latent attention: the query's low-rank pair and its norm, the latent's projection, norm and expansion
-LATENT_KEYS = {
-    "q_a": "self_attn.q_a_proj.weight", "q_a_bias": "self_attn.q_a_proj.bias",
-    "q_a_norm": "self_attn.q_a_layernorm.weight", "q_b": "self_attn.q_b_proj.weight",
-    "kv_a": "self_attn.kv_a_proj_with_mqa.weight", "kv_a_bias": "self_attn.kv_a_proj_with_mqa.bias",
-    "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b": "self_attn.kv_b_proj.weight",
-}
 # Gemma 4: its per-layer input's gate, projection and norm, its layer's output scalar (a buffer, read from the
 # module), the experts beside its MLP
 GEMMA4_KEYS = {**gemma3n.PLE_KEYS, "layer_scalar": "layer_scalar", **mlps.GEMMA4_KEYS}
@@ -309,6 +303,8 @@ class Family:
     hybrid: bool = False  # Gated DeltaNet layers (delta_net.py) between attention layers with an output gate
     per_layer_sizes: bool = False  # head sizes per layer (per_layer_config)
     fields: Optional[Callable[[Any, torch.nn.Module], dict]] = None
+    project: Callable = attention.separate  # its q, k, v projections: attention.separate, .fused
+    qkv: Callable = attention.heads  # its queries, keys and values from them: attention.heads, .latent
     mlp: Callable = mlps.gated  # its MLP: mlp.gated, .fused, .moe, .llama4, .gemma4
     keys: Mapping[str, str] = field(default_factory=dict)  # its layer weights beyond BASE_KEYS
     renames: tuple[tuple[str, str], ...] = ()  # (old, new): parts of transformers' names it reads as another's
@@ -338,13 +334,14 @@ FAMILIES: dict[str, Family] = {
                           fields=lambda cfg, model: gemma4_fields(cfg)),
     "llama4_text": Family(no_rope_layers=True, mlp=mlps.llama4, keys=mlps.LLAMA4_KEYS,
                           renames=((".feed_forward.", ".mlp."),), fields=lambda cfg, model: llama4_fields(cfg)),
-    "mistral4": _moe(q_scale=True, keys=LATENT_KEYS, renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
+    "mistral4": _moe(q_scale=True, qkv=attention.latent, keys=attention.LATENT_KEYS,
+                     renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
                      fields=lambda cfg, model: mistral4_fields(cfg, _decoder(model))),
     "gemma3n_text": Family(qk_norm=True, keys={**gemma3n.LAYER_KEYS, **gemma3n.PLE_KEYS},
                            fields=lambda cfg, model: gemma3n_fields(cfg, next(model.parameters()).dtype)),
     "olmo2": Family(sandwich=True, fields=olmo_fields), "olmo3": Family(sandwich=True, fields=olmo_fields),
     "olmoe": _moe(fields=lambda cfg, model: dict(qk_norm_full=True)),
-    "phi3": Family(mlp=mlps.fused, keys={**FUSED_QKV_KEYS, **mlps.FUSED_KEYS}),
+    "phi3": Family(project=attention.fused, mlp=mlps.fused, keys={**attention.FUSED_QKV_KEYS, **mlps.FUSED_KEYS}),
     "seed_oss": Family(),  # ByteDance's Seed-OSS: Llama's layers with biased q, k and v
     "granite": Family(fields=granite_fields),
 }
