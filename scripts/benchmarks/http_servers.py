@@ -4,10 +4,10 @@ waitress and cheroot: the same probes of what a server facing a trainer needs, a
     pip install waitress cheroot        # not dependencies of the project: only this comparison needs them
     python scripts/benchmarks/http_servers.py [--requests 200] [--servers ours,waitress,cheroot]
 
-Each server runs the same small bottle app in a process of its own on loopback, each with its closest settings
-(a 1 s limit for headers and bodies: ours HEADER_TIMEOUT_S / BODY_GRACE_S, waitress channel_timeout, cheroot
-timeout; a body limit of 1 MiB; 4 threads) and is stopped the way it supports (ours SIGTERM, the libraries
-SIGINT). The probes:
+Each server runs the same small bottle app (reading a body as the reference app does) in a process of its own on
+loopback, each with its closest settings (a 1 s limit for headers and bodies: ours HEADER_TIMEOUT_S / BODY_GRACE_S,
+waitress channel_timeout, cheroot timeout; a body limit of 1 MiB; 4 threads) and is stopped the way it supports
+(ours SIGTERM, the libraries SIGINT). The probes:
 
     keep-alive      3 POSTs on one http.client connection use one socket
     trickled        a client sending a header byte every 0.2 s is dropped within 3 s
@@ -59,10 +59,17 @@ def probe_app(gone):
     """The app every server runs: ``gone(environ)`` says whether the request's client has left."""
     import bottle
 
-    from grpo.reference.server.app import _read_body
-
     app = bottle.Bottle(catchall=True)
     seen: dict = {}
+
+    def read_body() -> bytes:  # as the reference app reads one: 413 over the limit unread, 408 past its deadline
+        n = int(bottle.request.environ.get("CONTENT_LENGTH") or 0)
+        if n > LIMIT:
+            raise bottle.HTTPResponse(status=413, body=f"{n} bytes: over the limit of {LIMIT}")
+        try:
+            return bottle.request.environ["wsgi.input"].read(n)
+        except TimeoutError:
+            raise bottle.HTTPResponse(status=408, body="the body did not arrive in time") from None
 
     @app.get("/health")
     def health():
@@ -70,13 +77,13 @@ def probe_app(gone):
 
     @app.post("/echo")
     def echo():
-        _read_body(LIMIT)
+        read_body()
         bottle.response.content_type = "application/octet-stream"
         return b"\x01" * DOWN
 
     @app.post("/wait")
     def wait():  # ?s=seconds of work, answered with ?n= bytes; notes when the client left
-        _read_body(LIMIT)
+        read_body()
         t0 = time.monotonic()
         while time.monotonic() - t0 < float(bottle.request.query.get("s", "3")):
             if gone(bottle.request.environ):
