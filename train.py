@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo.reference.protocol import ReferenceServerError
 
     try:  # a reference server nobody runs: seconds, not a minute of retries after loading (--print-config too)
-        probe_services(cfg)
+        probe_services(cfg, parts)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

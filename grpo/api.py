@@ -94,7 +94,7 @@ def train(config: ConfigLike = None, *, algo: Union[None, str, dict[str, Any]] =
     if dist.is_main():
         for warning in run_warnings(cfg, parts):
             print(f"config warning: {warning}", file=sys.stderr)
-    probe_services(cfg)
+    probe_services(cfg, parts)
     finished = False
     try:
         history = Trainer(cfg, resume=resume, parts=parts).train()

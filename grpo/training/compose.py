@@ -3,6 +3,9 @@ resolved here and handed to the start-up checks, the trainer and the evaluator, 
 their protocols.
 
     compose(cfg) -> Parts(algorithm, engine, rewards, env)
+
+The algorithm is looked up and built here once a run: train.py and grpo.train hand the Parts that the start-up
+checks (check_run) made to the Trainer.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from grpo.foundation.config import Config
-from grpo.foundation.plugins import ALGORITHMS, SERVICES
+from grpo.foundation.plugins import ALGORITHMS, SERVICES, AlgorithmHooks
 from grpo.rollout.service import engine_class
 
 
 @dataclass(frozen=True)
 class Parts:
-    algorithm: type  # algo.name's class (grpo.foundation.plugins.AlgorithmHooks), built with the config
+    algorithm: AlgorithmHooks  # algo.name's algorithm, built with the config
     engine: Callable[..., Any]  # rollout.engine's class (or builder) of an EngineSetup
     rewards: type  # the reward service: rewards(specs, pool, ref=, sandbox=) is a Scorer of those sources;
     # rewards.check_sandbox(sandbox settings) refuses what the machine cannot give
@@ -25,6 +28,7 @@ class Parts:
 
 
 def compose(cfg: Config) -> Parts:
-    """The run's plug-ins; a name that does not resolve raises ConfigError naming the choices."""
-    return Parts(algorithm=ALGORITHMS.get(cfg.algo.name), engine=engine_class(cfg.rollout.engine),
+    """The run's plug-ins; a name that does not resolve raises ConfigError naming the choices (so does what the
+    algorithm names when built: grpo-ps's step reward)."""
+    return Parts(algorithm=ALGORITHMS.get(cfg.algo.name)(cfg), engine=engine_class(cfg.rollout.engine),
                  rewards=SERVICES.get("rewards"), env=SERVICES.get("environment") if cfg.env.name else None)

@@ -67,7 +67,6 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
         from grpo.rollout.vllm_engine import check_tensor_parallel
 
         check_tensor_parallel(cfg.rollout.vllm.tensor_parallel_size, world)
-    parts.algorithm(cfg)  # what an algorithm resolves when built (grpo-ps: its step reward)
     for target in cfg.logging.report_to:
         logger_module(target)
     if parts.env is not None:
@@ -165,16 +164,16 @@ def check_ranks(cfg: Config, world: int) -> None:
                           f"number of ranks ({world})")
 
 
-def probe_services(cfg: Config) -> None:
+def probe_services(cfg: Config, parts: Optional[Parts] = None) -> None:
     """The servers this run queries answer at start (ReferenceServerError within ``ref.startup_wait`` seconds
-    otherwise): the reference server, when the run uses a reference or a reward model hosted there; the
-    distillation teacher's server."""
+    otherwise): the reference server, when the run uses a reference (``parts``' algorithm, or the config's) or a
+    reward model hosted there; the distillation teacher's server."""
     from grpo.reference.http import check_reload, probe
 
     hosted = [s.name or str(s.model) for s in cfg.rewards if s.kind == "model" and s.where == "server"]
     a = cfg.algo
     why = [f"algorithm {a.name!r} takes the reference's log-probs (algo.beta={a.beta}, algo.kl_in_reward="
-           f"{a.kl_in_reward})"] if ALGORITHMS.get(a.name)(cfg).needs_reference else []
+           f"{a.kl_in_reward})"] if (parts or compose(cfg)).algorithm.needs_reference else []
     why += [f"the reward model {name!r} is hosted there" for name in hosted]
     if cfg.ref.url and why:
         probe(cfg, why="; ".join(why))
@@ -187,7 +186,7 @@ def run_warnings(cfg: Config, parts: Parts) -> list[str]:
     """What train.py and grpo.train print once before any model loads: the config's own warnings
     (``config_warnings``) and the servers the run's algorithm never asks."""
     out = config_warnings(cfg)
-    if cfg.ref.url and not parts.algorithm(cfg).needs_reference:
+    if cfg.ref.url and not parts.algorithm.needs_reference:
         out.append(f"ref.url={cfg.ref.url!r} is never asked: algorithm {cfg.algo.name!r} uses no reference with "
                    f"algo.beta={cfg.algo.beta} and algo.kl_in_reward={cfg.algo.kl_in_reward}, so the server gets no "
                    f"request and no KL to it is logged; set algo.beta > 0 (e.g. algo.beta=0.04) to train against it, "

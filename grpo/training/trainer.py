@@ -79,7 +79,7 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out / "config.yaml")
 
-        self.algo: AlgorithmHooks = parts.algorithm(cfg)
+        self.algo: AlgorithmHooks = parts.algorithm
         self.env = build.make_env_setup(cfg, parts.env)  # multi-turn rollouts when env.name is set (None: single-turn)
         self.tokenizer, self.dataset, self.sampler = build.data(cfg, self.env)
         # with an environment the rewards are its own: no reward functions, no reward workers
