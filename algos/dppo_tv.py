@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from algos.base import Algorithm, LossOutput, masked_stat
-from grpo.foundation import rl_math
 from grpo.foundation.config import ranged
 
 

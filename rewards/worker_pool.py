@@ -43,7 +43,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait

@@ -8,7 +8,6 @@ over micro-batch splits with the same gradient.
 from __future__ import annotations
 
 import math
-import os
 import socket
 from pathlib import Path
 

@@ -59,7 +59,7 @@ ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
 
 def test_own_data_without_rewards_is_an_error(tmp_path, capsys, no_model):
     path = write_jsonl(tmp_path / "mine.jsonl", ROWS)
-    err = fails(capsys, [f"data.source=jsonl", f"data.path={path}"], "no rewards: section", "digits_match",
+    err = fails(capsys, ["data.source=jsonl", f"data.path={path}"], "no rewards: section", "digits_match",
                 "rewards: [{fn: my_package.my_module:my_reward}]")
     assert "data.source='jsonl'" in err
 

@@ -12,7 +12,6 @@ from grpo.training.configure import load_config
 from grpo.data.sources import PromptDataset, load_eval_source, load_source, prompt_ids, prompt_text
 from grpo.data.tasks import R1_SYSTEM_PROMPT, ArithmeticTask, CountdownTask
 from grpo.foundation.tiny import make_char_tokenizer
-from rewards.countdown import check
 from rewards.math_answer import math_correct
 
 # The first 40 lines of GSM8K's train split (../shared/data/gsm8k/train.jsonl), with its MIT licence.
