@@ -113,3 +113,20 @@ def test_the_plug_in_packages_fill_the_registries():
     assert envs.resolve_env("calculator").__name__ == "CalculatorEnv"
     assert rewards.REWARDS is plugins.REWARDS and "digits_match" in plugins.REWARDS and "nope" not in plugins.REWARDS
     assert "digits_step_match" in plugins.STEP_REWARDS
+
+
+def test_the_start_up_checks_build_the_algorithm_once_for_the_run(monkeypatch):
+    """compose looks the algorithm up and builds it once; check_run's parts carry that one to run_warnings and
+    probe_services (and train.py / grpo.train hand them to the Trainer). Was: built three or four times a run."""
+    from algos.dapo import DAPO
+    from grpo.training.configure import check_run, load_config, probe_services, run_warnings
+
+    built = []
+    original = DAPO.__init__
+    monkeypatch.setattr(DAPO, "__init__", lambda self, cfg: (built.append(cfg), original(self, cfg))[1])
+    cfg = load_config(None, "dapo", ["model.name_or_path=builtin:tiny-char", "data.source=builtin",
+                                      "rewards=[{fn: digits_match}]"])
+    parts = check_run(cfg)
+    run_warnings(cfg, parts)
+    probe_services(cfg, parts)
+    assert isinstance(parts.algorithm, DAPO) and built == [cfg]
