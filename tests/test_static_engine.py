@@ -32,6 +32,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
 from grpo.foundation.logprobs import partitioned
 from grpo.foundation.modeling import keep_attention_softcap
 from grpo.rollout import static
+from grpo.rollout.static import blocks
 from grpo.rollout.engine import SamplingParams
 
 V = 37
@@ -308,7 +309,7 @@ def test_forward_equals_transformers_at_prefill_and_every_decode_step(kind):
 
 @pytest.mark.parametrize("kind, field, off", [
     ("gemma", "gemma_norm", False), ("gemma", "act", "silu"), ("gemma2", "attn_softcap", None),
-    ("gemma2", "final_softcap", None), ("gemma2", "sandwich", False), ("gemma3", "rope_of_layer", None),
+    ("gemma2", "final_softcap", None), ("gemma2", "block", blocks.pre_norm), ("gemma3", "rope_of_layer", None),
     ("gemma3", "scale", None), ("ministral3", "q_scale", None), ("smollm3", "rope_layers", None),
     ("qwen2_moe", "renorm_topk", True), ("mixtral", "renorm_topk", False), ("ministral", "windows", (None, None)),
     ("qwen3_5", "gemma_norm", False), ("qwen3_5_moe", "renorm_topk", False), ("gemma4", "per_layer_dim", 0),
@@ -368,10 +369,10 @@ def test_unsupported_models_get_a_reason():
 def test_gemma_specs_read_their_configs():
     """What each Gemma generation changes, read from its config (the forward test above checks the numbers)."""
     g1, g2, g3 = (static.model_spec(build(k)) for k in ("gemma", "gemma2", "gemma3"))
-    assert (g1.gemma_norm, g1.sandwich, g1.act, g1.scale, g1.attn_softcap) == (True, False, "gelu_pytorch_tanh",
-                                                                               16 ** -0.5, None)
-    assert (g2.sandwich, g2.scale, g2.attn_softcap, g2.final_softcap, g2.windows) == (True, 24 ** -0.5, 1.5, 2.0,
-                                                                                      (5, None))
+    assert (g1.gemma_norm, g1.block, g1.act, g1.scale, g1.attn_softcap) == (
+        True, blocks.pre_norm, "gelu_pytorch_tanh", 16 ** -0.5, None)
+    assert (g2.block, g2.scale, g2.attn_softcap, g2.final_softcap, g2.windows) == (
+        blocks.sandwich, 24 ** -0.5, 1.5, 2.0, (5, None))
     assert (g3.qk_norm, g3.scale, g3.attn_softcap, g3.windows) == (True, 12 ** -0.5, None, (5, None))
     w = static.read_weights(build("gemma3"), g3, dict(build("gemma3").named_parameters()))
     # RoPEs in the rotary module's order (sorted layer types): full (linear x4, theta 1e4), then sliding (theta 100)

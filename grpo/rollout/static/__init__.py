@@ -49,9 +49,9 @@ collectives; the copy is a whole model per rank, freed with the KV buffers by ``
 The package, each module importing only those listed before it: ``norms`` (RMSNorm in each family's flavour),
 ``delta_net`` and ``gemma3n`` (the hybrid and Gemma 3n layers), ``attention`` (the projections: separate, fused;
 queries, keys and values per head or latent; the scores), ``mlp`` (the MLPs: gated, fused, mixtures of experts),
-``spec`` (which models, what their configs say: ``ModelSpec``; the table of families, ``FAMILIES``: each family's
-flags, attention inputs, MLP, layer weights and renames), ``weights`` (the tensors a step reads), ``layers`` (the
-step: ``forward``, ``sample``) and ``engine`` (buffers, buckets, graphs, ``StaticEngine``).
+``blocks`` (the layer's shape: pre-norm, sandwich), ``spec`` (which models, what their configs say: ``ModelSpec``;
+the table of families, ``FAMILIES``: each family's flags, layer shape, attention inputs, MLP, layer weights and
+renames), ``weights`` (the tensors a step reads), ``layers`` (the step: ``forward``, ``sample``) and ``engine`` (buffers, buckets, graphs, ``StaticEngine``).
 """
 
 from grpo.rollout.static.engine import StaticEngine, capture_graph, new_buffers, resolve_mode, rows_bucket

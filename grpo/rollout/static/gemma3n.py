@@ -116,3 +116,9 @@ def layer(lw: dict, streams: torch.Tensor, per_layer: torch.Tensor, active: int,
         first = (first.type_as(lw["altup_out_scale"]) * lw["altup_out_scale"]).type_as(first)
     first = norm(F.linear(act(F.linear(first, lw["ple_gate"])) * per_layer, lw["ple_proj"]), lw["ple_norm"])
     return torch.cat([corrected[:1], corrected[1:] + first])
+
+
+def block(spec, lw: dict, i: int, streams: torch.Tensor, mix: Callable[[torch.Tensor], torch.Tensor],
+          act: Callable[[torch.Tensor], torch.Tensor], per_layer: torch.Tensor) -> torch.Tensor:
+    """Gemma 3n's entry in the table of families (blocks.py's signature): :func:`layer` on the AltUp copies."""
+    return layer(lw, streams, per_layer, spec.altup[1], spec.altup[2], spec.sparsity[i], mix, spec.norm, act)

@@ -46,11 +46,11 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         ropes.append(((emb.cos() * scale).to(x.dtype)[:, None], (emb.sin() * scale).to(x.dtype)[:, None]))
 
     norm = spec.norm
-    act, q_scale = ACTIVATIONS[spec.act], None
-    if spec.altup:  # Gemma 3n: its per-layer inputs, the AltUp copies of the embeddings
+    act, q_scale, per_layer = ACTIVATIONS[spec.act], None, None
+    if spec.altup:  # Gemma 3n: its per-layer inputs; the residual stream is the AltUp copies of the embeddings
         per_layer = gemma3n.per_layer_inputs(w.extra, ids, x, spec.layers, spec.per_layer_dim, spec.per_layer_vocab,
                                              norm)
-        streams = gemma3n.streams_in(w.extra, spec.altup[0], x)
+        x = gemma3n.streams_in(w.extra, spec.altup[0], x)
     elif spec.per_layer_dim:  # Gemma 4's per-layer inputs [R, S, layers, width]: the token's own embedding, plus a
         # projection of the (scaled) embeddings, normed, the two summed and scaled by 1 / sqrt(2)
         embed, embed_scale, proj, proj_norm = w.extra
@@ -61,37 +61,14 @@ def forward(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor, c
         beta, n = spec.q_scale
         q_scale = (1 + beta * torch.log(1 + torch.floor(qpos / n)))[:, None, :, None]
     for i, lw in enumerate(w.layers):
-        if spec.altup:
-            def attend_fn(h: torch.Tensor, lw=lw, i=i) -> torch.Tensor:
-                return attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length,
-                                 q_scale)
-            streams = gemma3n.layer(lw, streams, per_layer[:, :, i], spec.altup[1], spec.altup[2], spec.sparsity[i],
-                                    attend_fn, norm, act)
-            continue
-        h = x if lw["in_norm"] is None else norm(x, lw["in_norm"])  # OLMo 2 / 3: no norm before attention
-        if spec.linear is not None and spec.linear[i]:  # Qwen3.5's Gated DeltaNet: k_buf / v_buf hold its states
-            o = delta_net.layer(spec.delta, lw, h, pos >= 0, k_buf[i], v_buf[i], spec.eps, act)
-        else:
-            o = attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length, q_scale)
-        if spec.granite is not None:  # Granite 3: each residual branch times its multiplier
-            o = o * spec.granite[1]
-        if spec.sandwich:  # Gemma 2/3: norm the attention's output, then norm the MLP's input and output
-            x = x + norm(o, lw["post_norm"])
-            h = x if lw["pre_ff_norm"] is None else norm(x, lw["pre_ff_norm"])
-        else:
-            x = x + o
-            h = norm(x, lw["post_norm"])
-        mlp = spec.mlp(spec, lw, h, x, act)  # the family's (mlp.py)
-        if spec.granite is not None:
-            mlp = mlp * spec.granite[1]
-        x = x + (norm(mlp, lw["post_ff_norm"]) if spec.sandwich else mlp)
-        if spec.per_layer_dim:  # Gemma 4: the layer's per-layer input, gated by the hidden state
-            g = act(F.linear(x, lw["ple_gate"])) * per_layer[:, :, i]
-            x = x + norm(F.linear(g, lw["ple_proj"]), lw["ple_norm"])
-        if lw.get("layer_scalar") is not None:  # Gemma 4
-            x = x * lw["layer_scalar"]
+        def mix(h: torch.Tensor, lw=lw, i=i) -> torch.Tensor:  # the layer's token mixer on its normed input
+            if spec.linear is not None and spec.linear[i]:  # Qwen3.5's Gated DeltaNet: k_buf / v_buf hold its states
+                return delta_net.layer(spec.delta, lw, h, pos >= 0, k_buf[i], v_buf[i], spec.eps, act)
+            return attention(spec, lw, i, h, ropes, qpos, cols, k_buf[i], v_buf[i], attend, keys_pos, length, q_scale)
+
+        x = spec.block(spec, lw, i, x, mix, act, None if per_layer is None else per_layer[:, :, i])  # the family's
     if spec.altup:
-        x = gemma3n.streams_out(w.extra, spec.altup[0], streams)
+        x = gemma3n.streams_out(w.extra, spec.altup[0], x)
     if last_only:
         x = x[:, -1]
     logits = F.linear(norm(x, w.norm), w.head)

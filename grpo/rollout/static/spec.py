@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from grpo.foundation import lora
 from grpo.foundation.families import logit_scale, text_config
-from grpo.rollout.static import attention, delta_net, gemma3n, mlp as mlps
+from grpo.rollout.static import attention, blocks, delta_net, gemma3n, mlp as mlps
 from grpo.rollout.static.norms import rms_norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' ACT2FN names
@@ -39,7 +39,6 @@ class ModelSpec:
     act: str = "silu"  # the MLP's gate activation (a key of ACTIVATIONS)
     scale: Optional[float] = None  # attention scale (None: head_dim ** -0.5)
     gemma_norm: bool = False  # RMSNorm as Gemma's: (x_hat * (1 + w)) in float32, then cast
-    sandwich: bool = False  # Gemma 2/3: post_attention_layernorm on the attention's output, pre/post norms on the MLP
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
     final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     rope_of_layer: Optional[tuple[int, ...]] = None  # per layer: which of Weights.ropes (None: the one)
@@ -84,9 +83,11 @@ class ModelSpec:
     granite: Optional[tuple[float, float]] = None  # Granite 3: the embedding and residual multipliers
     logit_scale: float = 1.0  # what the causal-LM forward multiplies its logits by (families.HEADS)
     qk_norm_full: bool = False  # OLMo 2 / 3, OLMoE: q and k RMS-normed over the whole projection, before the heads split
-    # the family's attention inputs (attention.py: its projections and what becomes of them), its MLP (mlp.py),
+    # the family's layer shape (blocks.py), attention inputs (attention.py: its projections and what becomes of
+    # them) and MLP (mlp.py),
     # the layer weights it reads (the engine's key, transformers' name under
     # ``layers.<i>.``: BASE_KEYS and the family's own) and its renames of transformers' names as they are read
+    block: Callable = blocks.pre_norm
     project: Callable = attention.separate
     qkv: Callable = attention.heads
     mlp: Callable = mlps.gated
@@ -116,7 +117,7 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         if rope_type not in ROPE_TYPES:
             return (f"RoPE type {rope_type!r} depends on the sequence length: the static engine supports "
                     f"{list(ROPE_TYPES)}")
-    if not FAMILIES[kind].sandwich and getattr(cfg, "attn_logit_softcapping", None):
+    if FAMILIES[kind].block is not blocks.sandwich and getattr(cfg, "attn_logit_softcapping", None):
         return (f"attn_logit_softcapping={cfg.attn_logit_softcapping} on a {kind} model: the static engine caps "
                 f"Gemma 2/3's attention only")
     if getattr(cfg, "use_bidirectional_attention", None) not in (None, False, "vision"):  # Gemma 4: images only
@@ -181,7 +182,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         layers=cfg.num_hidden_layers, heads=heads, kv_heads=getattr(first, "num_key_value_heads", None) or heads,
         head_dim=head_dim, eps=cfg.rms_norm_eps, windows=windows, qk_norm=family.qk_norm, act=activation(cfg),
         scale=(cfg.query_pre_attn_scalar if family.query_pre_attn_scalar else head_dim) ** -0.5,
-        gemma_norm=family.gemma_norm, sandwich=family.sandwich,
+        gemma_norm=family.gemma_norm,
         attn_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
         rope_of_layer=tuple(rope_types.index(t) for t in layer_types) if rope_types else None,
@@ -195,7 +196,7 @@ def model_spec(model: torch.nn.Module) -> ModelSpec:
         linear=tuple(t == "linear_attention" for t in layer_types) if family.hybrid else None,
         delta=delta_net.delta_spec(cfg) if family.hybrid else None,
         logit_scale=logit_scale(model),  # one place says it for the trainer's log-probs and this engine
-        project=family.project, qkv=family.qkv, mlp=family.mlp, layer_keys=tuple({**BASE_KEYS, **family.keys}.items()), renames=family.renames,
+        block=family.block, project=family.project, qkv=family.qkv, mlp=family.mlp, layer_keys=tuple({**BASE_KEYS, **family.keys}.items()), renames=family.renames,
     )
     if family.fields is not None:
         fields.update(family.fields(cfg, model))
@@ -293,7 +294,6 @@ class Family:
     a layer function, docs/architecture.md "Extending")."""
 
     gemma_norm: bool = False  # RMSNorm x (1 + w) in float32, embeddings scaled by sqrt(hidden)
-    sandwich: bool = False  # norms after attention and around the MLP (OLMo 2 / 3: after them only); soft-capping
     qk_norm: bool = False  # q and k RMS-normed per head
     query_pre_attn_scalar: bool = False  # the attention scale is query_pre_attn_scalar ** -0.5
     renorm_topk: bool = False  # the router's top-k weights renormalised, whatever norm_topk_prob says
@@ -303,6 +303,7 @@ class Family:
     hybrid: bool = False  # Gated DeltaNet layers (delta_net.py) between attention layers with an output gate
     per_layer_sizes: bool = False  # head sizes per layer (per_layer_config)
     fields: Optional[Callable[[Any, torch.nn.Module], dict]] = None
+    block: Callable = blocks.pre_norm  # its layer's shape: blocks.pre_norm, .sandwich (soft-capping), gemma3n.block
     project: Callable = attention.separate  # its q, k, v projections: attention.separate, .fused
     qkv: Callable = attention.heads  # its queries, keys and values from them: attention.heads, .latent
     mlp: Callable = mlps.gated  # its MLP: mlp.gated, .fused, .moe, .llama4, .gemma4
@@ -323,23 +324,25 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(), "mistral": Family(), "ministral": Family(), "ministral3": Family(q_scale=True),
     "mixtral": _moe(renorm_topk=True, fp32_routing=True),
     "qwen2": Family(), "qwen2_moe": _moe(), "qwen3": Family(qk_norm=True), "qwen3_moe": _moe(qk_norm=True),
-    "gemma": Family(gemma_norm=True), "gemma2": Family(gemma_norm=True, sandwich=True, query_pre_attn_scalar=True),
-    "gemma3_text": Family(gemma_norm=True, sandwich=True, qk_norm=True, query_pre_attn_scalar=True),
+    "gemma": Family(gemma_norm=True), "gemma2": Family(gemma_norm=True, block=blocks.sandwich,
+                                                       query_pre_attn_scalar=True),
+    "gemma3_text": Family(gemma_norm=True, block=blocks.sandwich, qk_norm=True, query_pre_attn_scalar=True),
     "smollm3": Family(no_rope_layers=True),
     "qwen2_vl_text": Family(), "qwen2_5_vl_text": Family(), "qwen3_vl_text": Family(qk_norm=True),
     "qwen3_vl_moe_text": _moe(qk_norm=True, renorm_topk=True),  # Qwen3-VL-MoE's text model
     "qwen3_5_text": Family(**_HYBRID),
     "qwen3_5_moe_text": _moe(**_HYBRID, renorm_topk=True), "qwen3_next": _moe(**_HYBRID),
-    "gemma4_text": Family(sandwich=True, qk_norm=True, per_layer_sizes=True, mlp=mlps.gemma4, keys=GEMMA4_KEYS,
+    "gemma4_text": Family(block=blocks.sandwich, qk_norm=True, per_layer_sizes=True, mlp=mlps.gemma4, keys=GEMMA4_KEYS,
                           fields=lambda cfg, model: gemma4_fields(cfg)),
     "llama4_text": Family(no_rope_layers=True, mlp=mlps.llama4, keys=mlps.LLAMA4_KEYS,
                           renames=((".feed_forward.", ".mlp."),), fields=lambda cfg, model: llama4_fields(cfg)),
     "mistral4": _moe(q_scale=True, qkv=attention.latent, keys=attention.LATENT_KEYS,
                      renames=((".mlp.shared_experts.", ".mlp.shared_expert."),),
                      fields=lambda cfg, model: mistral4_fields(cfg, _decoder(model))),
-    "gemma3n_text": Family(qk_norm=True, keys={**gemma3n.LAYER_KEYS, **gemma3n.PLE_KEYS},
+    "gemma3n_text": Family(block=gemma3n.block, qk_norm=True, keys={**gemma3n.LAYER_KEYS, **gemma3n.PLE_KEYS},
                            fields=lambda cfg, model: gemma3n_fields(cfg, next(model.parameters()).dtype)),
-    "olmo2": Family(sandwich=True, fields=olmo_fields), "olmo3": Family(sandwich=True, fields=olmo_fields),
+    "olmo2": Family(block=blocks.sandwich, fields=olmo_fields),
+    "olmo3": Family(block=blocks.sandwich, fields=olmo_fields),
     "olmoe": _moe(fields=lambda cfg, model: dict(qk_norm_full=True)),
     "phi3": Family(project=attention.fused, mlp=mlps.fused, keys={**attention.FUSED_QKV_KEYS, **mlps.FUSED_KEYS}),
     "seed_oss": Family(),  # ByteDance's Seed-OSS: Llama's layers with biased q, k and v
