@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,39 @@ def log_events(path: Path, event: str = "request") -> list[dict]:
             if rec.get("event") == event:
                 out.append(rec)
     return out
+
+
+class RecordingServer:
+    """The Reference protocol's admin side, answered the way a reference server answers it (reloads recorded)."""
+
+    def __init__(self):
+        self.version, self.loaded = 0, []
+
+    def info(self) -> dict:
+        return {"version": self.version}
+
+    def reload(self, checkpoint_dir: str) -> dict:
+        self.loaded.append(checkpoint_dir)
+        self.version += 1
+        return self.info()
+
+
+def trickle_headers(sock: socket.socket, stop: threading.Event, every_s: float) -> threading.Thread:
+    """A started thread sending one header byte on ``sock`` every ``every_s`` seconds (at most 1000) until ``stop``
+    or the server closes it: each read is quick, the headers never end."""
+
+    def send() -> None:
+        for _ in range(1000):
+            if stop.wait(every_s):
+                return
+            try:
+                sock.send(b"X")
+            except OSError:
+                return
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    return sender
 
 
 def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:

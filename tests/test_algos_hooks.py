@@ -27,6 +27,7 @@ from grpo.reference.handle import ReferenceHandle
 from grpo.training.configure import load_config
 from grpo.rollout.engine import completion_mask
 from rewards.length import overlong_penalty
+from tests.ref_support import RecordingServer
 
 F64 = torch.float64
 
@@ -652,21 +653,6 @@ def test_cppo_forward_passes_run_on_kept_rows_only(single_rank_env, tmp_path):
     assert seen == {"ref": 8, "old": 8}  # 4 prompts (2 + 2 allocated) x G = 4, half kept
     assert m["cppo/kept_frac"] == 0.5 and m["cppo/prompts"] == 4 and "kl" in m
     assert len(tr._last_batch) == 16  # rewards and advantages are logged over every generated completion
-
-
-class RecordingServer:
-    """Implements the Reference protocol's admin side the way a reference server answers it."""
-
-    def __init__(self):
-        self.version, self.loaded = 0, []
-
-    def info(self) -> dict:
-        return {"version": self.version}
-
-    def reload(self, checkpoint_dir: str) -> dict:
-        self.loaded.append(checkpoint_dir)
-        self.version += 1
-        return self.info()
 
 
 def test_prorl_reference_resets(single_rank_env, tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from grpo.foundation.config import ConfigError, LoraConfig
 from grpo.training.configure import load_config
+from tests.ref_support import RecordingServer
 from tests.script_support import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,21 +312,6 @@ def test_checkpoint_resume_merge_and_eval_round_trip(single_rank_env, tmp_path, 
 
 
 # --------------------------------------------------------------------------- reference sync
-
-
-class RecordingServer:
-    """The admin side of a reference server, as it answers (see tests/test_algos_hooks.py)."""
-
-    def __init__(self):
-        self.version, self.loaded = 0, []
-
-    def info(self) -> dict:
-        return {"version": self.version}
-
-    def reload(self, checkpoint_dir: str) -> dict:
-        self.loaded.append(checkpoint_dir)
-        self.version += 1
-        return self.info()
 
 
 def moved_policy(tr) -> dict[str, torch.Tensor]:

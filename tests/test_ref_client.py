@@ -25,7 +25,7 @@ from grpo.reference.server import wsgi as server_wsgi
 from grpo.reference.server.app import AccessLog, build_server, check_bind
 from grpo.reference.protocol import ReferenceServerError, sliced_logprobs
 from grpo.foundation.tiny import build_tiny, make_char_tokenizer, write_tiny
-from tests.ref_support import assert_same, ragged_batch
+from tests.ref_support import assert_same, ragged_batch, trickle_headers
 from tests.patience import SERVER_S, WAIT_S
 
 
@@ -229,17 +229,7 @@ def test_clients_that_never_finish_their_request_are_dropped(monkeypatch):
         stalled_body = raw_connection(srv.url, b"POST /v1/logprobs HTTP/1.0\r\nContent-Length: 1000\r\n\r\n0123456789")
         stop = threading.Event()
 
-        def trickling() -> None:  # one header byte every 0.1 s: each read is quick, the headers never end
-            for _ in range(1000):  # longer than the 30 s below
-                if stop.wait(0.1):
-                    return
-                try:
-                    trickle.send(b"X")
-                except OSError:
-                    return
-
-        sender = threading.Thread(target=trickling)
-        sender.start()
+        sender = trickle_headers(trickle, stop, 0.1)  # for longer than the 30 s below
         t0 = time.monotonic()
         try:
             # 0.5 s limits against the 120 s a stalled read used to hold: 30 s only catches a hang

@@ -24,7 +24,7 @@ from grpo.reference.wire import CONTENT_TYPE, decode_response, encode, encode_re
 from grpo.reference.protocol import sliced_logprobs
 from grpo.reference.in_process import InProcessReference
 from grpo.foundation.tiny import make_char_tokenizer, make_tiny_model, write_tiny
-from tests.ref_support import assert_same, log_events, one_thread, ragged_batch  # noqa: F401 (one_thread: autouse)
+from tests.ref_support import assert_same, log_events, one_thread, ragged_batch, trickle_headers  # noqa: F401 (one_thread: autouse)
 from tests.patience import SERVER_S, WAIT_S
 
 pytestmark = pytest.mark.slow
@@ -315,18 +315,7 @@ def stalled_connections(host: str, port: int, stop: threading.Event) -> tuple[li
     stalled.sendall(f"POST /v1/logprobs HTTP/1.0\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 1000\r\n\r\n"
                     "0123456789".encode())
 
-    def trickling() -> None:
-        for _ in range(1000):
-            if stop.wait(0.2):
-                return
-            try:
-                trickle.send(b"X")
-            except OSError:
-                return
-
-    sender = threading.Thread(target=trickling)
-    sender.start()
-    return socks, sender
+    return socks, trickle_headers(trickle, stop, 0.2)
 
 
 def test_sigterm_lets_the_in_flight_request_finish_and_does_not_wait_for_stalled_connections(server, inproc):
