@@ -1,5 +1,6 @@
 """The static step: ``forward``, one functional pass (prefill or decode) over static KV buffers, each layer's
-attention and MLP its family's (attention.py, mlp.py); ``sample``: the sampler, without a host sync."""
+shape, attention and MLP its family's (blocks.py, attention.py, mlp.py); ``sample``: the sampler, without a host
+sync."""
 
 from __future__ import annotations
 
