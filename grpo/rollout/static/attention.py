@@ -88,7 +88,7 @@ def heads(spec: Any, lw: Layer, i: int, h: torch.Tensor, cos: torch.Tensor, sin:
     R, S, _ = h.shape
     H, (KV, D) = spec.heads, (spec.layer_dims[i] if spec.layer_dims else (spec.kv_heads, spec.head_dim))
     norm = spec.norm
-    rope = spec.rope_layers is None or spec.rope_layers[i]
+    rope = spec.rope_on(i)
 
     def positional(x: torch.Tensor) -> torch.Tensor:  # RoPE, then Llama 4's L2 norm of its RoPE layers
         if not rope:
@@ -157,7 +157,7 @@ def attention(spec: Any, lw: Layer, i: int, h: torch.Tensor, ropes: list, qpos: 
         v_buf.index_copy_(2, cols, v)
     if q_scale is not None:
         q = q * q_scale.to(q.dtype)
-    if spec.attn_temperature and not (spec.rope_layers is None or spec.rope_layers[i]):  # Llama 4's NoPE layers
+    if spec.attn_temperature and not spec.rope_on(i):  # Llama 4's NoPE layers
         t_scale, floor = spec.attn_temperature
         q = (q * (torch.log1p(torch.floor((qpos.float() + 1.0) / floor)) * t_scale + 1.0)[:, None, :, None]).to(q.dtype)
     mask = attend

@@ -94,6 +94,10 @@ class ModelSpec:
     layer_keys: tuple[tuple[str, str], ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
 
+    def rope_on(self, i: int) -> bool:
+        """Whether layer ``i`` applies RoPE (SmolLM3's and Llama 4's NoPE layers do not)."""
+        return self.rope_layers is None or self.rope_layers[i]
+
     def norm(self, x: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
         """This model's RMSNorm (``rms_norm`` in its family's arithmetic)."""
         return rms_norm(x, weight, self.eps, self.gemma_norm, self.norm_f32)
