@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     reward = None
     if args.reward_model:
-        from rewards.models import RewardModel  # the plug-in's reward model, handed down to the server's worker
+        from grpo.scoring.models import RewardModel  # composed here, handed down to the server's worker
 
         reward = {"model": args.reward_model, "label": args.reward_label, "batch_tokens": args.reward_batch_tokens,
                   "dtype": cfg.model.dtype if args.dtype else None, "load": RewardModel}

@@ -26,7 +26,7 @@ import torch
 from algos.grpo import GRPO
 from grpo.foundation import rl_math
 from grpo.foundation.config import Config, ConfigError
-from rewards import term_names
+from grpo.scoring.combined import term_names
 
 
 class GDPO(GRPO):

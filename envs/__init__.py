@@ -13,22 +13,17 @@ Environment code itself runs in the trainer process: it is trusted code, like th
 worker processes, and model-written code only through the sandbox (the ``python`` tool, docs/sandbox.md).
 
 Tools (``env.tools``; registered names or ``package.module:function``, ``fn(args_text, **kwargs) -> str``)
-run in sandboxed worker processes (envs/sandbox.py). This module stays light: the worker processes
-import it to find tools, so environments are imported only when named.
+run in sandboxed worker processes (grpo/workers/tools.py). This module stays light: the worker processes
+import it to find tools, so environments are imported only when named. The interface an environment implements:
+envs/base.py.
 """
 
 from __future__ import annotations
 
-from grpo.foundation.config import ConfigError
-from grpo.foundation.plugins import ENVS, SERVICES, TOOLS
+from grpo.foundation.plugins import ENVS, TOOLS
 
 ENVS.register("calculator", "envs.calculator:CalculatorEnv")
 ENVS.register("maze", "envs.maze:MazeEnv")
 ENVS.register("code", "envs.code:CodeEnv")
 TOOLS.register("calculator", "envs.tools:calculator")
 TOOLS.register("python", "envs.tools:python")
-SERVICES.register("environment", "envs.base:EnvSetup")
-
-EnvConfigError = ConfigError  # the name environments' errors had here
-resolve_env = ENVS.get  # a registered name or ``package.module:Class``
-resolve_tool = TOOLS.get  # a registered name or ``package.module:function`` (the tool workers resolve with it)

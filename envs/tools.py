@@ -27,11 +27,11 @@ def format_number(value: Fraction) -> str:
 
 
 def python(code: str, sandbox: Any = None, max_chars: int = 1000, **_: object) -> str:
-    """Run ``code`` (Python source) in the sandbox (rewards/sandbox.py, the run's ``sandbox:`` limits) and answer
+    """Run ``code`` (Python source) in the sandbox (grpo/workers/sandbox.py, the run's ``sandbox:`` limits) and answer
     its stdout; when it fails, its stdout and the last line of its error (or why it was stopped). Whatever the
     code does ends with this call: the answer is text for the policy, not an error of the tool. A program the
     sandbox could not run (a namespace or a fork refused) is: SandboxError, counted as the tool's error."""
-    from rewards.sandbox import SandboxError, run_python
+    from grpo.workers.sandbox import SandboxError, run_python
 
     r = run_python(code, sandbox)
     if r.reason == "error":

@@ -129,7 +129,7 @@ _COUNT = [0]
 def function_name(fn: Callable) -> str:
     """``rewards fn`` for a Python callable: ``package.module:function`` when a fresh process imports it by
     that name; otherwise (``__main__``'s, a lambda, a closure, a bound method) a name registered in this process
-    (the workers get the function by value, rewards/calls.py)."""
+    (the workers get the function by value, grpo/scoring/calls.py)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module and module not in ("__main__", "__mp_main__") and re.fullmatch(r"[A-Za-z_]\w*", qualname or ""):
         if getattr(sys.modules.get(module), qualname, None) is fn:

@@ -2,7 +2,7 @@
 
 The program is the completion's last fenced code block (```python or bare ```); the last block that defines
 the row's function when one is named; without a fence, the text from the first ``def``/``import``/``class``
-line on. Each test runs in its own sandboxed process (rewards/sandbox.py) within ``test_timeout`` seconds
+line on. Each test runs in its own sandboxed process (grpo/workers/sandbox.py) within ``test_timeout`` seconds
 (default ``sandbox.timeout``), and a row's tests stop after ``row_timeout`` seconds (the test then running is
 cut there; the rest count as timeouts). The reward is the fraction of tests passed (``mode: fraction``) or
 1 only when all pass (``mode: all``). The row's ``tests`` column is one of (``format: auto`` tells them apart):
@@ -36,7 +36,7 @@ import secrets
 import time
 from typing import Any, Optional
 
-from rewards import sandbox
+from grpo.workers import sandbox
 from rewards.judge import judge
 
 METRICS = ("passed", "wrong", "runtime_error", "compile_error", "timeout", "memory", "killed")

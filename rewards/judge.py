@@ -1,7 +1,7 @@
 """The ``code_tests`` judge: a test's code runs here, in the trusted process; the model's program runs in the
 sandbox and only answers calls (docs/sandbox.md, "the reward itself").
 
-The program is loaded by :data:`SERVE` in a :class:`rewards.sandbox.Session`. Its top-level names come back as
+The program is loaded by :data:`SERVE` in a :class:`grpo.workers.sandbox.Session`. Its top-level names come back as
 plain values, standard-library modules, or *handles* (a function, a class, an object); the test is executed
 here with those names, and each call of a handle is a request to the sandbox whose answer is plain data
 (numbers, strings, bytes, None, and lists, tuples, sets and dicts of them; a Counter, OrderedDict, defaultdict,
@@ -30,7 +30,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Optional
 
-from rewards import sandbox
+from grpo.workers import sandbox
 
 # Runs in the sandbox (standard library only). Requests on stdin, answers on stdout, one repr()'d tuple a
 # line; the program's own stdin is empty and its prints go to stderr.

@@ -14,11 +14,11 @@ is), ``auto`` (whichever of these the text shows). Equivalent forms count as equ
 
 math-verify's own timeouts use SIGALRM, which neither works off the main thread nor
 interrupts a hang inside one C call; they are off here, and the reward worker pool
-(rewards/worker_pool.py) enforces a hard per-call timeout instead.
+(grpo/workers/worker_pool.py) enforces a hard per-call timeout instead.
 
 math-verify (with sympy and its LaTeX parser: 0.3-0.4 s) is imported at the first comparison, not with the
 registry, so a run that does not score math never loads it; a reward worker imports it before its first
-call (``math_correct.slow_imports``, rewards/worker_pool.py's ``WarmUp``), outside any call's deadline.
+call (``math_correct.slow_imports``, grpo/workers/worker_pool.py's ``WarmUp``), outside any call's deadline.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def test_bad_input_is_refused_with_the_fix():
 def test_a_function_that_cannot_travel_is_named(tmp_path):
     from grpo.foundation.config import RewardPoolConfig, RewardSpec
     from grpo.api import function_name
-    from rewards import FunctionTerm
+    from grpo.scoring.combined import FunctionTerm
 
     counter = (i for i in range(10**6))  # a generator: no pickler sends it
 
@@ -175,7 +175,7 @@ def test_a_function_holding_an_open_file_is_refused_and_the_file_kept(tmp_path):
     refused, naming the file and the fix, and the file keeps what it held."""
     from grpo.foundation.config import RewardPoolConfig, RewardSpec
     from grpo.api import function_name
-    from rewards import FunctionTerm
+    from grpo.scoring.combined import FunctionTerm
 
     path = tmp_path / "log.txt"
     log = path.open("w")
@@ -199,6 +199,6 @@ def test_a_function_holding_an_open_file_is_refused_and_the_file_kept(tmp_path):
 
 def send_ok(fn) -> bool:
     """A plain closure still travels by value."""
-    from rewards.calls import received_by_value, send_by_value
+    from grpo.scoring.calls import received_by_value, send_by_value
 
     return received_by_value(send_by_value(fn, "f"))(completions=["a", "b"]) == [0.0, 0.0]

@@ -4,7 +4,7 @@ format, against values written here; and its counts in CombinedReward's metrics.
 import pytest
 
 from grpo.foundation.config import RewardPoolConfig, RewardSpec, SandboxConfig
-from rewards import CombinedReward
+from grpo.scoring.combined import CombinedReward
 from rewards.code_tests import code_tests, extract_program, run_tests
 
 # a generous wall clock (a loaded 2-core CI machine starts two interpreters per test), one CPU second: a busy

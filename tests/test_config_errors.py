@@ -359,7 +359,7 @@ def test_chat_template_a_string_or_a_file_replaces_the_tokenizers(tmp_path):
 
 def test_env_options_a_class_takes_as_kwargs_are_not_second_guessed():
     """An environment whose constructor keeps **kwargs (not **_) may use any key: no unknown-key error."""
-    from envs.base import EnvSetup, Environment
+    from grpo.rollout.environment import EnvSetup, Environment
 
     class Open(Environment):
         def __init__(self, tools=None, **kwargs):

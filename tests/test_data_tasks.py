@@ -302,7 +302,7 @@ def test_a_built_in_reward_and_a_trl_reward_share_one_mapped_dataset(tmp_path):
     """Issue 42, item 20: with the README's own ``answer: solution`` the column ``solution`` was gone, so a TRL
     reward reading it could not run beside math_correct reading ``answer``."""
     from grpo.foundation.config import RewardPoolConfig, RewardSpec
-    from rewards import CombinedReward
+    from grpo.scoring.combined import CombinedReward
 
     path = write_jsonl(tmp_path / "s.jsonl", [{"question": "1+1?", "solution": "2"}])
     item = load_source(data(source="jsonl", path=path, columns={"prompt": "question", "answer": "solution"}), 0)[0]

@@ -222,7 +222,7 @@ def test_architecture_picture_matches_the_tree():
     modules |= {"train.py", "ref_client.py", "algos/base.py", "algos/loss_options.py"}
     missing = sorted(modules - named)
     assert not missing, f"docs/architecture.md's tree picture does not name: {missing}"
-    assert {"grpo/foundation/rl_math.py", "grpo/reference/in_process.py", "rewards/worker_pool.py"} <= named
+    assert {"grpo/foundation/rl_math.py", "grpo/reference/in_process.py", "grpo/workers/worker_pool.py"} <= named
 
 
 def test_the_index_lists_every_page():

@@ -1,9 +1,10 @@
 """The package's layering: the folder is the floor, imports run one way and nowhere in a circle.
 
-    ground   grpo/      the engine: foundation -> data -> rollout -> reference -> training -> api (the Python
-                        API), knowing its plug-ins only by their protocols and registries (grpo/foundation/plugins.py)
-    plug-ins rewards/   reward functions and the reward service
-             envs/      environments and tools (they call rewards' sandbox and pool)
+    ground   grpo/      the engine: foundation -> workers -> data -> rollout -> scoring -> reference -> training
+                        -> api (the Python API), knowing its plug-ins only by their protocols and registries
+                        (grpo/foundation/plugins.py)
+    plug-ins rewards/   reward functions
+             envs/      environments and tools (the python tool and the code environment reuse rewards' code)
              algos/     algorithms (some reuse reward functions: DAPO's overlong penalty, DIVER's diversity)
     top      train.py, ref_client.py, scripts/: compose a run from the floors below
 
@@ -29,8 +30,10 @@ LAYER_OF_PREFIX = {
     "grpo": "foundation",  # the package itself: the Python API's names, loaded from grpo/api.py on first use
     "grpo.api": "api",
     "grpo.foundation": "foundation",
+    "grpo.workers": "workers",
     "grpo.data": "data",
     "grpo.rollout": "rollout",
+    "grpo.scoring": "scoring",
     "grpo.reference": "reference",
     "grpo.training": "training",
     "rewards": "rewards",
@@ -38,13 +41,15 @@ LAYER_OF_PREFIX = {
     "algos": "algos",
 }
 
-GROUND = {"foundation", "data", "rollout", "reference", "training", "api"}  # grpo/
+GROUND = {"foundation", "workers", "data", "rollout", "scoring", "reference", "training", "api"}  # grpo/
 
 # layer -> the layers its modules may import (its own included): the ground floor never imports a plug-in
 ALLOWED = {
     "foundation": {"foundation"},
+    "workers": {"foundation", "workers"},  # worker processes and the sandbox: reward functions and tools run there
     "data": {"foundation", "data"},
-    "rollout": {"foundation", "rollout"},
+    "rollout": {"foundation", "workers", "rollout"},  # an environment's tools run in workers
+    "scoring": {"foundation", "workers", "scoring"},  # reward sources called and combined
     "reference": {"foundation", "reference"},
     "training": GROUND - {"api"},
     "api": GROUND,  # a run from Python: compose, check, train (train.py's steps)

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from envs.base import EnvSetup
+from grpo.rollout.environment import EnvSetup
 from envs.calculator import CalculatorEnv
 from envs.maze import MazeEnv
-from envs.sandbox import ToolBox
+from grpo.workers.tools import ToolBox
 from grpo.foundation.batch import Turn
 from grpo.foundation.config import ConfigError
 from grpo.foundation.logprobs import completion_scores

@@ -4,11 +4,11 @@ sandbox; a hostile call ends that call (its answer says why), not the trajectory
 import os
 import time
 
-from envs.base import EnvSetup
+from grpo.rollout.environment import EnvSetup
 from envs.code import CodeEnv
-from envs.sandbox import ToolBox
+from grpo.workers.tools import ToolBox
 from grpo.rollout.multiturn import MultiTurnRollout
-from rewards import sandbox
+from grpo.workers import sandbox
 from grpo.training.configure import load_config
 from tests.test_multiturn import TOK, service
 

@@ -103,6 +103,20 @@ def test_a_home_registers_itself_at_the_first_lookup():
     assert out.stdout.split() == ["algos.dapo", "rewards.math_answer", "envs.maze", "envs.tools", "HFEngine"]
 
 
+def test_built_in_is_a_home_package_s_own_entry():
+    """A worker process knows by name what a home package registers (it loads the homes); what a user registers
+    in the trainer's process (an object, or a path outside the homes) is sent to it by value
+    (grpo/scoring/combined.py)."""
+    from grpo.foundation.plugins import REWARDS
+
+    reg = Registry("reward function", "rewards fn", home="rewards", paths="function")
+    reg.register("mine", "tests.reward_fixtures:not_callable")
+    reg.register("closure", lambda prompts, completions: [0.0] * len(completions))
+    assert not reg.built_in("mine") and not reg.built_in("closure") and not reg.built_in("nope")
+    assert REWARDS.built_in("math_correct") and REWARDS.built_in("code_tests")
+    assert not REWARDS.built_in("tests.reward_fixtures:not_callable")  # a path is resolved where it runs
+
+
 def test_the_plug_in_packages_fill_the_registries():
     import algos
     import envs
@@ -110,7 +124,7 @@ def test_the_plug_in_packages_fill_the_registries():
     from grpo.foundation import plugins
 
     assert algos.ALGORITHMS is plugins.ALGORITHMS and plugins.ALGORITHMS.get("grpo").name == "grpo"
-    assert envs.resolve_env("calculator").__name__ == "CalculatorEnv"
+    assert envs.ENVS is plugins.ENVS and plugins.ENVS.get("calculator").__name__ == "CalculatorEnv"
     assert rewards.REWARDS is plugins.REWARDS and "digits_match" in plugins.REWARDS and "nope" not in plugins.REWARDS
     assert "digits_step_match" in plugins.STEP_REWARDS
 

@@ -1,4 +1,4 @@
-"""Learned reward models (rewards/models.py): a tiny LlamaForSequenceClassification built here with a fixed seed.
+"""Learned reward models (grpo/scoring/models.py): a tiny LlamaForSequenceClassification built here with a fixed seed.
 
 In-process, batching by a token budget gives the scores of one row at a time, and left- and right-padding
 tokenizers give the same scores (fp32 on CPU: within 1e-5; the forward differs only in padding, so the
@@ -12,8 +12,8 @@ import torch
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.foundation.tiny import write_tiny_classifier
-from rewards import CombinedReward
-from rewards.models import Normalizer, RewardModel, token_batches
+from grpo.scoring.combined import CombinedReward
+from grpo.scoring.models import Normalizer, RewardModel, token_batches
 
 TOL = 1e-5
 PROMPTS = ["12=", "345=", "6+7=", "1=", "99<", "a long prompt with many characters="]

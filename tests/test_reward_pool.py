@@ -6,7 +6,8 @@ import time
 import pytest
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
-from rewards import CombinedReward, resolve
+from grpo.foundation.plugins import REWARDS
+from grpo.scoring.combined import CombinedReward
 
 HANG = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's comparison of this with 5 does not return (sympy in C)
 
@@ -97,11 +98,11 @@ def test_inline_mode_counts_errors_too():
 
 def test_bad_reward_names_stop_with_a_message():
     with pytest.raises(ConfigError, match="unknown"):
-        resolve("no_such_reward")
+        REWARDS.get("no_such_reward")
     with pytest.raises(ConfigError, match="cannot be imported"):
-        resolve("no_such_module_xyz:f")
+        REWARDS.get("no_such_module_xyz:f")
     with pytest.raises(ConfigError, match="not callable"):
-        resolve("tests.reward_fixtures:not_callable")
+        REWARDS.get("tests.reward_fixtures:not_callable")
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -175,7 +176,7 @@ def test_a_worker_imports_its_functions_slow_imports_before_their_first_call():
 def test_a_worker_that_cannot_start_gives_its_slot_back():
     """run() raises when a worker cannot start even after a replacement; its slot must return to the pool, or
     threads waiting for a worker (a turn's environments stepping at once) would wait forever."""
-    from rewards.worker_pool import WarmUp, WorkerPool
+    from grpo.workers.worker_pool import WarmUp, WorkerPool
 
     pool = WorkerPool(2, timeout=30.0)
     real, broken = pool._ready, [True]
@@ -201,7 +202,7 @@ def test_a_functions_rows_per_call_attribute_is_its_default_batching():
     ``rows_per_call`` attribute (math_correct and code_tests: 1) sets its rows per call unless the entry's
     batch_size or reward_pool.chunk_size says otherwise, and a user's function can carry one too."""
     from grpo.foundation.config import RewardPoolConfig, RewardSpec
-    from rewards import CombinedReward, FunctionTerm
+    from grpo.scoring.combined import CombinedReward, FunctionTerm
 
     pool = RewardPoolConfig(num_workers=2)
     per_call = {fn: FunctionTerm(fn, RewardSpec(fn=fn), pool).rows_per_call

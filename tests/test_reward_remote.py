@@ -13,7 +13,8 @@ import pytest
 
 from grpo.foundation.config import RewardPoolConfig, RewardSpec
 from grpo.foundation.dist import free_port
-from rewards import CombinedReward, RewardServiceError
+from grpo.foundation.plugins import RewardServiceError
+from grpo.scoring.combined import CombinedReward
 
 
 class Judge:

@@ -3,7 +3,7 @@ as a real subprocess on loopback: same scores as in-process, interleaved with lo
 bad requests refused with 4xx while the server keeps serving, and an atomic reload.
 
 Tolerance: the server and this process both run fp32 on CPU with one thread and the same code
-(rewards/models.py), one request at a time, so the scores are expected bit-identical; the comparison with
+(grpo/scoring/models.py), one request at a time, so the scores are expected bit-identical; the comparison with
 the in-process model allows 1e-6 all the same (documented in docs/rewards.md)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from grpo.foundation.tiny import make_char_tokenizer, write_tiny, write_tiny_cla
 from grpo.reference.http import HTTPReference
 from grpo.reference.launch import ServerProcess, free_port
 from grpo.training.configure import load_config
-from rewards import CombinedReward
-from rewards.models import RewardModel
+from grpo.scoring.combined import CombinedReward
+from grpo.scoring.models import RewardModel
 from tests.ref_support import one_thread, ragged_batch  # noqa: F401 (one_thread: autouse)
 from tests.patience import SERVER_S
 

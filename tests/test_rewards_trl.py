@@ -14,7 +14,7 @@ import pytest
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.training.configure import load_config
 from grpo.training.health import LearningHealth, RewardFailureGuard, RewardsFailing
-from rewards import CombinedReward
+from grpo.scoring.combined import CombinedReward
 
 ROOT = Path(__file__).resolve().parent.parent
 F = "tests.reward_fixtures:"

@@ -1,4 +1,4 @@
-"""The sandbox for untrusted code (rewards/sandbox.py) against hostile programs, and the worker pools' limits.
+"""The sandbox for untrusted code (grpo/workers/sandbox.py) against hostile programs, and the worker pools' limits.
 
 Each hostile program must end within its limits, with the reason it ended, and leave this (the trainer's)
 process and its files alone. Where this machine cannot give a guarantee (no network namespace, no
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from grpo.foundation.config import RewardPoolConfig, RewardSpec, WorkerLimits
-from rewards import CombinedReward
-from rewards import sandbox
+from grpo.scoring.combined import CombinedReward
+from grpo.workers import sandbox
 
 # a wall clock far above the CPU seconds: on a loaded machine a busy loop still ends by its CPU limit
 LIMITS = {"timeout": 30.0, "cpu_seconds": 1, "memory_mb": 256, "processes": 32, "max_output_bytes": 10_000}
@@ -201,7 +201,7 @@ def test_a_reward_call_past_its_cpu_seconds_is_killed_counted_and_replaced():
 
 
 def test_a_tool_worker_past_env_tool_limits_is_counted_replaced_and_the_next_call_runs():
-    from envs.base import EnvSetup
+    from grpo.rollout.environment import EnvSetup
     from grpo.training.configure import load_config
 
     cfg = load_config(overrides=["env.name=calculator", "data.source=env", "env.tool_workers=1",

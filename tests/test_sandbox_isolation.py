@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rewards import sandbox
+from grpo.workers import sandbox
 from rewards.code_tests import code_tests, run_tests
 
 LIMITS = {"timeout": 20.0, "cpu_seconds": 5, "memory_mb": 256, "processes": 32}
@@ -172,7 +172,7 @@ def test_a_run_that_cannot_start_is_an_infrastructure_error_not_the_programs():
 def test_the_failing_reward_rule_counts_sandbox_errors():
     """Counted as the reward's errors (reward/<name>/errors), which max_failing_steps watches."""
     from grpo.foundation.config import RewardPoolConfig, RewardSpec
-    from rewards import CombinedReward
+    from grpo.scoring.combined import CombinedReward
 
     spec = RewardSpec(fn="code_tests")
     r = CombinedReward([spec], RewardPoolConfig(1, 60.0, 0), sandbox=sandbox.Limits(python="/nonexistent/python3"))
@@ -248,7 +248,7 @@ def plain_user_dir():
     d = tempfile.mkdtemp(prefix="i42-plain-", dir="/tmp")
     os.chmod(d, 0o755)
     for name in ("sandbox.py", "_launch.py"):
-        shutil.copy(REPO / "rewards" / name, d)
+        shutil.copy(REPO / "grpo" / "workers" / name, d)
     Path(d, "user.py").write_text(PLAIN_USER)
     secret = Path(d, "secret.txt")
     secret.write_text("s3cret")

@@ -1251,7 +1251,7 @@ def test_multi_turn_maze_trajectories_equal_the_hf_engines_under_greedy_decoding
     """Multi-turn through the static engine (every turn re-prefilled whole) against the hf engine (which keeps
     each row's cache between turns, except for sliding-window layers): the same trajectories when both decode
     greedily. ``window``: a Mistral model with a 6-token sliding window instead of the tiny Llama."""
-    from envs.base import EnvSetup
+    from grpo.rollout.environment import EnvSetup
     from envs.maze import MazeEnv
     from grpo.foundation.tiny import build_tiny
     from grpo.rollout.engine import EngineSetup

@@ -207,7 +207,7 @@ def test_multi_turn_rollouts_through_vllm_equal_the_hf_engines_under_greedy(tiny
     PrefixStore): the same trajectories, turn for turn, under greedy decoding."""
     import dataclasses
 
-    from envs.base import EnvSetup
+    from grpo.rollout.environment import EnvSetup
     from envs.maze import MazeEnv
     from grpo.rollout.multiturn import MultiTurnRollout
     from grpo.rollout.service import RolloutService

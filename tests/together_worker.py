@@ -20,7 +20,7 @@ def main() -> None:
     from grpo.foundation import dist
     from grpo.training.configure import load_config
     from grpo.training.trainer import Trainer
-    from rewards import RewardServiceError
+    from grpo.foundation.plugins import RewardServiceError
 
     out = Path(sys.argv[1])
     for name, overrides in CASES.items():

@@ -285,7 +285,7 @@ class RolloutConfig:
 
 @dataclass
 class WorkerLimits:
-    """Resource limits of a reward or tool worker process (rewards/worker_pool.py): generous, against runaways only.
+    """Resource limits of a reward or tool worker process (grpo/workers/worker_pool.py): generous, against runaways only.
 
     Past ``memory_mb`` an allocation fails (MemoryError: the call is an error and the worker is replaced); past
     ``cpu_seconds`` of CPU in one call the kernel kills the worker (counted, replaced); past ``file_size_mb`` a
@@ -593,7 +593,7 @@ class EvalConfig:
 @dataclass
 class SandboxConfig:
     """Limits of untrusted, model-written code: the ``code_tests`` reward and the ``python`` tool run each
-    program through rewards/sandbox.py under these (docs/sandbox.md). 0 = no limit for the numeric ones."""
+    program through grpo/workers/sandbox.py under these (docs/sandbox.md). 0 = no limit for the numeric ones."""
 
     timeout: float = positive(5.0)  # wall-clock seconds per execution; then the run is killed, every process of it
     cpu_seconds: int = at_least_zero(5)  # RLIMIT_CPU per process (killed past it: reason cpu)
@@ -624,7 +624,7 @@ class SandboxConfig:
 
 @dataclass
 class RewardPoolConfig:
-    """Where reward functions run: worker processes with a hard per-call timeout (rewards/worker_pool.py)."""
+    """Where reward functions run: worker processes with a hard per-call timeout (grpo/workers/worker_pool.py)."""
 
     num_workers: int = at_least_zero(2)  # 0 = in the trainer process, without a timeout (debugging only)
     timeout: float = positive(10.0)  # seconds per call; a call past it scores 0 and is counted

@@ -1,14 +1,13 @@
 """What the engine (grpo/) knows of its plug-ins: their protocols and the registries they join.
 
     algos/     ALGORITHMS     an :class:`AlgorithmHooks` class per ``--algo NAME`` (algos/base.py: Algorithm)
-    rewards/   REWARDS        reward functions (``rewards: [{fn: NAME}]``), STEP_REWARDS (grpo-ps's steps),
-               SERVICES       "rewards": the run's reward sources combined (a :data:`Scorer`)
-    envs/      ENVS, TOOLS    environments of multi-turn rollouts and the tools they call,
-               SERVICES       "environment": a run's environment and tool box (an :class:`EnvironmentSetup`)
+    rewards/   REWARDS        reward functions (``rewards: [{fn: NAME}]``), STEP_REWARDS (grpo-ps's steps)
+    envs/      ENVS, TOOLS    environments of multi-turn rollouts (envs/base.py: Environment) and the tools they call
     grpo/rollout/service.py   ENGINES (``rollout.engine``)
 
 Each plug-in package registers itself when imported (grpo/foundation/registry.py); the registries import it
-at their first lookup. The trainer composes the run from these once (grpo/training/compose.py).
+at their first lookup. What calls and combines reward functions (grpo/scoring/) and builds environments
+(grpo/rollout/environment.py) is the engine's own: the trainer composes the run once (grpo/training/compose.py).
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ STEP_REWARDS = Registry("step reward", "algo.step_reward_fn", home="rewards", pa
                         check=must_be_callable)
 ENVS = Registry("environment", "env.name", home="envs", paths="Class")
 TOOLS = Registry("tool", "env.tools fn", home="envs", paths="function", check=must_be_callable)
-# the plug-in packages' services the trainer builds: "rewards" (with its check_sandbox), "environment" (the reference
-# server's reward model is handed down by ref_client.py)
-SERVICES = Registry("service", "plug-in service", home=("rewards", "envs"))
 
 
 class RewardServiceError(RuntimeError):
@@ -37,7 +33,7 @@ class RewardServiceError(RuntimeError):
 
 
 # (prompt texts, completion texts, dataset columns, raw_prompts=dataset prompts, completion_ids=token ids)
-#   -> (total reward per row, {source: values, nan where the source skipped the row}); SERVICES["rewards"]
+#   -> (total reward per row, {source: values, nan where the source skipped the row}); grpo/scoring/combined.py
 Scorer = Callable[..., tuple[list[float], dict[str, list[float]]]]
 
 
@@ -105,12 +101,3 @@ class AlgorithmHooks(Protocol):
     def options_state_dict(self) -> dict: ...
     def load_options_state_dict(self, state: dict) -> None: ...
 
-
-class EnvironmentSetup(Protocol):
-    """A run's environment and tool box (SERVICES["environment"], envs/base.py's EnvSetup)."""
-
-    factory: Callable[[dict], Any]  # a dataset row -> an environment (reset / step)
-    toolbox: Any  # pop_counts(): the tools' call counts since the last call
-
-    def tasks(self, n: int, seed: int) -> list[dict]: ...
-    def close(self) -> None: ...

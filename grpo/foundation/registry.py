@@ -75,6 +75,13 @@ class Registry:
                 self._homes_loaded = False
                 raise
 
+    def built_in(self, name: str) -> bool:
+        """Whether ``name`` is a home package's own entry (registered as one of its ``module:attr``): any process
+        knows it by name, where what a user registered from Python is known only in the process that did."""
+        self._load_homes()
+        target = self._registered.get(name)
+        return isinstance(target, str) and target.partition(":")[0].split(".")[0] in self.home
+
     def names(self) -> list[str]:
         self._load_homes()
         return sorted(self._entries)

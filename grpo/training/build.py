@@ -13,19 +13,18 @@ from grpo.foundation.config import Config, ConfigError
 from grpo.foundation.config_rules import custom_chat_template
 from grpo.foundation.logprobs import check_head
 from grpo.foundation.modeling import load_policy, load_tokenizer
-from grpo.foundation.plugins import SERVICES, EnvironmentSetup
+from grpo.rollout.environment import EnvSetup
 from grpo.rollout.multiturn import MultiTurnRollout
 from grpo.rollout.stream import Stream
 from grpo.training import deepspeed_engine as ds
 from grpo.training.partitioned import load_partitioned
 
 
-def make_env_setup(cfg: Config, setup: Optional[type] = None) -> Optional[EnvironmentSetup]:
-    """The run's environment and tool box (``setup``: the environment service, default the registered one),
-    or None for single-turn rollouts."""
+def make_env_setup(cfg: Config, setup: type = EnvSetup) -> Optional[EnvSetup]:
+    """The run's environment and tool box (``setup``: the class that builds them, the composed run's), or None for
+    single-turn rollouts."""
     if not cfg.env.name:
         return None
-    setup = setup or SERVICES.get("environment")
     try:
         return setup(cfg.env, cfg.sandbox)
     except ValueError as e:  # a bad option value of the environment's own

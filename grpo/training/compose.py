@@ -14,21 +14,23 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from grpo.foundation.config import Config
-from grpo.foundation.plugins import ALGORITHMS, SERVICES, AlgorithmHooks
+from grpo.foundation.plugins import ALGORITHMS, AlgorithmHooks
+from grpo.rollout.environment import EnvSetup
 from grpo.rollout.service import engine_class
+from grpo.scoring.combined import CombinedReward
 
 
 @dataclass(frozen=True)
 class Parts:
     algorithm: AlgorithmHooks  # algo.name's algorithm, built with the config
     engine: Callable[..., Any]  # rollout.engine's class (or builder) of an EngineSetup
-    rewards: type  # the reward service: rewards(specs, pool, ref=, sandbox=) is a Scorer of those sources;
+    rewards: type  # CombinedReward: rewards(specs, pool, ref=, sandbox=) scores with those sources;
     # rewards.check_sandbox(sandbox settings) refuses what the machine cannot give
-    env: Optional[type]  # with env.name: the environment setup (EnvironmentSetup), None for single-turn runs
+    env: Optional[type]  # with env.name: EnvSetup (the environment and its tool box), None for single-turn runs
 
 
 def compose(cfg: Config) -> Parts:
     """The run's plug-ins; a name that does not resolve raises ConfigError naming the choices (so does what the
     algorithm names when built: grpo-ps's step reward)."""
     return Parts(algorithm=ALGORITHMS.get(cfg.algo.name)(cfg), engine=engine_class(cfg.rollout.engine),
-                 rewards=SERVICES.get("rewards"), env=SERVICES.get("environment") if cfg.env.name else None)
+                 rewards=CombinedReward, env=EnvSetup if cfg.env.name else None)

@@ -21,7 +21,7 @@ from grpo.foundation.config import Config, ConfigError, RewardSpec
 from grpo.data.sources import PromptDataset, PromptSource, Subset, load_eval_source, load_source, prompt_text
 from grpo.rollout.engine import SamplingParams
 from grpo.rollout.service import RolloutService
-from grpo.foundation.plugins import SERVICES
+from grpo.scoring.combined import CombinedReward
 
 
 @dataclass
@@ -57,14 +57,13 @@ class Evaluator:
     """Scores a model on a fixed set of prompts with the configured correctness (and format) reward."""
 
     def __init__(self, cfg: Config, rollout: RolloutService, source: Optional[PromptSource] = None,
-                 rewards: Optional[type] = None):
-        """``rewards``: the reward service (default: the registered one, grpo.foundation.plugins.SERVICES)."""
+                 rewards: type = CombinedReward):
+        """``rewards``: the class that combines reward sources (the composed run's)."""
         self.cfg, self.rollout, self.tokenizer = cfg, rollout, rollout.tokenizer
         source = eval_source(cfg) if source is None else source
         self.dataset = PromptDataset.build(source, self.tokenizer, cfg.data, cfg.rollout.max_prompt_length)
         self.correct_spec: RewardSpec = cfg.eval.correctness or cfg.rewards[0]
         specs = [self.correct_spec] + ([cfg.eval.format] if cfg.eval.format else [])
-        rewards = rewards or SERVICES.get("rewards")
         self.scorer = rewards(specs, cfg.reward_pool, ref=cfg.ref, sandbox=cfg.sandbox)
         self.names = [t.name for t in self.scorer.terms]
         e = cfg.eval

@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     args = p.parse_args()
     sys.path.insert(0, args.repo)
-    from rewards import sandbox
+    from grpo.workers import sandbox
     from rewards.code_tests import run_tests
 
     limits = {"python": args.python} if args.python else None

@@ -7,7 +7,7 @@
                         time (409 meanwhile), once per Idempotency-Key; safetensors only, never a folder
                         with pickles, and inside GRPO_REF_RELOAD_ROOT when that is set
     POST /v1/reward     with --reward-model: JSON {"prompts": [text or messages], "completions": [text]}
-                        -> {"scores": [...], "version", "rows", "compute_ms"} (rewards/models.py), through
+                        -> {"scores": [...], "version", "rows", "compute_ms"} (grpo/scoring/models.py), through
                         the same queue, limits and Idempotency-Key joining as /v1/logprobs
     POST /v1/reward/reload  admin: as /v1/reload, for the reward model (atomic: each answer names its version)
 
@@ -490,7 +490,7 @@ class RefServer:
 def build_server(cfg: Config, device: str, log: Optional[AccessLog] = None, reward: Optional[dict] = None,
                  teacher: Optional[str] = None) -> RefServer:
     """Load the reference model (and ``reward``'s model: {model, label, dtype, batch_tokens, load: its loader,
-    e.g. rewards.models.RewardModel}; and ``teacher``, a
+    e.g. grpo.scoring.models.RewardModel}; and ``teacher``, a
     distillation teacher beside it) and bind ``ref.host:ref.port`` (refusing an open address without a token)."""
     log = log or AccessLog()
     r = cfg.ref

@@ -215,7 +215,7 @@ class DeviceWorker:
                                   f"holds a teacher of the reference's family, or run it on a server of its own")
             self.teacher.model.to(self.device)
             check_head(self.teacher.model)
-        # a reward model beside the reference (rewards/models.py): same device, same queue, own version
+        # a reward model beside the reference (grpo/scoring/models.py): same device, same queue, own version
         self.reward_args = dict(reward or {})
         self.reward = self._load_reward(self.reward_args["model"]) if reward else None
         self.reward_version = 0
@@ -321,7 +321,7 @@ class DeviceWorker:
 
     def _load_reward(self, source: str):
         """The reward model at ``source``, built by the loader the server was handed (``reward["load"]``:
-        ref_client.py passes rewards.models.RewardModel)."""
+        ref_client.py passes grpo.scoring.models.RewardModel)."""
         a = self.reward_args
         return a["load"](source, str(self.device), a.get("dtype"), a.get("label"),
                          a.get("batch_tokens") or self.max_batch_tokens, a.get("chat_template"),

@@ -33,7 +33,7 @@ import requests
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.foundation.plugins import RewardServiceError
-from rewards.calls import Rows
+from grpo.scoring.calls import Rows
 
 BACKOFF_BASE, BACKOFF_CAP = 0.1, 2.0
 REF_TOKEN_ENV = "GRPO_REF_TOKEN"

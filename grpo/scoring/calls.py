@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from grpo.foundation.config import ConfigError
-from rewards.worker_pool import Outcome
+from grpo.foundation.plugins import REWARDS
+from grpo.workers.worker_pool import Outcome
 
 
 @dataclass
@@ -168,9 +169,7 @@ class FunctionCall:
 
     def start(self) -> Any:
         """The function's return value: a list, or a coroutine for an async function."""
-        from rewards import resolve  # late: a worker process imports the registry itself
-
-        fn, r = (received_by_value(self.code) if self.code is not None else resolve(self.fn)), self.rows
+        fn, r = (received_by_value(self.code) if self.code is not None else REWARDS.get(self.fn)), self.rows
         if self.style == "plain":
             return fn(r.prompts, r.completions, **r.columns, **self.kwargs)
         given = {"prompts": r.raw_prompts, "completions": r.trl_completions(), "completion_ids": r.completion_ids,

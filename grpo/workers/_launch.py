@@ -1,4 +1,4 @@
-"""The sandbox's launcher (rewards/sandbox.py): ``python -I -S _launch.py SPEC -- ARGV...``.
+"""The sandbox's launcher (grpo/workers/sandbox.py): ``python -I -S _launch.py SPEC -- ARGV...``.
 
 Runs in the new session the parent made and applies SPEC (the parent's ``repr`` of a mapping of plain values)
 before ARGV runs. Standard library

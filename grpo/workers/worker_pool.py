@@ -1,4 +1,4 @@
-"""The worker pool: reward functions and environments' tools (envs/sandbox.py) run in worker processes, with a
+"""The worker pool: reward functions and environments' tools (grpo/workers/tools.py) run in worker processes, with a
 hard per-call timeout.
 
 Reward and tool code is untrusted in the sense that matters for a long run: math-verify can hang
@@ -8,7 +8,7 @@ runs in a worker process; a call that passes its deadline is answered with a tim
 and its worker is killed and replaced, and an exception comes back as its traceback.
 A value that is not a finite number (nan, inf) is an error too: one nan would make its
 whole group's advantages nan. The caller turns errors and timeouts into zeros and counts
-them (rewards.CombinedReward).
+them (grpo/scoring/combined.py's CombinedReward).
 
 Each worker runs under resource limits (``reward_pool.limits`` / ``env.tool_limits``, :func:`apply_limits`):
 address space and file size for its life, CPU seconds per call (re-armed before each call). An allocation past
@@ -52,6 +52,9 @@ from typing import Any, Iterator, Optional
 log = logging.getLogger("rewards")
 
 
+# what a worker imports before it says ready (the forkserver too): the registries, and the code of a reward call
+PRELOAD = ("grpo.foundation.plugins", "grpo.scoring.calls")
+
 MAX_ERROR_CHARS = 8000  # an error's text crosses the pipe and reaches the log: a huge exception message is cut
 
 
@@ -78,7 +81,7 @@ class Outcome:
     status: str
     values: Optional[list[float]] = None
     error: Optional[str] = None
-    value: Any = None  # the answer of a call that runs itself (a tool call: envs/sandbox.py)
+    value: Any = None  # the answer of a call that runs itself (a tool call: grpo/workers/tools.py)
     tainted: Optional[str] = None  # what the call patched in its worker (the worker is replaced)
 
     def __post_init__(self) -> None:
@@ -89,16 +92,17 @@ class Outcome:
 @dataclass
 class WarmUp:
     """A new worker's first call, before any deadline (the pool's start-up allowance): resolves the run's
-    functions by name with ``resolver`` (``module:function``), which imports their modules, and imports what
-    each lists in its ``slow_imports`` (math_correct: math-verify), so that no call's timeout pays for an
-    import. A function that cannot be resolved is left to its real call to report."""
+    functions by name in ``registry`` (one of grpo/foundation/plugins.py's), which imports their modules, and
+    imports what each lists in its ``slow_imports`` (math_correct: math-verify), so that no call's timeout pays
+    for an import. A function that cannot be resolved is left to its real call to report."""
 
     fns: list[str]
-    resolver: str = "rewards:resolve"
+    registry: str = "REWARDS"  # or TOOLS
 
     def run(self) -> Outcome:
-        module, _, attr = self.resolver.partition(":")
-        resolve = getattr(importlib.import_module(module), attr)
+        from grpo.foundation import plugins
+
+        resolve = getattr(plugins, self.registry).get
         for fn in self.fns:
             try:
                 for name in getattr(resolve(fn), "slow_imports", ()):
@@ -226,7 +230,8 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
     except OSError:  # already a group leader
         pass
     apply_limits(limits)
-    import rewards  # noqa: F401  (slow imports happen before the first deadline starts)
+    for module in PRELOAD:  # slow imports happen before the first deadline starts
+        importlib.import_module(module)
 
     conn.send_bytes(b"ready")
     seen: dict[str, tuple[Any, dict[str, Any]]] = {}
@@ -254,7 +259,7 @@ def _context():
     of a server already running stays as it was). Workers are started without the main script (see
     :func:`_without_main`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["rewards"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
@@ -266,7 +271,7 @@ def _without_main() -> Iterator[None]:
     """Start processes without multiprocessing's re-run of the main script in each of them. A user's script that
     calls ``grpo.train`` at its top level, without ``if __name__ == "__main__":`` (a notebook cell saved as a
     file), ran again in every worker: each started another run. Workers need nothing of the main script: they
-    import what they run by name, and the Python API's functions reach them by value (rewards/calls.py)."""
+    import what they run by name, and the Python API's functions reach them by value (grpo/scoring/calls.py)."""
     from multiprocessing import spawn
 
     real = spawn.get_preparation_data

@@ -2,7 +2,7 @@
 (docs/sandbox.md).
 
 Used by the ``code_tests`` reward (rewards/code_tests.py) and the ``python`` tool (envs/tools.py). Each
-:func:`run` starts a small launcher (rewards/_launch.py) in a session of its own, in a fresh folder, with an
+:func:`run` starts a small launcher (grpo/workers/_launch.py) in a session of its own, in a fresh folder, with an
 empty environment and stdin closed (or given), under the run's own cgroup where one can be made. Where the
 kernel allows it (probed once, :func:`capabilities`):
 

@@ -1,4 +1,4 @@
-"""Tool calls in sandboxed worker processes: rewards/worker_pool.py's pool (own process per worker, a hard
+"""Tool calls in sandboxed worker processes: grpo/workers/worker_pool.py's pool (own process per worker, a hard
 timeout per call, a hung worker killed and replaced, exceptions returned as tracebacks).
 
 A :class:`ToolBox` is what an environment gets: ``call(name, args) -> ToolResult``. A call that
@@ -16,7 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rewards.worker_pool import Outcome, WarmUp, WorkerPool, clip_text
+from grpo.workers.worker_pool import Outcome, WarmUp, WorkerPool, clip_text
 
 log = logging.getLogger("tools")
 
@@ -31,10 +31,10 @@ class ToolCall:
     max_output_chars: int = 2000
 
     def run(self) -> Outcome:
-        from envs import resolve_tool
+        from grpo.foundation.plugins import TOOLS
 
         try:
-            out = resolve_tool(self.fn)(self.args, **self.kwargs)
+            out = TOOLS.get(self.fn)(self.args, **self.kwargs)
             if not isinstance(out, str):
                 raise TypeError(f"tool {self.fn!r} returned {type(out).__name__}, not str")
             if len(out) > self.max_output_chars:
@@ -68,7 +68,7 @@ class ToolBox:
     def __post_init__(self) -> None:
         # every new worker imports the tools' modules first (a replaced one too), under the pool's start-up
         # allowance, so that importing a tool never counts against a call's timeout
-        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}), resolver="envs:resolve_tool")
+        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}), registry="TOOLS")
         self.pool = WorkerPool(self.num_workers, self.timeout, self.limits, warm_up=warm) if self.tools else None
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # environments of a turn may call tools from several threads

@@ -14,7 +14,7 @@ row's last real token, so a row scores the same alone, in any batch, left- or ri
 rounding). Weights are bf16 on CUDA, fp32 on CPU (``dtype`` overrides).
 
 ``where: trainer`` scores on the trainer's device (each rank its own rows); ``where: server`` sends the rows
-to the reference server (``ref_client.py --reward-model ...``; rewards/remote.py posts them), which scores
+to the reference server (``ref_client.py --reward-model ...``; grpo/scoring/remote.py posts them), which scores
 them with this same code. Either way the trainer then normalises (``running``: by the mean and std of every
 score seen so far, over all ranks; ``fixed``: ``(x - shift) / scale``) and clamps.
 """
@@ -29,7 +29,7 @@ import torch
 
 from grpo.foundation.config import ConfigError, RewardSpec, auto_dtype
 from grpo.foundation.modeling import DTYPES
-from rewards.calls import Rows
+from grpo.scoring.calls import Rows
 
 
 
@@ -183,7 +183,7 @@ class ModelTerm:
         self.normalizer = Normalizer(spec.normalize, spec.shift, spec.scale, spec.clamp)
         self.concurrent = spec.where == "server"  # a server request runs while the functions do
         if spec.where == "server":
-            from rewards.remote import ServerRewardClient
+            from grpo.scoring.remote import ServerRewardClient
 
             self.client: Any = ServerRewardClient(ref_cfg, spec)
             self.model = None
