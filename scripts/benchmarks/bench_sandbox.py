@@ -10,6 +10,7 @@ one to compare). Prints one line; docs/results.md, "Sandbox".
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -17,12 +18,15 @@ import time
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repo", default=".", help="the checkout whose rewards/ to time (default: this one)")
+    p.add_argument("--repo", default=".", help="the checkout whose sandbox to time (default: this one)")
     p.add_argument("--python", default="", help="the program's interpreter (sandbox.python)")
     p.add_argument("--runs", type=int, default=20)
     args = p.parse_args()
     sys.path.insert(0, args.repo)
-    from grpo.workers import sandbox
+    if os.path.exists(os.path.join(args.repo, "grpo", "workers", "sandbox.py")):
+        from grpo.workers import sandbox
+    else:  # a checkout from before the sandbox moved out of rewards/
+        from rewards import sandbox
     from rewards.code_tests import run_tests
 
     limits = {"python": args.python} if args.python else None
