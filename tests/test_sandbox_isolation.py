@@ -330,6 +330,82 @@ def test_without_a_cgroup_the_run_holds_at_most_twice_memory_mb(monkeypatch):
         sandbox._plan.cache_clear()
 
 
+def fake_cgroup_v2(root: Path, own: str, controllers: str, enabled: str = "", procs: str = "101\n102\n") -> Path:
+    """A cgroup v2 tree as files (no kernel behind it): this process in ``own``, its cgroup.controllers and
+    cgroup.subtree_control; /proc/self/cgroup points there."""
+    d = root / "fs" / "job.scope"
+    d.mkdir(parents=True)
+    for name, text in (("cgroup.procs", procs), ("cgroup.controllers", controllers),
+                       ("cgroup.subtree_control", enabled)):
+        (d / name).write_text(text)
+    if own.endswith(sandbox.LEAF):
+        (d / sandbox.LEAF).mkdir()
+        (d / sandbox.LEAF / "cgroup.procs").write_text(procs)
+    (root / "self").write_text(f"0::{own}\n")
+    return d
+
+
+@pytest.fixture
+def cgroup_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "PROC_CGROUP", str(tmp_path / "self"))
+    monkeypatch.setattr(sandbox, "CGROUP_FS", str(tmp_path / "fs"))
+    return tmp_path
+
+
+def test_a_delegated_cgroup_v2_holds_the_runs_cgroups_once_the_trainer_moves_into_a_leaf(cgroup_files):
+    """Issue 58 item 11: a plain user's delegated cgroup v2 (its cgroup.controllers has memory and pids; the trainer
+    is in it, so cgroup v2 gives its children no controller): the processes in it move into the leaf grpo-trainer,
+    one write a pid, then memory and pids are enabled for its children, the runs' cgroups. Was: the probe found no
+    controller in a child and the run went without a cgroup. The kernel's side (moves, EBUSY) cannot be had on
+    this machine (cgroup v1 memory and pids): the files stand in for it."""
+    d = fake_cgroup_v2(cgroup_files, "/job.scope", "cpu io memory pids")
+    assert sandbox._delegated_v2() == str(d)
+    assert (d / sandbox.LEAF / "cgroup.procs").read_text() == "101\n102\n"  # every process of the job moved
+    assert (d / "cgroup.subtree_control").read_text() == "+memory +pids"
+
+
+def test_a_process_in_the_leaf_uses_its_parent_and_moves_nothing(cgroup_files):
+    """A reward worker started after the move (or a second rank) is in the leaf: the runs' cgroups go beside it."""
+    d = fake_cgroup_v2(cgroup_files, f"/job.scope/{sandbox.LEAF}", "memory pids", enabled="memory pids")
+    assert sandbox._delegated_v2() == str(d)
+    assert (d / "cgroup.procs").read_text() == "101\n102\n" and (d / "cgroup.subtree_control").read_text() == \
+        "memory pids"
+
+
+def test_a_cgroup_without_the_controllers_delegated_is_left_alone(cgroup_files):
+    d = fake_cgroup_v2(cgroup_files, "/job.scope", "cpu io")
+    assert sandbox._delegated_v2() is None and not (d / sandbox.LEAF).exists()
+
+
+def test_a_hierarchy_root_is_never_emptied(cgroup_files):
+    """The root of a cgroup v2 mount (the machine's, or a container's namespace) keeps its processes: the controllers
+    are enabled for its children as it is (the machine's root allows that), else the run goes without a cgroup."""
+    fs = cgroup_files / "fs"
+    fs.mkdir()
+    for name, text in (("cgroup.procs", "1\n7\n"), ("cgroup.controllers", "memory pids"),
+                       ("cgroup.subtree_control", "")):
+        (fs / name).write_text(text)
+    (cgroup_files / "self").write_text("0::/\n")
+    assert sandbox._delegated_v2() == str(fs)
+    assert (fs / "cgroup.subtree_control").read_text() == "+memory +pids" and not (fs / sandbox.LEAF).exists()
+
+
+def test_a_refused_move_puts_every_process_back_and_says_so(cgroup_files, monkeypatch, caplog):
+    """Where the controllers cannot be enabled (a process that cannot be moved keeps the cgroup busy), the processes
+    go back where they were and the run goes without a cgroup, said once."""
+    d = fake_cgroup_v2(cgroup_files, "/job.scope", "memory pids")
+
+    def refused(_d):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(sandbox, "_enable_for_children", refused)
+    monkeypatch.setattr(sandbox, "_logged", set())
+    with caplog.at_level("WARNING", logger="sandbox"):
+        assert sandbox._delegated_v2() is None
+    assert (d / "cgroup.procs").read_text() == "101\n102\n" * 2  # moved back, one write a pid
+    assert "cannot hold the runs' cgroups" in caplog.text and "Permission denied" in caplog.text
+
+
 def test_as_a_plain_user_without_namespaces_it_says_what_does_not_hold(plain_user_dir):
     out = as_plain_user(plain_user_dir, "none")
     assert out["hello"] == "42\n" and out["forks"] == "forked\n", out  # no RLIMIT_NPROC on the trainer's uid

@@ -33,6 +33,8 @@ error`` (:class:`Result`).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -189,21 +191,125 @@ def _prefixes(python: str) -> tuple[str, ...]:
     return tuple(found)
 
 
+PROC_CGROUP, CGROUP_FS = "/proc/self/cgroup", "/sys/fs/cgroup"
+LEAF = "grpo-trainer"  # the child of a delegated cgroup v2 the trainer's processes move into (see _delegated_v2)
+RUN_CONTROLLERS = {"memory", "pids"}
+
+
 def _own_cgroup(controller: str) -> Optional[str]:
     """This process's cgroup folder for ``controller`` ("" = the v2 hierarchy), where it can be written."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = Path(PROC_CGROUP).read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, names, path = line.split(":", 2)
         if controller in names.split(",") if controller else names == "":
-            mounts = [f"/sys/fs/cgroup/{controller}"] if controller else ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            mounts = [f"{CGROUP_FS}/{controller}"] if controller else [f"{CGROUP_FS}/unified", CGROUP_FS]
             for m in mounts:
                 d = m + path.rstrip("/")
                 if os.path.isfile(os.path.join(d, "cgroup.procs")) and os.access(d, os.W_OK):
                     return d
     return None
+
+
+def _listed(d: str, name: str) -> set[str]:
+    try:
+        return set(Path(d, name).read_text().split())
+    except OSError:
+        return set()
+
+
+def _move_processes(src: str, dst: str) -> None:
+    """Every process of cgroup ``src`` into ``dst`` (one pid a write; a process gone meanwhile is skipped)."""
+    for pid in Path(src, "cgroup.procs").read_text().split():
+        try:
+            with open(os.path.join(dst, "cgroup.procs"), "a") as f:
+                f.write(pid + "\n")
+        except ProcessLookupError:
+            pass
+
+
+def _enable_for_children(d: str) -> None:
+    Path(d, "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(RUN_CONTROLLERS)))
+
+
+@contextmanager
+def _cgroup_lock() -> Iterator[None]:
+    """One process of this user at a time (the ranks and worker processes of a run share their cgroup)."""
+    with open(os.path.join(tempfile.gettempdir(), f"grpo-sandbox-cgroup-{os.getuid()}.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _v2_parent() -> tuple[Optional[str], bool]:
+    """(the cgroup v2 folder the runs' cgroups would go in, whether its children get both controllers already):
+    this process's own writable cgroup, or the parent of :data:`LEAF` when this process is in it; None where
+    memory and pids are not delegated to it."""
+    own = _own_cgroup("")
+    if own is None:
+        return None, False
+    parent = os.path.dirname(own) if os.path.basename(own) == LEAF else own
+    if RUN_CONTROLLERS <= _listed(parent, "cgroup.subtree_control"):
+        return parent, True
+    if RUN_CONTROLLERS <= _listed(parent, "cgroup.controllers") and os.access(
+            os.path.join(parent, "cgroup.subtree_control"), os.W_OK):
+        return parent, False
+    return None, False
+
+
+def _delegated_v2() -> Optional[str]:
+    """The cgroup v2 folder whose children (the runs' cgroups) get the memory and pids controllers, or None.
+
+    It is this process's own writable cgroup, or the parent of the leaf below when this process is in it, where
+    both controllers are delegated to it (its cgroup.controllers: ``systemd-run --user -p Delegate=yes``, a
+    container's own cgroup). cgroup v2 gives a cgroup's children a controller only while the cgroup itself holds no
+    process, and a delegated cgroup holds the trainer: so, once, the processes in it move into a child of it,
+    ``grpo-trainer`` (:data:`LEAF`: the same subtree, so the same accounting and limits), and the two controllers
+    are enabled for its children. Done under a lock: the ranks and reward workers of a run share the cgroup.
+    Where that fails, every process moves back, and the run goes on without a cgroup (said at start)."""
+    parent, ready = _v2_parent()
+    if parent is None or ready:
+        return parent
+    try:
+        with _cgroup_lock():
+            parent, ready = _v2_parent()  # again: another process of the run may have done it meanwhile
+            if parent is None or ready:
+                return parent
+            _hold_runs(parent)
+            return parent
+    except OSError as e:
+        _log_once("cgroup-v2", f"sandbox: the delegated cgroup {parent} cannot hold the runs' cgroups ({e}): "
+                               "runs go without a cgroup")
+        return None
+
+
+def _hold_runs(parent: str) -> None:
+    """Enable memory and pids for ``parent``'s children, its processes moved into :data:`LEAF` first (OSError
+    otherwise, every process moved back). A hierarchy's root is never emptied (the machine's root may enable them
+    as it is; a container's namespace root stays as it is)."""
+    if parent in (CGROUP_FS, f"{CGROUP_FS}/unified"):
+        _enable_for_children(parent)
+        return
+    leaf = os.path.join(parent, LEAF)
+    os.makedirs(leaf, exist_ok=True)
+    try:
+        for attempt in range(5):  # a process started meanwhile keeps the controllers off (EBUSY): move again
+            _move_processes(parent, leaf)
+            try:
+                _enable_for_children(parent)
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY or attempt == 4:
+                    raise
+    except OSError:
+        with contextlib.suppress(OSError):
+            _move_processes(leaf, parent)
+            os.rmdir(leaf)
+        raise
 
 
 @lru_cache(maxsize=None)
@@ -212,20 +318,8 @@ def _cgroup_layout() -> Optional[dict]:
     v1 = {c: _own_cgroup(c) for c in ("memory", "pids")}
     if all(v1.values()):
         return v1
-    v2 = _own_cgroup("")
-    if v2:
-        probe = os.path.join(v2, f"grpo-sandbox-probe-{os.getpid()}")
-        try:
-            os.mkdir(probe)
-            try:
-                have = Path(probe, "cgroup.controllers").read_text().split()
-            finally:
-                os.rmdir(probe)
-        except OSError:
-            have = []
-        if "memory" in have and "pids" in have:
-            return {"memory": v2, "pids": v2}
-    return None
+    v2 = _delegated_v2()
+    return {"memory": v2, "pids": v2} if v2 else None
 
 
 class _Cgroup:
