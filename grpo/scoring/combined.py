@@ -142,7 +142,8 @@ class CombinedReward:
                                  for name, spec in zip(term_names(specs), specs)]
         pooled = any(t.kind == "fn" and not t.inline for t in self.terms)
         # a new worker imports the pooled functions' modules (and their slow_imports) before its first call
-        warm = WarmUp(sorted({t.spec.fn for t in self.terms if t.kind == "fn" and not t.inline}))
+        warm = WarmUp(sorted({t.spec.fn for t in self.terms if t.kind == "fn" and not t.inline}),
+                      imports=(FunctionCall.__module__,))
         self.pool = WorkerPool(self.pool_cfg.num_workers if pooled else 0, self.pool_cfg.timeout, self.pool_cfg.limits,
                                warm_up=warm)
         self.state = StepInfo()

@@ -68,7 +68,8 @@ class ToolBox:
     def __post_init__(self) -> None:
         # every new worker imports the tools' modules first (a replaced one too), under the pool's start-up
         # allowance, so that importing a tool never counts against a call's timeout
-        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}), registry="TOOLS")
+        warm = WarmUp(sorted({spec for spec, _ in self.tools.values()}), registry="TOOLS",
+                      imports=(ToolCall.__module__,))
         self.pool = WorkerPool(self.num_workers, self.timeout, self.limits, warm_up=warm) if self.tools else None
         self._reported: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # environments of a turn may call tools from several threads

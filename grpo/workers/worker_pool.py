@@ -52,8 +52,9 @@ from typing import Any, Iterator, Optional
 log = logging.getLogger("rewards")
 
 
-# what a worker imports before it says ready (the forkserver too): the registries, and the code of a reward call
-PRELOAD = ("grpo.foundation.plugins", "grpo.scoring.calls")
+# what a worker imports before it says ready (the forkserver too): the registries (the module of the calls it runs:
+# its WarmUp's imports)
+PRELOAD = ("grpo.foundation.plugins",)
 
 MAX_ERROR_CHARS = 8000  # an error's text crosses the pipe and reaches the log: a huge exception message is cut
 
@@ -91,17 +92,21 @@ class Outcome:
 
 @dataclass
 class WarmUp:
-    """A new worker's first call, before any deadline (the pool's start-up allowance): resolves the run's
-    functions by name in ``registry`` (one of grpo/foundation/plugins.py's), which imports their modules, and
-    imports what each lists in its ``slow_imports`` (math_correct: math-verify), so that no call's timeout pays
-    for an import. A function that cannot be resolved is left to its real call to report."""
+    """A new worker's first call, before any deadline (the pool's start-up allowance): imports ``imports`` (the
+    module of the calls it will run), resolves the run's functions by name in ``registry`` (one of
+    grpo/foundation/plugins.py's), which imports their modules, and imports what each lists in its
+    ``slow_imports`` (math_correct: math-verify), so that no call's timeout pays for an import. A function that
+    cannot be resolved is left to its real call to report."""
 
     fns: list[str]
     registry: str = "REWARDS"  # or TOOLS
+    imports: tuple[str, ...] = ()
 
     def run(self) -> Outcome:
         from grpo.foundation import plugins
 
+        for name in self.imports:
+            importlib.import_module(name)
         resolve = getattr(plugins, self.registry).get
         for fn in self.fns:
             try:
@@ -254,12 +259,13 @@ def _worker_main(conn: Connection, limits: Optional[dict[str, int]] = None) -> N
         conn.send_bytes(encode_answer(seq, out, tainted))
 
 
-def _context():
-    """The forkserver context whose server has imported the registry (set before the server starts: the preload
-    of a server already running stays as it was). Workers are started without the main script (see
+def _context(imports: tuple[str, ...] = ()):
+    """The forkserver context whose server has imported the registry and ``imports`` (the module of the first
+    pool's calls; set before the server starts: the preload of a server already running stays as it was, and a
+    worker imports its calls' module in its WarmUp). Workers are started without the main script (see
     :func:`_without_main`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([*PRELOAD, *imports])
     return ctx
 
 
@@ -386,7 +392,7 @@ class WorkerPool:
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be > 0")
         self.num_workers, self.timeout, self.warm_up = num_workers, timeout, warm_up
-        self._ctx = _context()
+        self._ctx = _context(tuple(getattr(warm_up, "imports", ())))
         self.limits = limits if limits is None or isinstance(limits, dict) else dict(vars(limits))
         self._workers: list[_Worker] = []
         self.restarts = 0  # workers replaced after a timeout or a crash
