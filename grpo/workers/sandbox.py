@@ -236,13 +236,16 @@ def _enable_for_children(d: str) -> None:
 
 @contextmanager
 def _cgroup_lock() -> Iterator[None]:
-    """One process of this user at a time (the ranks and worker processes of a run share their cgroup)."""
-    with open(os.path.join(tempfile.gettempdir(), f"grpo-sandbox-cgroup-{os.getuid()}.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """One process of this user at a time (the ranks and worker processes of a run share their cgroup). The lock
+    file in the shared temp folder is neither followed if a link nor truncated: another user cannot point it at a
+    file of this one's."""
+    path = os.path.join(tempfile.gettempdir(), f"grpo-sandbox-cgroup-{os.getuid()}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _v2_parent() -> tuple[Optional[str], bool]:
@@ -277,9 +280,8 @@ def _delegated_v2() -> Optional[str]:
     try:
         with _cgroup_lock():
             parent, ready = _v2_parent()  # again: another process of the run may have done it meanwhile
-            if parent is None or ready:
-                return parent
-            _hold_runs(parent)
+            if parent is not None and not ready:
+                _hold_runs(parent)
             return parent
     except OSError as e:
         _log_once("cgroup-v2", f"sandbox: the delegated cgroup {parent} cannot hold the runs' cgroups ({e}): "
