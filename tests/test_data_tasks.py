@@ -155,6 +155,18 @@ def test_chat_template_with_r1_system_prompt_and_prefill():
     assert tok.decode(prompt_ids(tok, {"prompt": "2+2?"}, cfg)) == text
 
 
+def test_a_template_of_its_own_renders_plain_text_prompts_too(tmp_path):
+    """data.chat_template given as a template (or its file) with plain-text prompts: the dataset holds each prompt's
+    templated ids (it crashed at start: the batched encoding was keyed on data.chat_template being exactly true)."""
+    from grpo.training import build
+
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    (tmp_path / "t.jinja").write_text(template)
+    for value in (template, str(tmp_path / "t.jinja")):
+        tok, ds, _ = build.data(load_config(overrides=[f"data.chat_template={value}"]), None)
+        assert [tok.decode(ids) for ids in ds.ids[:3]] == [f"<{it['prompt']}>=" for it in ds.items[:3]]
+
+
 def test_dataset_ids_are_each_prompts_own_encoding(monkeypatch):
     """The dataset tokenizes in batches (grpo.data.sources.encode_texts): each prompt's ids equal its own
     encoding, BOS added to plain text and not to a rendered chat template, across batch boundaries."""

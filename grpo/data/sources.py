@@ -263,7 +263,7 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: D
 def is_chat(item: dict[str, Any], cfg: DataConfig) -> bool:
     """Whether the prompt is rendered by the chat template, which holds its special tokens (BOS included where
     the model wants one): its ids get no others."""
-    return isinstance(item["prompt"], list) or cfg.chat_template
+    return isinstance(item["prompt"], list) or bool(cfg.chat_template)  # (a template of its own, or a file's path)
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: DataConfig) -> list[int]:
