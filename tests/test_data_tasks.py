@@ -167,6 +167,69 @@ def test_a_template_of_its_own_renders_plain_text_prompts_too(tmp_path):
         assert [tok.decode(ids) for ids in ds.ids[:3]] == [f"<{it['prompt']}>=" for it in ds.items[:3]]
 
 
+# Qwen3's way: the generation prompt holds an empty think block when enable_thinking is false
+THINKING = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+            "a:{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """data.chat_template_kwargs (TRL's chat_template_kwargs): the template is rendered with them, in the prompts and
+    in a multi-turn rollout's turns alike."""
+    from grpo.rollout.multiturn import ChatRenderer
+
+    tok = make_char_tokenizer()
+    tok.chat_template = THINKING
+    off = data(chat_template=True, chat_template_kwargs={"enable_thinking": False})
+    assert prompt_text(tok, {"prompt": "2+2?"}, off) == "u:2+2?\na:<think></think>"
+    assert prompt_text(tok, {"prompt": "2+2?"}, data(chat_template=True)) == "u:2+2?\na:"
+    assert tok.decode(prompt_ids(tok, {"prompt": "2+2?"}, off)) == "u:2+2?\na:<think></think>"
+    render = ChatRenderer(tok, [tok.eos_token_id], template_kwargs={"enable_thinking": False})
+    assert tok.decode(render.first([{"role": "user", "content": "hi"}])) == "u:hi\na:<think></think>"
+    assert tok.decode(render.later([{"role": "user", "content": "ok"}], True)).endswith("u:ok\na:<think></think>")
+
+
+def test_chat_template_kwargs_the_template_does_not_read_or_no_prompt_uses_are_refused():
+    """A key that would change nothing stops the run with what the template reads, before any model loads."""
+    from grpo.data.sources import check_template_kwargs, template_variables
+
+    tok = make_char_tokenizer()
+    tok.chat_template = THINKING
+    assert template_variables(THINKING) == ["add_generation_prompt", "enable_thinking", "messages"]
+    check_template_kwargs(tok, data(chat_template=True, chat_template_kwargs={"enable_thinking": False}), used=True)
+    misspelt = data(chat_template=True, chat_template_kwargs={"enable_thinkng": False})
+    with pytest.raises(ConfigError, match=r"never reads \['enable_thinkng'\].*besides the messages and special "
+                                          r"tokens: \['enable_thinking'\]"):
+        check_template_kwargs(tok, misspelt, used=True)
+    with pytest.raises(ConfigError, match=r"no prompt goes through the chat template.*data.chat_template=true"):
+        check_template_kwargs(tok, data(chat_template_kwargs={"enable_thinking": False}), used=False)
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="the tokenizer has no chat template"):
+        check_template_kwargs(tok, data(chat_template=True, chat_template_kwargs={"enable_thinking": False}), used=True)
+    check_template_kwargs(tok, data(), used=False)  # none set: nothing to check
+
+
+def test_chat_template_kwargs_from_the_command_line_and_the_checks_at_start():
+    """`data.chat_template_kwargs.enable_thinking=false` is a bool; apply_chat_template's own arguments are refused
+    when the config loads; the trainer's data set-up (grpo.training.build.data) checks the keys against the template."""
+    from grpo.training import build
+
+    cfg = load_config(overrides=["data.chat_template_kwargs.enable_thinking=false",
+                                 f"data.chat_template={THINKING}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    tok, ds, _ = build.data(cfg, None)
+    assert tok.decode(ds.ids[0]).endswith("a:<think></think>")
+    cfg.data.chat_template_kwargs = {"thinking": False}
+    with pytest.raises(ConfigError, match=r"never reads \['thinking'\]"):
+        build.data(cfg, None)
+    cfg.data.chat_template = False  # plain-text prompts: nothing would read them
+    with pytest.raises(ConfigError, match=r"no prompt goes through the chat template"):
+        build.data(cfg, None)
+    with pytest.raises(ConfigError, match=r"data.chat_template_kwargs sets \['add_generation_prompt'\]"):
+        load_config(overrides=["data.chat_template_kwargs={add_generation_prompt: false}"])
+    with pytest.raises(ConfigError, match=r"'chat_template_kwargs' is TRL's name .* data.chat_template_kwargs"):
+        load_config(tree={"chat_template_kwargs": {"enable_thinking": False}})
+
+
 def test_dataset_ids_are_each_prompts_own_encoding(monkeypatch):
     """The dataset tokenizes in batches (grpo.data.sources.encode_texts): each prompt's ids equal its own
     encoding, BOS added to plain text and not to a rendered chat template, across batch boundaries."""

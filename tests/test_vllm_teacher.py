@@ -111,6 +111,10 @@ def test_start_up_refusals(served):
     with pytest.raises(ConfigError, match=r"the chat-templated turn .* is \[.*\] there and \[.*\] here"):
         make_teacher(teacher_cfg(url, **{"data.chat_template": "true"}), torch.device("cpu"), odd, len(odd))
     assert make_teacher(teacher_cfg(url), torch.device("cpu"), odd, len(odd)).kind == "server"
+    # data.chat_template_kwargs go with the probe turn to the server's /tokenize (vLLM's chat_template_kwargs), which
+    # renders it as the policy's side does: accepted where both templates are the same
+    kwargs = {"data.chat_template": "true", "data.chat_template_kwargs": "{enable_thinking: false}"}
+    assert make_teacher(teacher_cfg(url, **kwargs), torch.device("cpu"), tok, len(tok)).kind == "server"
     with pytest.raises(ConfigError, match=r"teacher.api='openai' describes the server at teacher.url"):
         config("opd", **{"teacher.api": "openai"})
 

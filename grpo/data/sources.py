@@ -9,6 +9,7 @@ sees exactly the prompts an uninterrupted one would.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.foundation.config import ConfigError, DataConfig, DigitsTaskConfig
+from grpo.foundation.config_rules import TEMPLATE_OWN
 from grpo.foundation.console import no_dataset_bars
 from grpo.foundation.modeling import max_token_chars
 from grpo.data.tasks import TASKS, ArithmeticTask, CountdownTask, system_prompt
@@ -254,10 +256,50 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: D
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if system and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system}] + messages
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **cfg.chat_template_kwargs)
     else:
         text = (system + "\n" if system else "") + str(prompt)
     return text + (cfg.prefill or "")
+
+
+def template_variables(template: str) -> list[str]:
+    """The variables a Jinja chat template reads that it does not set itself ([] where jinja2 cannot parse it:
+    a template of transformers' own tags is checked by name alone)."""
+    import jinja2
+    from jinja2 import meta, sandbox
+
+    env = sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:  # transformers' {% generation %} tag marks assistant text only: it reads no variable
+        ast = env.parse(re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template))
+    except jinja2.TemplateSyntaxError:
+        return []
+    return sorted(meta.find_undeclared_variables(ast))
+
+
+def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, used: bool) -> None:
+    """``data.chat_template_kwargs`` against the template it is rendered with (``used``: a prompt goes through the
+    template, or turns do): a key the template never reads, or one no prompt is rendered with, would be ignored
+    without a word (a misspelt ``enable_thinking`` leaves Qwen3 thinking)."""
+    kwargs = cfg.chat_template_kwargs
+    if not kwargs:
+        return
+    if not used:
+        raise ConfigError(f"data.chat_template_kwargs={kwargs!r} is set, but no prompt goes through the chat "
+                          f"template: the prompts are plain text and data.chat_template is false. Set "
+                          f"data.chat_template=true (or give chat messages as prompts), or drop "
+                          f"data.chat_template_kwargs")
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ConfigError(f"data.chat_template_kwargs={kwargs!r} is set, but the tokenizer has no chat template: give "
+                          f"one with data.chat_template (a template or its file)")
+    text = template if isinstance(template, str) else "\n".join(template.values())  # a tokenizer's named templates
+    unread = [k for k in kwargs if not re.search(rf"\b{re.escape(k)}\b", text)]
+    if unread:
+        reads = [v for v in template_variables(text) if v not in TEMPLATE_OWN]
+        raise ConfigError(f"data.chat_template_kwargs: the chat template never reads {unread}, so they would change "
+                          f"nothing; the variables it reads besides the messages and special tokens: "
+                          f"{reads or 'none'}. Fix the name, or drop the key")
 
 
 def is_chat(item: dict[str, Any], cfg: DataConfig) -> bool:

@@ -168,6 +168,9 @@ class DataConfig:
     # prompts through a chat template: true (the tokenizer's own), a Jinja template string, or the path of a file
     # holding one (it replaces the tokenizer's, in checkpoints too); false: plain text
     chat_template: Union[bool, str] = False
+    # variables the chat template is rendered with besides the messages (TRL's chat_template_kwargs), e.g.
+    # {enable_thinking: false} for Qwen3's; each must be one the template reads (checked when the prompts are built)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     system_prompt: Optional[str] = None  # text, or the name of a ready one: "r1" (grpo/data/sources.py SYSTEM_PROMPTS)
     prefill: Optional[str] = None  # text the answer starts with (e.g. "<think>"), appended to every prompt
     shuffle: bool = True  # sample prompts in a seeded random order (false: file order)

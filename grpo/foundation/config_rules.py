@@ -359,7 +359,20 @@ def distilling(cfg: Config) -> bool:
     return bool(cfg.teacher.model or cfg.teacher.url or cfg.teacher.adapter) and cfg.teacher.coef > 0
 
 
+# what apply_chat_template sets itself, and the tokenizer's special tokens it hands the template: never a
+# data.chat_template_kwargs key (it would clash with the trainer's rendering, or change what a token means)
+TEMPLATE_OWN = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+                "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens")
+
+
 def _validate_data(d: DataConfig) -> None:
+    own = [k for k in d.chat_template_kwargs if k in TEMPLATE_OWN]
+    if own:
+        raise ConfigError(f"data.chat_template_kwargs sets {own}: the trainer renders prompts with those itself (the "
+                          f"messages, the generation prompt, the tokenizer's special tokens); give only the "
+                          f"template's own variables, e.g. data.chat_template_kwargs={{enable_thinking: false}}")
     if d.source in FILE_SOURCES and not d.path:
         raise ConfigError(f"data.path is required when data.source={d.source!r}")
     if d.path and d.source in TASK_SOURCES:

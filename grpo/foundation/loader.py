@@ -197,6 +197,7 @@ TRL_NAMES = {
     "lr_scheduler_type": "train.lr_schedule", "warmup_steps": "train.warmup_steps", "output_dir": "train.output_dir",
     "seed": "train.seed", "weight_decay": "train.weight_decay",
     "train_dataset": "dataset= (the Python API) or data.path", "reward_funcs": "rewards",
+    "chat_template_kwargs": "data.chat_template_kwargs (e.g. {enable_thinking: false})",
 }
 
 

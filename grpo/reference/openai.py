@@ -41,7 +41,7 @@ class OpenAITeacher(HTTPReference):
         self.model = cfg.teacher.served_model or self._only_model()
         self.server_info = {"model": self.model, "version": 0}
         if tokenizer is not None:
-            self._check_tokenizer(tokenizer, cfg.data.chat_template)
+            self._check_tokenizer(tokenizer, cfg.data.chat_template, cfg.data.chat_template_kwargs)
 
     def _only_model(self) -> str:
         models = [m.get("id") for m in self._request("GET", "/v1/models").json().get("data", [])]
@@ -49,17 +49,20 @@ class OpenAITeacher(HTTPReference):
             raise ConfigError(f"teacher.url={self.url!r} serves {models}: name the teacher with teacher.served_model")
         return str(models[0])
 
-    def _check_tokenizer(self, tokenizer, chat_template: bool) -> None:
+    def _check_tokenizer(self, tokenizer, chat_template: bool, template_kwargs: Optional[dict] = None) -> None:
         """The server's tokenizer (``/tokenize``) gives the policy's ids for a probe text led by every special token,
-        and, where prompts use the chat template, for the probe as a templated user turn."""
+        and, where prompts use the chat template, for the probe as a templated user turn (rendered with
+        ``template_kwargs``, data.chat_template_kwargs, on both sides)."""
         probe = "".join(tokenizer.all_special_tokens) + PROBE
         checks = [("the text " + repr(probe), list(tokenizer(probe)["input_ids"]), {"prompt": probe})]
         if chat_template:
             turn = [{"role": "user", "content": PROBE}]
-            ids = tokenizer.apply_chat_template(turn, tokenize=True, add_generation_prompt=True)
+            ids = tokenizer.apply_chat_template(turn, tokenize=True, add_generation_prompt=True,
+                                                **(template_kwargs or {}))
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            extra = {"chat_template_kwargs": dict(template_kwargs)} if template_kwargs else {}
             checks.append(("the chat-templated turn " + repr(PROBE), list(ids),
-                           {"messages": turn, "add_generation_prompt": True}))
+                           {"messages": turn, "add_generation_prompt": True, **extra}))
         for what, mine, body in checks:
             theirs = list(self._request("POST", "/tokenize", json={"model": self.model, **body}).json()["tokens"])
             if mine != theirs:

@@ -169,13 +169,15 @@ class ChatRenderer:
 
     _X = "\u2063\u2063"  # placeholder content of the assistant message
 
-    def __init__(self, tokenizer, eos_ids: list[int], system_prompt: Optional[str] = None, prefill: str = ""):
+    def __init__(self, tokenizer, eos_ids: list[int], system_prompt: Optional[str] = None, prefill: str = "",
+                 template_kwargs: Optional[dict] = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template (roles of the turns)")
         self.tok, self.system, self.prefill = tokenizer, system_prompt, prefill or ""
+        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs: every rendering gets them
         self.eos_texts = [tokenizer.decode([e]) for e in eos_ids]
         probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": self._X}]
-        base = tokenizer.apply_chat_template(probe, tokenize=False)
+        base = tokenizer.apply_chat_template(probe, tokenize=False, **self.template_kwargs)
         self._base_len = len(base)
         self._probe = probe
         self.assistant_tail = base[base.rindex(self._X) + len(self._X):]  # e.g. "<|im_end|>\n" or "\n"
@@ -201,7 +203,8 @@ class ChatRenderer:
                     f"(a string or a .jinja file)")
 
     def _template(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                            **self.template_kwargs)
 
     _SLOT = "\u2064{}\u2064"  # where an observation's content goes while its template text is tokenized
 
@@ -322,12 +325,12 @@ class MultiTurnRollout:
     def __init__(self, service, make_env: Callable[[dict], Any], max_turns: int, max_trajectory_tokens: int,
                  stop: Optional[list[str]] = None, system_prompt: Optional[str] = None, prefill: str = "",
                  tool_counts: Optional[Callable[[], dict[str, float]]] = None, watchdog_s: float = 0.0,
-                 max_prompt_length: int = 0, env_threads: int = 1):
+                 max_prompt_length: int = 0, env_threads: int = 1, template_kwargs: Optional[dict] = None):
         self.service, self.make_env = service, make_env
         self.max_turns, self.budget = max_turns, max_trajectory_tokens
         self.stop = list(stop or [])
         self.prefill = prefill or ""
-        self.render = ChatRenderer(service.tokenizer, service.eos_ids, system_prompt, prefill)
+        self.render = ChatRenderer(service.tokenizer, service.eos_ids, system_prompt, prefill, template_kwargs)
         self.tool_counts = tool_counts  # () -> {"tool_calls": n, "tool_errors": n, "tool_timeouts": n, "tool_killed": n} since last call
         self.counts = {k: 0.0 for k in self.COUNTERS}
         self.env_time = 0.0

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from grpo.foundation.console import say
-from grpo.data.sources import PromptDataset, PromptSampler, describe_unusable, load_source
+from grpo.data.sources import (PromptDataset, PromptSampler, check_template_kwargs, describe_unusable, is_chat,
+                               load_source)
 from grpo.data.tasks import system_prompt
 from grpo.foundation import dist
 from grpo.foundation.config import Config, ConfigError
@@ -39,6 +40,8 @@ def data(cfg: Config, env: Any) -> tuple[Any, PromptDataset, PromptSampler]:
     source = env.tasks(cfg.env.num_examples, cfg.data.seed) if cfg.data.source == "env" else load_source(
         cfg.data, cfg.train.seed)
     dataset = PromptDataset.build(source, tokenizer, cfg.data, cfg.rollout.max_prompt_length)
+    check_template_kwargs(tokenizer, cfg.data, bool(cfg.env.name) or any(is_chat(item, cfg.data)
+                                                                        for item in dataset.items))
     return tokenizer, dataset, PromptSampler(len(dataset), cfg.train.seed, cfg.data.shuffle)
 
 
@@ -61,6 +64,7 @@ def multiturn(cfg: Config, rollout: Any, env: Any) -> Optional[MultiTurnRollout]
     return MultiTurnRollout(
         rollout, env.factory, cfg.rollout.max_turns, cfg.rollout.max_trajectory_tokens, stop=cfg.env.stop,
         system_prompt=system_prompt(cfg.data.system_prompt), prefill=cfg.data.prefill or "",
+        template_kwargs=cfg.data.chat_template_kwargs,
         tool_counts=env.toolbox.pop_counts, watchdog_s=cfg.env.watchdog_s,
         max_prompt_length=cfg.rollout.max_prompt_length, env_threads=cfg.env.tool_workers)
 
