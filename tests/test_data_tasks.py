@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -59,6 +60,17 @@ def test_countdown_schema_and_template(tmp_path):
     assert "Using the numbers [3, 5, 7], create an equation that equals 22" in item["prompt"]
 
 
+def test_the_countdown_generator_takes_tinyzeros_prompt_by_itself():
+    """data.source=countdown as docs/data.md gives it (no data.task): the generated rows get TinyZero's prompt (it
+    stopped at start: "the items have no 'prompt' column"); a prompt_template of one's own still wins."""
+    src = load_source(data(source="countdown", countdown=CountdownTaskConfig(num_examples=3)), 0)
+    assert src[0]["prompt"].startswith(f"Using the numbers {src[0]['nums']}, create an equation that equals "
+                                       f"{src[0]['target']}.")
+    own = load_source(data(source="countdown", countdown=CountdownTaskConfig(num_examples=3),
+                           prompt_template="{target} from {nums}"), 0)
+    assert own[0]["prompt"] == f"{own[0]['target']} from {own[0]['nums']}"
+
+
 def test_parquet_with_custom_column_mapping_and_template(tmp_path):
     import pandas as pd
 
@@ -78,14 +90,30 @@ def test_missing_column_stops_with_its_name(tmp_path):
         load_source(data(source="jsonl", path=path, task="gsm8k"), 0)
     with pytest.raises(ConfigError, match="data.columns.prompt='prompt'.*no column 'prompt'"):
         load_source(data(source="jsonl", path=path, columns={"answer": "solution"}), 0)
-    with pytest.raises(ConfigError, match=r"no 'prompt' column \(columns: \['nums', 'target'\]\)"):
-        load_source(data(source="countdown", countdown=CountdownTaskConfig(num_examples=2)), 0)
+    rows = write_jsonl(tmp_path / "c.jsonl", [{"nums": [1, 2], "target": 3}])  # Countdown's rows without data.task
+    with pytest.raises(ConfigError, match=r"no column 'prompt'; its columns are \['nums', 'target'\]"):
+        load_source(data(source="jsonl", path=rows), 0)
 
 
 def test_template_naming_a_missing_column_stops_with_its_name(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "hi"}])
     with pytest.raises(ConfigError, match=r"names the column 'topic'.*\['prompt'\]"):
         load_source(data(source="jsonl", path=path, prompt_template="{topic}: {prompt}"), 0)
+
+
+def test_template_fields_a_row_cannot_give_stop_with_the_row(tmp_path):
+    """An index past a row's list, an attribute its value lacks, an index into a number, a width past memory: a
+    ConfigError naming the template and the row (they were an IndexError taken for a bad format string, or an
+    AttributeError, TypeError or MemoryError from the depths)."""
+    from grpo.data.sources import PromptDataset
+
+    path = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "hi", "nums": [1, 2, 3], "n": 4}, {"prompt": "yo", "nums": [1]}])
+    for template, row, error in (("{nums[2]}: {prompt}", 1, "IndexError"), ("{prompt.x}", 0, "AttributeError"),
+                                 ("{n[0]}", 0, "TypeError"), ("{prompt:>99999999999999}", 0, "(Overflow|Memory)Error")):
+        with pytest.raises(ConfigError, match=rf"data.prompt_template='{re.escape(template)}' cannot be filled from "
+                                              rf"row {row} \({error}: .*'prompt': '(hi|yo)'"):
+            PromptDataset.build(load_source(data(source="jsonl", path=path, prompt_template=template), 0),
+                                make_char_tokenizer(), data(), max_prompt_length=50)
 
 
 def test_empty_dataset_stops_with_a_message(tmp_path):

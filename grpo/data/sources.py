@@ -183,8 +183,13 @@ class Templated:
                 f"data.prompt_template names the column {e.args[0]!r}, which the items lack; "
                 f"their columns are {sorted(item)}"
             ) from e
-        except (IndexError, ValueError) as e:
+        except ValueError as e:
             raise ConfigError(f"data.prompt_template={self.template!r} is not a valid format string ({e})") from e
+        except (IndexError, AttributeError, TypeError, OverflowError, MemoryError) as e:
+            # a field the row's value cannot give ({nums[5]} of a shorter list, {prompt.x}) or a width past memory
+            raise ConfigError(f"data.prompt_template={self.template!r} cannot be filled from row {i} "
+                              f"({type(e).__name__}: {e}); its columns: "
+                              f"{ {k: str(v)[:40] for k, v in item.items()} }") from e
 
 
 def _raw_source(cfg: DataConfig, seed: int, eval_file: bool = False) -> PromptSource:
@@ -216,7 +221,9 @@ def _holdout_split(n: int, holdout: int, seed: int) -> tuple[list[int], list[int
 
 
 def _finish(source: PromptSource, cfg: DataConfig) -> PromptSource:
-    template = cfg.prompt_template or TASKS[cfg.task].template
+    # the Countdown generator's rows (nums, target) take TinyZero's prompt unless a task or template says otherwise
+    task = "countdown" if cfg.source == "countdown" and cfg.task == "custom" else cfg.task
+    template = cfg.prompt_template or TASKS[task].template
     if template is not None:
         return Templated(source, template)
     if "prompt" not in source[0]:
