@@ -335,6 +335,39 @@ def test_a_row_that_is_not_utf8_names_the_file_and_the_row(tmp_path):
         src[1]
 
 
+@pytest.mark.parametrize("first", ["null", "7", '"text"', "true"])
+def test_a_first_line_that_is_not_an_object_names_the_line(tmp_path, first):
+    """A JSON Lines file whose first row is null killed the process in pyarrow's reader (a segmentation fault,
+    pyarrow 26); a number, a text or a boolean there was pyarrow's "Column() changed from object to ...". Plain or
+    compressed, held-out data alike."""
+    import gzip
+
+    text = f"\n{first}\n" + '{"prompt": "a"}\n'
+    plain, packed = tmp_path / "rows.jsonl", tmp_path / "rows.jsonl.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    for path in (plain, packed):
+        with pytest.raises(ConfigError, match=rf"{path.name}', line 2 is {re.escape(first)}, not a JSON object: each "
+                                              rf"line of a JSON Lines file is one row"):
+            load_source(data(source="jsonl", path=str(path)), 0)
+    with pytest.raises(ConfigError, match=r"rows.jsonl', line 2 is"):
+        load_eval_source(data(source="jsonl", path=write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}]),
+                              eval_path=str(plain)), 0)
+
+
+def test_a_file_that_cannot_be_read_names_it(tmp_path):
+    """A .gz that is not gzip (BadGzipFile) and values nested past Python's recursion limit (RecursionError): raw
+    errors from inside ``datasets`` before."""
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_bytes(b'{"prompt": "a"}\n')
+    with pytest.raises(ConfigError, match=r"fake.jsonl.gz' cannot be read as jsonl \(BadGzipFile: "):
+        load_source(data(source="jsonl", path=str(fake)), 0)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"prompt": "a", "x": ' + "[" * 10000 + "]" * 10000 + "}\n")
+    with pytest.raises(ConfigError, match=r"deep.jsonl' cannot be read as jsonl \(RecursionError: "):
+        load_source(data(source="jsonl", path=str(deep)), 0)
+
+
 # --------------------------------------------------------------------------- held-out data
 
 

@@ -87,6 +87,33 @@ def _empty_file(path: Path, source: str) -> bool:
     return True
 
 
+def _check_first_row(path: Path, where: str) -> None:
+    """The first row of a JSON Lines file must be a JSON object. pyarrow's reader under ``datasets`` kills the
+    process (a segmentation fault, pyarrow 26) when the first line is ``null``, and names a number, a string or a
+    boolean there only as "Column() changed from object to ..."; a first line it cannot parse alone (a JSON
+    array file, one object over several lines) is left to ``datasets``."""
+    import bz2
+    import gzip
+    import json
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix.lower(), open)
+    try:
+        with opener(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    break
+            else:
+                return
+        value = json.loads(line)
+    except (OSError, EOFError, lzma.LZMAError, ValueError):  # not readable, or not one value: datasets says why
+        return
+    if value is None or isinstance(value, (bool, int, float, str)):
+        raise ConfigError(f"data: {where}, line {n} is {line.strip()[:60].decode('utf-8', 'replace')}, not a JSON "
+                          f"object: each line of a JSON Lines file is one row, such as {{\"prompt\": \"...\"}}; fix or "
+                          f"drop that line")
+
+
 def _parquet_rows(path: Path) -> int:
     """Rows of a Parquet file, from its footer; a corrupt or truncated file is a ConfigError naming it."""
     import pyarrow as pa
@@ -115,6 +142,8 @@ class TableSource:
             if cfg.source == "hub":
                 ds = datasets.load_dataset(path, cfg.hub_config, split=split or cfg.split)
             else:
+                if cfg.source == "jsonl" and Path(path).is_file():
+                    _check_first_row(Path(path), where)
                 kind = {"jsonl": "json", "parquet": "parquet", "csv": "csv"}[cfg.source]
                 with no_dataset_bars():  # a local file: no "Generating train split" bar at every run
                     ds = datasets.load_dataset(kind, data_files=path, split="train")
@@ -122,6 +151,8 @@ class TableSource:
             raise ConfigError(f"data: {where}: no such file or dataset ({e})") from e
         except datasets.exceptions.DatasetGenerationError as e:
             raise ConfigError(f"data: {where} cannot be read as {cfg.source} ({e.__cause__ or e})") from e
+        except (OSError, RecursionError) as e:  # a .gz that is not gzip; values nested past Python's recursion limit
+            raise ConfigError(f"data: {where} cannot be read as {cfg.source} ({type(e).__name__}: {e})") from e
         if len(ds) == 0:
             raise ConfigError(f"data: {where} holds no rows: the dataset is empty")
         mapping = _column_mapping(cfg)
