@@ -70,7 +70,8 @@ def train(config: ConfigLike = None, *, algo: Union[None, str, dict[str, Any]] =
                   ``fn(prompts, completions, **columns)``), a registered name, or a mapping with ``fn`` a
                   callable or a name (``{"fn": f, "weight": 0.5}``); callables run in the reward worker pool,
                   with its timeouts, sent there by value (a notebook's function, a lambda, a closure)
-    dataset       the training prompts: a list of dicts, a ``datasets.Dataset``, or a file path; rows are
+    dataset       the training prompts: a list of dicts, a ``datasets.Dataset``, a pandas DataFrame, columns
+                  (``{"prompt": [...], "answer": [...]}``), or a file path; rows are
                   written to OUTPUT_DIR/data/train.jsonl, which the run's config.yaml then names
     eval_dataset  held-out prompts for ``eval.every``, the same kinds (OUTPUT_DIR/data/eval.jsonl)
     resume        continue from the newest checkpoint in ``train.output_dir``
@@ -175,9 +176,14 @@ def _data_section(data: Optional[dict], out: Path, dataset: Any, eval_dataset: A
 
 
 def write_rows(rows: Any, path: Path, what: str) -> Path:
-    """A list of dicts (or a ``datasets.Dataset``) as a JSONL file, written whole or not at all."""
+    """A list of dicts, a ``datasets.Dataset``, a pandas DataFrame or columns (``{"prompt": [...], "answer": [...]}``,
+    TRL's ``Dataset.from_dict`` shape) as a JSONL file, written whole or not at all."""
     if hasattr(rows, "to_list"):
         rows = rows.to_list()
+    elif hasattr(rows, "to_dict") and hasattr(rows, "columns"):  # a pandas DataFrame: a row a dict
+        rows = rows.to_dict("records")
+    elif isinstance(rows, dict):
+        rows = _column_rows(rows, what)
     rows = list(rows)
     if not rows or not all(isinstance(r, dict) for r in rows):
         bad = next((r for r in rows if not isinstance(r, dict)), None)
@@ -193,6 +199,18 @@ def write_rows(rows: Any, path: Path, what: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _column_rows(columns: dict, what: str) -> list[dict]:
+    """``{"prompt": [...], "answer": [...]}`` as rows; columns of unequal lengths, or a value that is not a column,
+    are refused (rows would be lost or misaligned)."""
+    lengths = {k: len(v) for k, v in columns.items() if isinstance(v, (list, tuple)) or hasattr(v, "tolist")}
+    if not columns or len(lengths) < len(columns) or len(set(lengths.values())) != 1:
+        raise ConfigError(f"{what}: a mapping is read as columns, each a list of equal length ({{'prompt': [...], "
+                          f"'answer': [...]}}); got lengths {lengths} of {list(columns)}: give equal lists, or a "
+                          f"list of dicts (one per prompt)")
+    keys, values = list(columns), [list(v.tolist() if hasattr(v, "tolist") else v) for v in columns.values()]
+    return [dict(zip(keys, row)) for row in zip(*values)]
 
 
 def _plain(value: Any, what: str, row: int) -> Any:

@@ -139,6 +139,30 @@ def test_bad_input_is_refused_with_the_fix():
     assert (cfg.algo.name, cfg.train.lr, cfg.train.max_steps, cfg.train.micro_batch_size) == ("dapo", 1e-5, 7, 256)
 
 
+def test_rows_as_a_dataframe_columns_or_a_dataset_are_written_as_the_same_file(tmp_path):
+    """dataset= as TRL users hold it: a pandas DataFrame, columns (``Dataset.from_dict``'s shape), a datasets.Dataset;
+    each is the same JSONL rows as the list of dicts (a DataFrame's and a mapping's iteration gave column names)."""
+    import datasets
+    import numpy as np
+    import pandas as pd
+
+    from grpo.api import write_rows
+
+    rows = [{"prompt": f"{n:02d}=", "answer": f"{n:02d}", "n": n} for n in range(5)]
+    want = write_rows(rows, tmp_path / "list.jsonl", "dataset").read_text()
+    columns = {"prompt": [r["prompt"] for r in rows], "answer": tuple(r["answer"] for r in rows),
+               "n": np.arange(5)}
+    for name, given in (("frame", pd.DataFrame(rows)), ("columns", columns),
+                        ("hf", datasets.Dataset.from_list(rows))):
+        assert write_rows(given, tmp_path / f"{name}.jsonl", "dataset").read_text() == want, name
+    with pytest.raises(ConfigError, match=r"dataset: a mapping is read as columns, each a list of equal length.*"
+                                          r"got lengths \{'prompt': 5, 'answer': 2\}"):
+        write_rows({"prompt": columns["prompt"], "answer": ["1", "2"]}, tmp_path / "x.jsonl", "dataset")
+    with pytest.raises(ConfigError, match=r"eval_dataset: a mapping is read as columns.*of \['prompt', 'answer'\]"):
+        write_rows({"prompt": columns["prompt"], "answer": "4"}, tmp_path / "x.jsonl", "eval_dataset")
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_a_function_that_cannot_travel_is_named(tmp_path):
     from grpo.foundation.config import RewardPoolConfig, RewardSpec
     from grpo.api import function_name
