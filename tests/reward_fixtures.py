@@ -34,8 +34,9 @@ not_callable = 42
 
 
 def not_finite(prompts, completions, **_):
-    """nan / inf for completions that say so (numpy-style results of a 0/0 or a log(0))."""
-    return [float(c) if c in ("nan", "inf", "-inf") else 1.0 for c in completions]
+    """nan / inf for completions that say so (numpy-style results of a 0/0 or a log(0)), and 1e300, finite in
+    Python and inf in the trainer's float32 rewards."""
+    return [float(c) if c in ("nan", "inf", "-inf", "1e300") else 1.0 for c in completions]
 
 
 # --- TRL-shaped functions (keyword arguments, None for rows they do not score, async) -------------------

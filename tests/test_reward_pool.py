@@ -111,10 +111,10 @@ def test_nan_and_inf_rewards_are_errors_scored_zero_and_counted(workers, caplog)
                  workers=workers)
     try:
         with caplog.at_level(logging.WARNING, logger="rewards"):
-            total, per_fn = r(["p"] * 5, ["ok", "nan", "inf", "-inf", "fine"], {})
-        assert per_fn["not_finite"] == [1.0, 0.0, 0.0, 0.0, 1.0]
-        assert total == [3.0, 3.0, 3.0, 4.0, 5.0]  # every total finite: the other function still counts
-        assert failures(r.pop_metrics()) == {"reward/not_finite/errors": 3.0, "reward/not_finite/timeouts": 0.0,
+            total, per_fn = r(["p"] * 6, ["ok", "nan", "inf", "-inf", "fine", "1e300"], {})
+        assert per_fn["not_finite"] == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+        assert total == [3.0, 3.0, 3.0, 4.0, 5.0, 5.0]  # every total finite: the other function still counts
+        assert failures(r.pop_metrics()) == {"reward/not_finite/errors": 4.0, "reward/not_finite/timeouts": 0.0,
                                    "reward/length_bonus/errors": 0.0, "reward/length_bonus/timeouts": 0.0}
         assert "returned nan for row 0 of its chunk" in caplog.text and "must be a finite number" in caplog.text
     finally:

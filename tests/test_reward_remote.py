@@ -138,3 +138,14 @@ def test_a_down_endpoint_and_a_refused_token_stop_the_run(judge, monkeypatch):
     with pytest.raises(RewardServiceError, match="refused the request \\(HTTP 401"):
         remote(judge.url)(["t"], ["a"], {}, raw_prompts=["p"])
     assert len(judge.requests) == 1  # a 4xx is not retried
+
+
+def test_scores_that_are_not_finite_in_float32_are_a_wrong_answer():
+    """A service's score must fit the trainer's float32 rewards: 1e300 was taken (inf there: the group's advantages
+    and the loss nan), a huge integer raised OverflowError out of the step."""
+    from grpo.scoring.remote import score_list
+
+    assert score_list({"rewards": [1, -2.5, None, 3.4e38]}, 4) == [1.0, -2.5, None, 3.4e38]
+    for bad in (float("nan"), float("inf"), 1e300, -1e39, 10 ** 400, True, "1"):
+        with pytest.raises(ValueError, match=r"is not a number finite in float32 \(\|r\| <= 3.4e38\) or null"):
+            score_list([0.0, bad], 2)

@@ -27,6 +27,8 @@ from grpo.foundation.config import ConfigError
 from grpo.foundation.plugins import REWARDS
 from grpo.workers.worker_pool import Outcome
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: a reward beyond it is inf in the trainer's tensor
+
 
 @dataclass
 class StepInfo:
@@ -231,16 +233,18 @@ def run_inline(calls: list[FunctionCall]) -> list[Outcome]:
 
 def checked_values(fn: str, out: Any, n: int) -> list[Optional[float]]:
     """The function's answer as floats (``None`` kept: the row is not scored by it); a wrong count or a value
-    that is neither ``None`` nor a finite number is an error (one nan would make a whole group's advantages nan)."""
+    that is neither ``None`` nor a number finite in float32 is an error (one nan or inf would make a whole
+    group's advantages nan)."""
     values = list(out)
     if len(values) != n:
         raise ValueError(f"reward {fn!r} returned {len(values)} values for {n} completions")
     floats = [None if v is None else float(v) for v in values]
-    bad = [i for i, v in enumerate(floats) if v is not None and not math.isfinite(v)]
+    bad = [i for i, v in enumerate(floats) if v is not None and not abs(v) <= FLOAT32_MAX]
     if bad:
         raise ValueError(
             f"reward {fn!r} returned {floats[bad[0]]} for row {bad[0]} of its chunk ({len(bad)} of {n} "
-            f"values not finite): a reward must be a finite number, or None to skip a row; the chunk scores 0"
+            f"values not finite in float32, the rewards' dtype in the trainer: |r| <= 3.4e38): a reward must be a "
+            f"finite number, or None to skip a row; the chunk scores 0"
         )
     return floats
 

@@ -33,7 +33,7 @@ import requests
 
 from grpo.foundation.config import ConfigError, RewardPoolConfig, RewardSpec
 from grpo.foundation.plugins import RewardServiceError
-from grpo.scoring.calls import Rows
+from grpo.scoring.calls import FLOAT32_MAX, Rows
 
 BACKOFF_BASE, BACKOFF_CAP = 0.1, 2.0
 REF_TOKEN_ENV = "GRPO_REF_TOKEN"
@@ -94,10 +94,10 @@ def score_list(answer: Any, n: int, keys: tuple[str, ...] = ("rewards", "scores"
     for v in answer:
         if v is None:
             out.append(None)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"):
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= FLOAT32_MAX:  # (nan is not)
             out.append(float(v))
         else:
-            raise ValueError(f"score {v!r} is not a finite number or null")
+            raise ValueError(f"score {str(v)[:40]} is not a number finite in float32 (|r| <= 3.4e38) or null")
     return out
 
 
