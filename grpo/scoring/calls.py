@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
