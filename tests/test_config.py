@@ -128,6 +128,9 @@ def test_malformed_override():
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
+    (tmp_path / "a.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"config file '.*' is a folder: name a YAML file in it \(a.yaml\)"):
+        load_config(str(tmp_path))
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -57,6 +57,10 @@ def read_user_tree(
     file_tree: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            yamls = sorted(x.name for x in p.glob("*.y*ml"))[:8]
+            raise ConfigError(f"config file {str(p)!r} is a folder: name a YAML file in it"
+                              + (f" ({', '.join(yamls)})" if yamls else ""))
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
