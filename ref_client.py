@@ -17,6 +17,7 @@ finish first.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -55,6 +56,27 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def check_device(device: str) -> None:
+    """--device names a torch device this machine has: a ConfigError saying which ones, not torch's traceback."""
+    import torch
+
+    from grpo.foundation.config import ConfigError
+
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a torch device: give cpu, cuda or cuda:N") from None
+    if d.type != "cuda":
+        return
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not n:
+        raise ConfigError(f"--device {device!r}: this torch sees no CUDA GPU (torch {torch.__version__}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); give --device cpu")
+    if d.index is not None and d.index >= n:
+        raise ConfigError(f"--device {device!r}: {n} GPU(s) visible (cuda:0 to cuda:{n - 1}, after "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from grpo.foundation.config import ConfigError
@@ -72,8 +94,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from grpo.reference.server.app import serve
 
+    from grpo.foundation.modeling import check_model_path
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     reward = None
+    try:
+        check_device(device)
+        check_model_path("ref.model" if cfg.ref.model else "model.name_or_path",
+                         cfg.ref.model or cfg.model.name_or_path)
+        if args.reward_batch_tokens is not None and args.reward_batch_tokens <= 0:
+            raise ConfigError(f"--reward-batch-tokens {args.reward_batch_tokens} is invalid: it must be > 0 (padded "
+                              f"tokens per reward forward pass; left out, ref.max_batch_tokens)")
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if args.reward_model:
         from grpo.scoring.models import RewardModel  # composed here, handed down to the server's worker
 

@@ -141,6 +141,23 @@ def test_binding_beyond_loopback_needs_a_token(host, token, ok):
             check_bind(host, token)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "nope"], "--device 'nope' is not a torch device: give cpu, cuda or cuda:N"),
+    (["--device", "cuda:5"], "--device 'cuda:5': "),  # no GPU here, or fewer than six
+    (["--model", "/nonexistent/ref"], "ref.model='/nonexistent/ref' looks like a local folder, and "),
+    (["--reward-batch-tokens", "0"], "--reward-batch-tokens 0 is invalid: it must be > 0"),
+])
+def test_the_servers_own_flags_are_refused_before_any_model_loads(argv, words, capsys, monkeypatch):
+    """ref_client.py's flags that are not config keys: torch's traceback (a bad or absent device), the hub's
+    repo-id complaint (a missing folder) or a server started on a 0-token reward batch, before."""
+    import ref_client
+    from grpo.reference.server import app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("the server was started"))
+    assert ref_client.main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
 def test_ref_limits_are_validated():
     with pytest.raises(ConfigError, match="ref.port"):
         load_config(None, None, ["ref.port=70000"])
