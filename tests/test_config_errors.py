@@ -153,6 +153,12 @@ def test_hub_ids_and_existing_folders_pass(tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError, match=r"ref.model='models/other' looks like a local folder"):
         check_run(load_config(overrides=["algo.beta=0.04", "ref.model=models/other"]))
+    # the tools that load a tokenizer first (scripts/eval.py --model) say so too, not the hub's repo-id complaint
+    from grpo.foundation.modeling import load_tokenizer
+
+    with pytest.raises(ConfigError, match=r"model.name_or_path='/no/such/model' looks like a local folder, and "
+                                          r"'/no/such/model' does not exist"):
+        load_tokenizer("/no/such/model")
 
 
 # ---------------------------------------------------------------------- the reference server

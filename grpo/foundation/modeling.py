@@ -154,6 +154,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
+        check_model_path("model.name_or_path", name_or_path)  # a missing local folder: said as such, not the hub's words
         raise ConfigError(
             f"model.name_or_path={name_or_path!r}: cannot load a tokenizer ({e}). "
             f"Give a local HF folder, a hub name (online), or {BUILTIN_NAME!r}."
