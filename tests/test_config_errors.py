@@ -85,6 +85,25 @@ def test_rewards_default_only_where_it_fits(tmp_path):
     assert cfg.env.name == "calculator"
 
 
+def test_a_built_in_rewards_setting_it_does_not_take_is_refused(tmp_path):
+    """math_correct's **kwargs absorbs the dataset's columns, so `kwargs: {extrct: boxed}` changed nothing, without a
+    word; a function of one's own may read any key from its **kwargs and is left alone."""
+    from grpo.training.configure import check_run
+
+    path = write_jsonl(tmp_path / "mine.jsonl", ROWS)
+    with pytest.raises(ConfigError, match=r"rewards\[1\].kwargs sets \['extrct'\], which the built-in 'math_correct' "
+                                          r"does not take.*Its settings: \['extract', 'gold', 'tag', 'correct', "):
+        check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: format_soft}, {fn: math_correct, "
+                                                               "kwargs: {extrct: boxed, gold: plain}}]"]))
+    with pytest.raises(ConfigError, match=r"eval.correctness.kwargs sets \['golden'\], which the built-in"):
+        check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct}]", "eval.every=5",
+                                         "data.eval_holdout=1", "eval.correctness={fn: math_correct, kwargs: "
+                                                                "{golden: plain}}"]))
+    check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct, kwargs: {extract: boxed}}, "
+                                                           "{fn: 'tests.reward_fixtures:length_bonus', kwargs: "
+                                                           "{scale: 2, anything: 1}}]"]))
+
+
 # ---------------------------------------------------------------------- data.path without data.source
 
 

@@ -18,6 +18,7 @@ run with :class:`RewardServiceError`: never a silent zero.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -126,6 +127,35 @@ def check_columns(terms: list[Any], columns: list[str]) -> None:
                 f"arguments as TRL passes them; plain: fn(prompts, completions, **columns))")
 
 
+def settings_of(fn: Any) -> list[str]:
+    """A function's named parameters that have a default: the settings ``kwargs:`` may give it."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_settings(key: str, spec: RewardSpec) -> None:
+    """A built-in reward's ``kwargs:`` (one of the home package's functions, whose parameters name all it reads)
+    are its parameters: a key it has none for would be absorbed by its **kwargs and change nothing. A function of
+    the user's may read any key from its **kwargs, so it is not checked."""
+    if not spec.kwargs or not REWARDS.built_in(spec.fn):
+        return
+    fn = REWARDS.get(spec.fn)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    unread = [k for k in spec.kwargs if k not in params or params[k].kind in (inspect.Parameter.VAR_POSITIONAL,
+                                                                             inspect.Parameter.VAR_KEYWORD)]
+    if unread:
+        raise ConfigError(f"{key}.kwargs sets {unread}, which the built-in {spec.fn!r} does not take: its **kwargs "
+                          f"only absorbs the dataset's other columns, so they would change nothing. Its settings: "
+                          f"{settings_of(fn)} (docs/rewards.md)")
+
+
 class CombinedReward:
     """The weighted sum of a run's reward sources; each one's values are kept for logging.
 
@@ -165,6 +195,8 @@ class CombinedReward:
         """:func:`check_columns` of a run's reward functions before anything starts (no worker pool)."""
         terms = [FunctionTerm(n, s, pool, sandbox) if s.kind == "fn" else s for n, s in zip(term_names(specs), specs)]
         check_columns(terms, columns)
+
+    check_settings = staticmethod(check_settings)
 
     @staticmethod
     def check_sandbox(settings: Any) -> None:

@@ -79,10 +79,12 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
             if spec.kind == "fn":
                 check_python_reward(spec.fn, f"rewards[{i}].fn", cfg.train.output_dir)
                 REWARDS.get(spec.fn, key=f"rewards[{i}].fn")
+                parts.rewards.check_settings(f"rewards[{i}]", spec)
     for key in ("correctness", "format"):
         spec = getattr(cfg.eval, key)
         if spec is not None and spec.kind == "fn":
             REWARDS.get(spec.fn, key=f"eval.{key}.fn")
+            parts.rewards.check_settings(f"eval.{key}", spec)
     if "required" in (cfg.sandbox.network, cfg.sandbox.isolation, cfg.sandbox.memory):  # asked for what the machine may not give
         parts.rewards.check_sandbox(cfg.sandbox)
     check_model_path("model.name_or_path", cfg.model.name_or_path)
