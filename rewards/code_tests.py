@@ -225,6 +225,11 @@ def code_tests(prompts: list[str], completions: list[str], tests: list[Any], ent
     """Fraction of the row's tests passed (``mode: fraction``) or all-or-nothing (``mode: all``)."""
     if mode not in ("fraction", "all"):
         raise ValueError(f"code_tests: mode={mode!r} is invalid: choose from ['fraction', 'all']")
+    if format not in ("auto", "assert", "stdio", "call"):
+        raise ValueError(f"code_tests: format={format!r} is invalid: choose from ['auto', 'assert', 'stdio', 'call']")
+    for key, value in (("row_timeout", row_timeout), ("test_timeout", test_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"code_tests: {key}={value!r} is invalid: it must be > 0 (seconds)")
     scores = Scores()
     scores.metrics = dict.fromkeys(METRICS, 0.0)
     for i, text in enumerate(completions):

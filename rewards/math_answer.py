@@ -165,6 +165,8 @@ def math_correct(
     """``correct`` when the extracted answer equals the gold one, else ``wrong`` (``missing`` when none was found)."""
     missing = wrong if missing is None else missing
     modes = _modes(extract)
+    if gold not in GOLD_MODES:  # (checked again per row by gold_answer; here too, so that no row is needed)
+        raise ValueError(f"gold={gold!r} is invalid: choose from {list(GOLD_MODES)}")
     scores = []
     for text, solution in zip(completions, answer):
         target = gold_answer(solution, gold)

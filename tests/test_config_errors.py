@@ -99,6 +99,10 @@ def test_a_built_in_rewards_setting_it_does_not_take_is_refused(tmp_path):
         check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct}]", "eval.every=5",
                                          "data.eval_holdout=1", "eval.correctness={fn: math_correct, kwargs: "
                                                                 "{golden: plain}}"]))
+    # and a setting's value, which a built-in checks before its first row: a call on no rows at start
+    with pytest.raises(ConfigError, match=r"rewards\[0\].kwargs=\{'gold': 'gms8k'\}: gold='gms8k' is invalid: choose "
+                                          r"from \['auto', 'gsm8k', 'boxed', 'plain'\]"):
+        check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct, kwargs: {gold: gms8k}}]"]))
     check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct, kwargs: {extract: boxed}}, "
                                                            "{fn: 'tests.reward_fixtures:length_bonus', kwargs: "
                                                            "{scale: 2, anything: 1}}]"]))

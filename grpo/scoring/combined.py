@@ -154,6 +154,14 @@ def check_settings(key: str, spec: RewardSpec) -> None:
         raise ConfigError(f"{key}.kwargs sets {unread}, which the built-in {spec.fn!r} does not take: its **kwargs "
                           f"only absorbs the dataset's other columns, so they would change nothing. Its settings: "
                           f"{settings_of(fn)} (docs/rewards.md)")
+    # a call on no rows checks the settings' values (a built-in refuses a bad one before its first row), which would
+    # otherwise fail every call of the run and score every row 0
+    empty = {p.name: [] for p in params.values() if p.default is inspect.Parameter.empty
+             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    try:
+        fn(**{**empty, **spec.kwargs})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}.kwargs={spec.kwargs!r}: {e} (docs/rewards.md)") from e
 
 
 class CombinedReward:
