@@ -125,6 +125,16 @@ def test_malformed_override():
         parse_overrides(["train.lr"])
 
 
+def test_keys_that_are_not_text_and_an_empty_output_dir_are_named():
+    """A YAML key that is a number or null was a TypeError from difflib; an empty train.output_dir wrote the run into
+    the current directory."""
+    for tree, key in (({1: 2}, "'1'"), ({"train": {None: 1}}, "'train.None'")):
+        with pytest.raises(ConfigError, match=rf"unknown config key {key}"):
+            load_config(tree=tree)
+    with pytest.raises(ConfigError, match=r"train.output_dir is empty: name the run's folder"):
+        load_config(overrides=["train.output_dir=''"])
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
@@ -322,6 +323,19 @@ def test_vllm_not_installed_or_badly_split_fails_at_start(capsys, monkeypatch, n
 def test_flash_attention_not_installed_fails_at_start(capsys, monkeypatch, no_model):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # as if not installed
     fails(capsys, ["model.attn_implementation=flash_attention_2"], "needs the flash-attn package")
+
+
+def test_an_output_dir_that_cannot_be_written_fails_at_start(tmp_path):
+    """It failed when the trainer made the folder, after the models had loaded, with a traceback."""
+    from grpo.training.configure import check_run
+
+    (tmp_path / "a-file").write_text("x")
+    for where, words in ((tmp_path / "a-file" / "run", "a-file' is a file, not a folder"),
+                         (Path("/proc/grpo-never/run"), "'/proc' is not writable here, so the run's folder cannot be made")):
+        with pytest.raises(ConfigError, match=rf"train.output_dir='{where}': .*{words}"):
+            check_run(load_config(overrides=[f"train.output_dir={where}"]))
+    check_run(load_config(overrides=[f"train.output_dir={tmp_path / 'new' / 'run'}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"], "nothing made by the check"
 
 
 def test_resume_without_checkpoint_fails_at_start(tmp_path, capsys, no_model):

@@ -93,6 +93,9 @@ def validate(cfg: Config) -> None:
     keys to each other."""
     check_ranges(cfg)
     r, t, a = cfg.rollout, cfg.train, cfg.algo
+    if not t.output_dir.strip():
+        raise ConfigError("train.output_dir is empty: name the run's folder (metrics, checkpoints, config.yaml), e.g. "
+                          "train.output_dir=runs/my-run")
     if not r.engine.strip():
         raise ConfigError("rollout.engine is empty: name an engine ('auto', 'hf', 'static', 'vllm') or give "
                           "'package.module:Class'")

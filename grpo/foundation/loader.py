@@ -202,6 +202,7 @@ TRL_NAMES = {
 
 
 def unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+    key = key if isinstance(key, str) else repr(key)  # a YAML key may be a number or null (``1: 2``)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     if key in TRL_NAMES:  # (a TRL name that is also ours under the same section never gets here)

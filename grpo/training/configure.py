@@ -13,6 +13,7 @@ options and defaults (the ALGORITHMS registry) put together.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +52,25 @@ def resolve_checkpoint_paths(cfg: Config) -> None:
         cfg.ref.model = resolve_model_path(cfg.ref.model)
 
 
+def check_output_dir(output_dir: str) -> None:
+    """train.output_dir is a folder this process can write, or can be made under the nearest folder above it that
+    exists (probed with a folder made and removed there): an unwritable one failed after the models had loaded,
+    with a traceback."""
+    path = Path(output_dir).expanduser().absolute()
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(f"train.output_dir={output_dir!r}: {str(probe)!r} is a file, not a folder; name another "
+                          f"folder for the run")
+    try:  # a folder made and removed at once: what the run will do there (os.access says yes to root everywhere)
+        os.rmdir(tempfile.mkdtemp(prefix=".grpo-probe-", dir=probe))
+    except OSError:
+        raise ConfigError(f"train.output_dir={output_dir!r}: {str(probe)!r} is not writable here, so the "
+                          f"run's folder {'cannot be made there' if probe != path else 'cannot hold its files'}; name "
+                          f"a folder you can write, e.g. train.output_dir=runs/my-run") from None
+
+
 def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) -> Parts:
     """Everything the run would otherwise refuse later, checked before any model loads and without starting
     anything: names that must resolve (reward functions, the generation engine, the environment and its
@@ -62,6 +82,7 @@ def check_run(cfg: Config, resume: bool = False, parts: Optional[Parts] = None) 
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_ranks(cfg, world)
+    check_output_dir(cfg.train.output_dir)
     parts = parts or compose(cfg)
     if cfg.rollout.engine == "vllm":
         from grpo.rollout.vllm_engine import check_tensor_parallel
