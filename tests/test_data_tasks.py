@@ -183,6 +183,22 @@ def test_chat_template_with_r1_system_prompt_and_prefill():
     assert tok.decode(prompt_ids(tok, {"prompt": "2+2?"}, cfg)) == text
 
 
+def test_a_chat_template_asked_of_a_tokenizer_without_one_names_the_fix():
+    """A base model's tokenizer has no chat template: transformers' ValueError from inside the dataset, before."""
+    tok = make_char_tokenizer()
+    tok.chat_template = None
+    for cfg, prompt, why in ((data(), [{"role": "user", "content": "hi"}], "the prompts are chat messages"),
+                             (data(chat_template=True), "hi", "data.chat_template=True")):
+        with pytest.raises(ConfigError, match=rf"{why}, and the tokenizer of .* has no chat template .*data.chat_"
+                                              rf"template=false"):
+            PromptDataset.build([{"prompt": prompt}], tok, cfg, max_prompt_length=50)
+    from grpo.rollout.multiturn import ChatRenderer
+
+    with pytest.raises(ConfigError, match=r"multi-turn rollouts need a tokenizer with a chat template .* give one with "
+                                          r"data.chat_template"):
+        ChatRenderer(tok, [tok.eos_token_id])
+
+
 def test_a_template_of_its_own_renders_plain_text_prompts_too(tmp_path):
     """data.chat_template given as a template (or its file) with plain-text prompts: the dataset holds each prompt's
     templated ids (it crashed at start: the batched encoding was keyed on data.chat_template being exactly true)."""

@@ -294,6 +294,12 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, item: dict[str, Any], cfg: D
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if system and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system}] + messages
+        if not getattr(tokenizer, "chat_template", None):
+            why = ("the prompts are chat messages" if isinstance(prompt, list) else
+                   f"data.chat_template={cfg.chat_template!r}")
+            raise ConfigError(f"{why}, and the tokenizer of {getattr(tokenizer, 'name_or_path', '?')!r} has no chat "
+                              f"template (a base model's has none): give one with data.chat_template (a Jinja template "
+                              f"or its file), or train on plain-text prompts with data.chat_template=false")
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                              **cfg.chat_template_kwargs)
     else:

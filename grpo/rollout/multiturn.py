@@ -172,7 +172,9 @@ class ChatRenderer:
     def __init__(self, tokenizer, eos_ids: list[int], system_prompt: Optional[str] = None, prefill: str = "",
                  template_kwargs: Optional[dict] = None):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("multi-turn rollouts need a tokenizer with a chat template (roles of the turns)")
+            raise ConfigError(f"multi-turn rollouts need a tokenizer with a chat template (the roles of the turns), and "
+                              f"{getattr(tokenizer, 'name_or_path', '?')!r}'s has none (a base model's): give one with "
+                              f"data.chat_template (a Jinja template or its file)")
         self.tok, self.system, self.prefill = tokenizer, system_prompt, prefill or ""
         self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs: every rendering gets them
         self.eos_texts = [tokenizer.decode([e]) for e in eos_ids]
