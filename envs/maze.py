@@ -26,6 +26,9 @@ from envs.base import Environment, StepResult
 MOVES = [(-1, 0), (1, 0), (0, -1), (0, 1)]  # up, down, left, right
 
 
+MAX_SIZE = 64  # a 64 x 64 maze is ~4,200 characters an observation; 10^6 took every byte of memory before a word
+
+
 def render(size: int, walls: set[tuple[int, int]], agent: tuple[int, int], goal: tuple[int, int]) -> str:
     rows = []
     for r in range(size):
@@ -66,8 +69,9 @@ class MazeEnv(Environment):
               **_: Any) -> list[dict[str, Any]]:
         """Seeded mazes: ``walls`` wall cells, start and goal apart and connected (at most ``max_distance``
         moves apart when > 0)."""
-        if size < 2:
-            raise ValueError(f"env.kwargs.size={size} is invalid: it must be >= 2")
+        if not 2 <= size <= MAX_SIZE:  # every prompt and observation is size x size characters (and the draws size^2)
+            raise ValueError(f"env.kwargs.size={size} is invalid: from 2 to {MAX_SIZE} (each observation is the "
+                             f"whole size x size grid as text)")
         if not 0 <= walls <= size * size - 2:
             raise ValueError(f"env.kwargs.walls={walls} is invalid: from 0 to size * size - 2 = {size * size - 2}")
         if max_distance < 0:

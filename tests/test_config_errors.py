@@ -281,6 +281,8 @@ def test_reference_that_starts_late_is_waited_for():
     (["env.name=calculator", "data.source=env", "env.tools=[{fn: calculator, name: calc}]"],
      ["env.name='calculator' calls the tools ['calculator'], and env.tools names ['calc']"]),
     (["env.name=maze", "data.source=env", "env.kwargs={walls: -1}"], ["env.kwargs.walls=-1 is invalid"]),
+    (["env.name=maze", "data.source=env", "env.kwargs={size: 1000000}"], ["env.kwargs.size=1000000 is invalid: from 2 "
+                                                                          "to 64"]),
     (["env.name=maze", "data.source=env", "env.kwargs={max_distance: -3}"], ["env.kwargs.max_distance=-3 is invalid"]),
     (["env.name=maze", "data.source=env", "env.kwargs={wals: 2}"],
      ["env.kwargs ['wals'] are not options of env.name='maze'", "'walls'"]),
