@@ -135,6 +135,21 @@ def test_keys_that_are_not_text_and_an_empty_output_dir_are_named():
         load_config(overrides=["train.output_dir=''"])
 
 
+def test_a_mapping_without_the_space_after_its_colon_and_generators_past_memory_are_named():
+    """`{fn:countdown}` is YAML for one key "fn:countdown" with no value: the error says to add the space. A
+    generator's num_examples of 10^9 ran out of memory at start (every task is made and tokenized), digits 10^5
+    raised Python's int-to-text limit."""
+    with pytest.raises(ConfigError, match=r"unknown config key 'rewards\[0\].fn:countdown'. YAML needs a space after the "
+                                          r"colon: write 'fn: countdown'"):
+        load_config(overrides=["data.source=countdown", "rewards=[{fn:countdown}]"])
+    for key in ("data.builtin", "data.countdown", "data.arithmetic", "data.code", "env"):
+        with pytest.raises(ConfigError, match=rf"{key}.num_examples=1000000000 is invalid: it must be in \[1, 10000000\] "
+                                              r"\(generated tasks are made and tokenized whole at start\)"):
+            load_config(overrides=[f"{key}.num_examples=1000000000"])
+    with pytest.raises(ConfigError, match=r"data.builtin.digits=100000 is invalid: it must be in \[1, 64\]"):
+        load_config(overrides=["data.builtin.digits=100000"])
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))

@@ -35,7 +35,9 @@ RANGES: dict[str, Any] = {
     "in [0, 64]": lambda v: 0 <= v <= 64,
     "in [1, 64]": lambda v: 1 <= v <= 64,
     "in [0, 65535]": lambda v: 0 <= v <= 65535,
+    "in [1, 10000000]": lambda v: 1 <= v <= 10_000_000,
 }
+GENERATED = "generated tasks are made and tokenized whole at start"  # the hint of a generator's num_examples
 MAX_TOP_K = 64  # top-k log-probs per position that a reference or a teacher sends at most (the wire's bound too)
 
 
@@ -103,15 +105,15 @@ class DigitsTaskConfig:
 
     # the answer: the number copied (47=), reversed (47<), plus one (47>), or two numbers added (47+12=)
     op: Literal["copy", "reverse", "add", "successor"] = "copy"
-    digits: int = positive(2)  # digits per number
-    num_examples: int = positive(1000)  # prompts generated
+    digits: int = ranged(2, "in [1, 64]")  # digits per number
+    num_examples: int = ranged(1000, "in [1, 10000000]", GENERATED)  # prompts generated
 
 
 @dataclass
 class CountdownTaskConfig:
     """The seeded Countdown generator (``data.source: countdown``; see grpo/data/tasks.py)."""
 
-    num_examples: int = positive(10000)  # problems generated (seeded by data.seed)
+    num_examples: int = ranged(10000, "in [1, 10000000]", GENERATED)  # problems generated (seeded by data.seed)
     min_numbers: int = positive(3)  # fewest numbers given per problem
     max_numbers: int = 4  # most numbers given per problem
     max_number: int = positive(99)  # numbers are drawn from 1..max_number
@@ -122,7 +124,7 @@ class CountdownTaskConfig:
 class ArithmeticTaskConfig:
     """The seeded arithmetic word-problem generator (``data.source: arithmetic``; see grpo/data/tasks.py)."""
 
-    num_examples: int = positive(5000)  # problems generated (seeded by data.seed)
+    num_examples: int = ranged(5000, "in [1, 10000000]", GENERATED)  # problems generated (seeded by data.seed)
     max_value: int = 50  # operands of + and - go up to this; of * and / up to max_value // 4 (at most 12)
 
 
@@ -131,8 +133,8 @@ class CodeTaskConfig:
     """The built-in code task (``data.source: code``; grpo/data/code_task.py): write a named function, scored by
     the ``code_tests`` reward on generated assert tests."""
 
-    num_examples: int = 2000  # problems generated (seeded by data.seed)
-    num_tests: int = 4  # assert tests per problem
+    num_examples: int = ranged(2000, "in [1, 10000000]", GENERATED)  # problems generated (seeded by data.seed)
+    num_tests: int = positive(4)  # assert tests per problem
     families: list[str] = field(default_factory=lambda: ["add_k", "mul_k", "clamp", "count_c", "sum_list", "max_list",
                                                          "reverse", "is_mult_k"])  # kinds of function asked for
 
@@ -330,7 +332,7 @@ class EnvConfig:
     tool_workers: int = at_least_zero(1)
     max_tool_output_chars: int = positive(2000)  # a longer tool answer counts as an error (garbage)
     tool_limits: WorkerLimits = field(default_factory=WorkerLimits)  # memory / CPU / file-size limits of each tool worker
-    num_examples: int = positive(1000)  # tasks generated with data.source: env
+    num_examples: int = ranged(1000, "in [1, 10000000]", GENERATED)  # tasks generated with data.source: env
     watchdog_s: float = at_least_zero(60.0)  # a reset/step/reward_terms call running this long is named in the log (0 = off)
 
 

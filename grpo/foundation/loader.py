@@ -205,6 +205,10 @@ def unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
     key = key if isinstance(key, str) else repr(key)  # a YAML key may be a number or null (``1: 2``)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
+    name, colon, value = key.partition(":")
+    if colon and name.strip() in valid:  # {fn:math_correct}: YAML reads one key without a value
+        hint = (f" YAML needs a space after the colon: write '{name.strip()}: {value.strip()}' ('{key}' is read as one "
+                f"key with no value).")
     if key in TRL_NAMES:  # (a TRL name that is also ours under the same section never gets here)
         hint = (f" {key!r} is TRL's name (GRPOConfig, GRPOTrainer): here it is {TRL_NAMES[key]} "
                 f"(docs/python-api.md).")
