@@ -146,8 +146,9 @@ def test_a_mapping_without_the_space_after_its_colon_and_generators_past_memory_
         with pytest.raises(ConfigError, match=rf"{key}.num_examples=1000000000 is invalid: it must be in \[1, 10000000\] "
                                               r"\(generated tasks are made and tokenized whole at start\)"):
             load_config(overrides=[f"{key}.num_examples=1000000000"])
-    with pytest.raises(ConfigError, match=r"data.builtin.digits=100000 is invalid: it must be in \[1, 64\]"):
-        load_config(overrides=["data.builtin.digits=100000"])
+    for key in ("data.builtin.digits", "data.countdown.max_numbers", "data.code.num_tests"):  # max_numbers: no end
+        with pytest.raises(ConfigError, match=rf"{key}=100000 is invalid: it must be in \[1, 64\]"):
+            load_config(overrides=[f"{key}=100000"])
 
 
 def test_missing_and_invalid_files(tmp_path):

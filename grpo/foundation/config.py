@@ -115,7 +115,7 @@ class CountdownTaskConfig:
 
     num_examples: int = ranged(10000, "in [1, 10000000]", GENERATED)  # problems generated (seeded by data.seed)
     min_numbers: int = positive(3)  # fewest numbers given per problem
-    max_numbers: int = 4  # most numbers given per problem
+    max_numbers: int = ranged(4, "in [1, 64]")  # most numbers given per problem
     max_number: int = positive(99)  # numbers are drawn from 1..max_number
     max_target: int = positive(999)  # largest target
 
@@ -134,7 +134,7 @@ class CodeTaskConfig:
     the ``code_tests`` reward on generated assert tests."""
 
     num_examples: int = ranged(2000, "in [1, 10000000]", GENERATED)  # problems generated (seeded by data.seed)
-    num_tests: int = positive(4)  # assert tests per problem
+    num_tests: int = ranged(4, "in [1, 64]")  # assert tests per problem
     families: list[str] = field(default_factory=lambda: ["add_k", "mul_k", "clamp", "count_c", "sum_list", "max_list",
                                                          "reverse", "is_mult_k"])  # kinds of function asked for
 
