@@ -232,7 +232,8 @@ def test_each_declared_range_of_the_config_refuses_a_value_just_outside_it():
     found = dict(ranged_fields(Config, ""))
     assert {"algo.top_entropy_quantile", "rollout.vllm.gpu_memory_utilization", "rollout.top_p", "ref.port"} <= set(found)
     for key, (within, listed) in found.items():
-        bad = OUTSIDE.get(within, {"in [0, 64]": 65, "in [1, 64]": 0, "in [0, 65535]": 65536}.get(within))
+        bad = OUTSIDE.get(within, {"in [0, 64]": 65, "in [1, 64]": 0, "in [0, 65535]": 65536,
+                                   "in [1, 10000000]": 10_000_001}.get(within))
         bad = f"[{bad}]" if listed else bad  # a list is checked item by item
         with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.* is invalid: it must be .*{re.escape(within)}"):
             load_config(None, "grpo", [f"{key}={bad}"])
