@@ -151,6 +151,20 @@ def test_a_mapping_without_the_space_after_its_colon_and_generators_past_memory_
             load_config(overrides=[f"{key}=100000"])
 
 
+def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
+    """YAML keeps the last of two equal keys without a word: a second ``train:`` section dropped the first's keys."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 3.0e-6\n  max_steps: 5\nrollout:\n  temperature: 0.9\ntrain:\n  max_steps: 7\n")
+    with pytest.raises(ConfigError, match=r"(?s)is not valid YAML: while reading a mapping.*found the key 'train' twice "
+                                          r"\(YAML would keep the last and drop the first without a word\).*line 6"):
+        load_config(str(twice))
+    with pytest.raises(ConfigError, match=r"override 'train=\{lr: 1, lr: 2\}': found the key 'lr' twice"):
+        load_config(overrides=["train={lr: 1, lr: 2}"])
+    from grpo.foundation.loader import load_yaml  # a merge key (<<: *anchor) may be overridden: that is what it is for
+
+    assert load_yaml("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  y: 3\n") == {"a": {"x": 1, "y": 2}, "b": {"x": 1, "y": 3}}
+
+
 def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))

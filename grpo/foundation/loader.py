@@ -21,9 +21,31 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
+class _UniqueKeys(_LOADER):  # type: ignore[misc, valid-type]
+    """The safe loader, refusing a key given twice in one mapping (YAML keeps the last without a word: a second
+    ``train:`` section dropped every key of the first)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor`` merges, and may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (list, dict)):
+                    continue  # an unhashable key: the base constructor says so
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"found the key {key!r} twice (YAML would keep the last and drop the first without a word): "
+                        f"merge the two into one", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load``, with libyaml when present."""
-    return yaml.load(text, Loader=_LOADER)
+    """``yaml.safe_load``, with libyaml when present; a key given twice in one mapping is a YAMLError."""
+    return yaml.load(text, Loader=_UniqueKeys)
 
 
 def dump_yaml(tree: Any) -> str:
@@ -278,6 +300,8 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"override {item!r} has an empty key")
         try:
             value = load_yaml(raw) if raw.strip() else ""
+        except yaml.constructor.ConstructorError as e:  # YAML, but a key twice (or a tag the safe loader refuses)
+            raise ConfigError(f"override {item!r}: {e.problem}") from e
         except yaml.YAMLError:  # not YAML (a Jinja template: '{% ...'): the text itself, checked by its key's type
             value = raw
         _set_dotted(tree, key, value)
