@@ -117,7 +117,7 @@ def test_grpo_with_a_teacher_adds_the_term_to_its_group_advantages():
 
 @pytest.mark.parametrize("overrides, match", [
     ({"teacher.model": "a", "teacher.url": "http://x:1"}, r"teacher.model='a' and teacher.url='http://x:1': name one"),
-    ({"teacher.url": "x:1"}, r"teacher.url='x:1' is invalid: it must start with http:// or https://"),
+    ({"teacher.url": "x:1"}, r"teacher.url='x:1' is invalid: give an http:// or https:// URL with a host"),
     ({"teacher.model": "a", "teacher.coef": -1}, r"teacher.coef=-1.0 is invalid: it must be >= 0"),
 ])
 def test_teacher_config_errors(overrides, match):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import io
+import re
 import socket
 import threading
 import time
@@ -156,6 +157,22 @@ def test_the_servers_own_flags_are_refused_before_any_model_loads(argv, words, c
     monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("the server was started"))
     assert ref_client.main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo, key, more", [(None, "ref.url", ["algo.beta=0.04"]), ("opd", "teacher.url", []),
+                                              (None, "rewards[0].url", [])])
+def test_urls_without_a_host_or_with_a_bad_port_are_refused_at_load(algo, key, more):
+    """A port out of range or not a number passed the config and was a ValueError from inside the HTTP client once
+    the run had started; no host (http://:80) was caught only there."""
+    def given(url):
+        return [f"rewards=[{{url: '{url}'}}]" if key.startswith("rewards") else f"{key}={url}", *more]
+
+    for url in ("http://127.0.0.1:99999", "http://127.0.0.1:abc", "http://:80", "http://127.0.0.1:0", "host:80"):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}='{re.escape(url)}' is invalid: give an http:// or "
+                                              r"https:// URL with a host and, optionally, a port from 1 to 65535"):
+            load_config(None, algo, given(url))
+    for url in ("http://127.0.0.1:59875", "https://judge.example/score", "http://[::1]:8000/v1"):
+        load_config(None, algo, given(url))
 
 
 def test_ref_limits_are_validated():

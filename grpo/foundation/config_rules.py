@@ -9,6 +9,7 @@ import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from grpo.foundation.config import (FILE_SOURCES, HEALTH_CHECKS, MAX_TOP_K, RANGES, STATIC_MODES, TASK_SOURCES,
                                     AlgoConfig, Config, DataConfig, EnvConfig, RewardSpec, VllmConfig)
@@ -159,11 +160,25 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg)
     for i, spec in enumerate(cfg.rewards):
         _validate_reward(f"rewards[{i}]", spec, cfg)
-    if cfg.ref.url is not None and not cfg.ref.url.startswith(("http://", "https://")):
-        raise ConfigError(f"ref.url={cfg.ref.url!r} is invalid: it must start with http:// or https://")
+    check_url("ref.url", cfg.ref.url)
     _validate_ref_sync(cfg)
     _validate_env(cfg)
     _validate_limits(cfg)
+
+
+def check_url(key: str, url: Optional[str]) -> None:
+    """An http:// or https:// URL with a host and, if it names one, a port in 1-65535 (None: not set). A port out of
+    range or not a number was a ValueError from inside the HTTP client once the run had started."""
+    if url is None:
+        return
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or port == 0:
+        raise ConfigError(f"{key}={url!r} is invalid: give an http:// or https:// URL with a host and, optionally, a "
+                          f"port from 1 to 65535 (e.g. http://127.0.0.1:59875)")
 
 
 def _validate_reward(path: str, s: RewardSpec, cfg: Config) -> None:
@@ -171,8 +186,7 @@ def _validate_reward(path: str, s: RewardSpec, cfg: Config) -> None:
     if len(given) != 1:
         raise ConfigError(f"{path} must name exactly one of fn, model or url (got {given or 'none'}), e.g. "
                           "{fn: math_correct}, {model: path/or/hub-id}, {url: http://host:port/score}")
-    if s.url is not None and not s.url.startswith(("http://", "https://")):
-        raise ConfigError(f"{path}.url={s.url!r} is invalid: it must start with http:// or https://")
+    check_url(f"{path}.url", s.url)
     if s.clamp is not None and (len(s.clamp) != 2 or not s.clamp[0] < s.clamp[1]):
         raise ConfigError(f"{path}.clamp={s.clamp!r} is invalid: give [low, high] with low < high")
     if s.where == "server" and s.kind != "model":
@@ -344,8 +358,7 @@ def _validate_teacher(cfg: Config) -> None:
         raise ConfigError(f"teacher.adapter={t.adapter!r} shares the policy's base, which ref.sync_every="
                           f"{cfg.ref.sync_every} moves toward the policy (LoRA's reference is that base): name the "
                           f"reference apart (ref.model or ref.url), or set ref.sync_every=0")
-    if t.url is not None and not t.url.startswith(("http://", "https://")):
-        raise ConfigError(f"teacher.url={t.url!r} is invalid: it must start with http:// or https://")
+    check_url("teacher.url", t.url)
     if not t.top_k and (t.beta != 0.0 or not t.tail):
         key = f"teacher.beta={t.beta!r}" if t.beta != 0.0 else f"teacher.tail={t.tail!r}"
         raise ConfigError(f"{key} shapes the divergence over the teacher's top-k tokens, and teacher.top_k=0 (the "
