@@ -458,6 +458,9 @@ def test_maze_draws_are_bounded(monkeypatch):
     (["teacher.model=builtin:tiny-char-h64", "teacher.coef=0"],  # issue 60 item 3: a teacher nothing asks
      "config warning: teacher.model='builtin:tiny-char-h64' is never asked: teacher.coef=0.0, so the distillation "
      "term is off"),
+    (["rollout.top_k=1"],  # greedy sampling: a run that learns nothing, without a word before
+     "config warning: rollout.top_k=1 samples greedily: the 16 completions of a prompt are the same, so their rewards "
+     "are equal and every group-relative advantage is 0"),
 ])
 def test_settings_that_do_nothing_here_are_named_once(capsys, overrides, warning):
     """Issue 30, item 30: valid settings that this run ignores are printed before any model loads."""

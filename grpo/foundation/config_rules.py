@@ -285,6 +285,10 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.data.eval_path and not cfg.eval.every:
         out.append(f"data.eval_path={cfg.data.eval_path!r} is never evaluated: eval.every=0 (set eval.every=N to "
                    f"evaluate it every N steps)")
+    if cfg.rollout.top_k == 1 and cfg.rollout.num_generations > 1 and not cfg.env.name:
+        out.append(f"rollout.top_k=1 samples greedily: the {cfg.rollout.num_generations} completions of a prompt are "
+                   f"the same, so their rewards are equal and every group-relative advantage is 0 (nothing is "
+                   f"learned); leave rollout.top_k at 0 (off) or give it > 1")
     rc = cfg.algo.rollout_correction
     if rc is not None and rc.mode == "truncate" and (rc.high < 1 or (rc.low is not None and rc.low > 1)):
         bad = f"high={rc.high!r} < 1" if rc.high < 1 else f"low={rc.low!r} > 1"
