@@ -26,6 +26,9 @@ def _with_prefill(prompt: str, completion: str, first_tag: str) -> str:
 
 
 def _check_blocks(blocks: Sequence[str]) -> list[str]:
+    if isinstance(blocks, str):  # one name is a list of its letters: blocks: answer would ask for <a><n><s>...
+        raise ValueError(f"blocks={blocks!r} is invalid: give a list of tag names, e.g. [{blocks}] or "
+                         f"['think', 'answer']")
     names = list(blocks)
     if not names or not all(isinstance(b, str) and re.fullmatch(r"[A-Za-z_][\w\-]*", b) for b in names):
         raise ValueError(f"blocks={blocks!r} is invalid: give tag names such as ['think', 'answer']")

@@ -156,7 +156,7 @@ def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
     twice = tmp_path / "twice.yaml"
     twice.write_text("train:\n  lr: 3.0e-6\n  max_steps: 5\nrollout:\n  temperature: 0.9\ntrain:\n  max_steps: 7\n")
     with pytest.raises(ConfigError, match=r"(?s)is not valid YAML: while reading a mapping.*found the key 'train' twice "
-                                          r"\(YAML would keep the last and drop the first without a word\).*line 6"):
+                                          r"\(YAML would keep the last and drop the first without a word\).*twice.yaml\", line 6"):
         load_config(str(twice))
     with pytest.raises(ConfigError, match=r"override 'train=\{lr: 1, lr: 2\}': found the key 'lr' twice"):
         load_config(overrides=["train={lr: 1, lr: 2}"])

@@ -104,6 +104,8 @@ def test_a_built_in_rewards_setting_it_does_not_take_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"rewards\[0\].kwargs=\{'gold': 'gms8k'\}: gold='gms8k' is invalid: choose "
                                           r"from \['auto', 'gsm8k', 'boxed', 'plain'\]"):
         check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct, kwargs: {gold: gms8k}}]"]))
+    with pytest.raises(ConfigError, match=r"blocks='answer' is invalid: give a list of tag names, e.g. \[answer\]"):
+        check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: format_soft, kwargs: {blocks: answer}}]"]))
     check_run(load_config(overrides=[f"data.path={path}", "rewards=[{fn: math_correct, kwargs: {extract: boxed}}, "
                                                            "{fn: 'tests.reward_fixtures:length_bonus', kwargs: "
                                                            "{scale: 2, anything: 1}}]"]))

@@ -64,7 +64,7 @@ def read_user_tree(
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            file_tree = load_yaml(p.read_text()) or {}
+            file_tree = load_yaml(p.read_text(), str(p)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
         if not isinstance(file_tree, dict):

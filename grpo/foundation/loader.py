@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import math
 import types
 import typing
@@ -43,9 +44,14 @@ class _UniqueKeys(_LOADER):  # type: ignore[misc, valid-type]
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml(text: str) -> Any:
-    """``yaml.safe_load``, with libyaml when present; a key given twice in one mapping is a YAMLError."""
-    return yaml.load(text, Loader=_UniqueKeys)
+def load_yaml(text: str, name: str = "") -> Any:
+    """``yaml.safe_load``, with libyaml when present; a key given twice in one mapping is a YAMLError. ``name``: the
+    file's, where an error says where (else "<unicode string>")."""
+    stream: Any = text
+    if name:
+        stream = io.StringIO(text)
+        stream.name = name
+    return yaml.load(stream, Loader=_UniqueKeys)
 
 
 def dump_yaml(tree: Any) -> str:
