@@ -121,6 +121,13 @@ def split_asserts(text: str) -> list[str]:
     return tests or [text]
 
 
+FORMATS = ("auto", "assert", "stdio", "call")  # the row's tests: format auto tells the other three apart
+
+
+def bad_format(fmt: Any) -> ValueError:
+    return ValueError(f"code_tests: format={fmt!r} is invalid: choose from {list(FORMATS)}")
+
+
 def _jobs(tests: Any, entry_point: Optional[str], fmt: str) -> list[tuple[dict, Optional[str], Optional[str]]]:
     """(job, stdin, expected stdout) per test."""
     if isinstance(tests, str) and tests.strip()[:1] in "[{":
@@ -156,7 +163,7 @@ def _jobs(tests: Any, entry_point: Optional[str], fmt: str) -> list[tuple[dict, 
         # APPS stores each output wrapped in a list of one
         return [({"kind": "call", "fn_name": name, "args": list(a) if isinstance(a, (list, tuple)) else [a],
                   "result": r}, None, None) for a, r in pairs]
-    raise ValueError(f"code_tests: format={fmt!r} is invalid: choose from ['auto', 'assert', 'stdio', 'call']")
+    raise bad_format(fmt)
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -225,8 +232,8 @@ def code_tests(prompts: list[str], completions: list[str], tests: list[Any], ent
     """Fraction of the row's tests passed (``mode: fraction``) or all-or-nothing (``mode: all``)."""
     if mode not in ("fraction", "all"):
         raise ValueError(f"code_tests: mode={mode!r} is invalid: choose from ['fraction', 'all']")
-    if format not in ("auto", "assert", "stdio", "call"):
-        raise ValueError(f"code_tests: format={format!r} is invalid: choose from ['auto', 'assert', 'stdio', 'call']")
+    if format not in FORMATS:
+        raise bad_format(format)
     for key, value in (("row_timeout", row_timeout), ("test_timeout", test_timeout)):
         if value is not None and not value > 0:
             raise ValueError(f"code_tests: {key}={value!r} is invalid: it must be > 0 (seconds)")

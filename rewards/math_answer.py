@@ -113,10 +113,14 @@ def extract_answer(text: str, extract: Union[str, Sequence[str]] = ("answer_tag"
     return None
 
 
-def gold_answer(solution: Any, gold: str = "auto") -> str:
-    """The gold answer string from a GSM8K solution, a MATH solution or a plain value."""
+def check_gold(gold: str) -> None:
     if gold not in GOLD_MODES:
         raise ValueError(f"gold={gold!r} is invalid: choose from {list(GOLD_MODES)}")
+
+
+def gold_answer(solution: Any, gold: str = "auto") -> str:
+    """The gold answer string from a GSM8K solution, a MATH solution or a plain value."""
+    check_gold(gold)
     text = str(solution)
     if gold == "gsm8k" or (gold == "auto" and "####" in text):
         got = after_hashes(text)
@@ -165,8 +169,7 @@ def math_correct(
     """``correct`` when the extracted answer equals the gold one, else ``wrong`` (``missing`` when none was found)."""
     missing = wrong if missing is None else missing
     modes = _modes(extract)
-    if gold not in GOLD_MODES:  # (checked again per row by gold_answer; here too, so that no row is needed)
-        raise ValueError(f"gold={gold!r} is invalid: choose from {list(GOLD_MODES)}")
+    check_gold(gold)  # before any row (gold_answer checks it too, per row): a call on no rows finds a bad one
     scores = []
     for text, solution in zip(completions, answer):
         target = gold_answer(solution, gold)
